@@ -1,0 +1,55 @@
+"""Atomic writes: a file or folder appears whole under its final name, or not at all."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import LocalLLMError
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` via a temp file + rename in the same folder (replaces an older version whole)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    write_bytes(path, text.encode())
+
+
+@contextlib.contextmanager
+def new_folder(path: str | os.PathLike):
+    """Yield a temp folder beside `path`; on success it is renamed to `path`, on failure removed.
+
+    Refuses to replace an existing `path`: nothing the user saved is overwritten.
+    """
+    path = Path(path).expanduser().resolve()
+    if path.exists():
+        raise LocalLLMError(f"{path} already exists; choose another output path or remove it first")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        for f in tmp.iterdir():  # data on disk before the rename makes it visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if path.exists():
+            raise LocalLLMError(f"{path} appeared while writing; the new copy was discarded, nothing was replaced")
+        os.rename(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,125 @@
+"""The `localllm` command."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import LocalLLMError
+
+
+def _qdec_arg(s: str):
+    if s in ("on", "off"):
+        return s
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--qdec takes on, off or a k_chunk integer, not {s!r}") from None
+
+
+def cmd_generate(a) -> None:
+    from .generate import generate
+    from .runtime import load
+    model, prompt = (None, a.args[0]) if len(a.args) == 1 else a.args
+    lm = load(model, gguf_file=a.gguf_file)
+    if a.qdec != "on" or lm.has_residuals:
+        lm.set_qdec(a.qdec)
+    use_chat = not a.raw and getattr(lm.tokenizer, "chat_template", None)
+    msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
+    s = generate(lm, msgs if use_chat else prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                 top_p=a.top_p, top_k=a.top_k, repetition_penalty=a.repetition_penalty, stop=a.stop, seed=a.seed,
+                 stream=True)
+    for piece in s:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    st = s.stats
+    print(f"[{st.new_tokens} tokens, {st.tokens_per_second:.1f} tok/s, first token {st.time_to_first_token:.2f} s, "
+          f"finished by {st.finish_reason}; QDEC {lm.settings.mode}]", file=sys.stderr)
+
+
+def cmd_info(a) -> None:
+    from .runtime import describe, load
+    d = describe(load(a.model, gguf_file=a.gguf_file))
+    if a.json:
+        print(json.dumps(d, indent=2))
+        return
+    mb = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    print(f"model        {d['path']}")
+    print(f"             {d['architecture']}, {d['parameters'] / 1e6:.1f}M parameters")
+    print(f"bits         {d['bits']}" + (f" (group size {d['group_size']})" if d['group_size'] else " (not quantized)"))
+    print(f"GPU memory   {mb(d['gpu_bytes'])} (weights + embeddings, without KV cache)")
+    print(f"pinned host  {mb(d['pinned_host_bytes'])} (QDEC residuals)")
+    if d["calibration"]:
+        c = d["calibration"]
+        print(f"calibration  {c['tokens']} tokens of {c['text']}, k_chunk up to {c['kmax']}")
+    else:
+        print("calibration  none")
+    print(f"source       {d['source'].get('hub_id') or d['source']['path']}"
+          + (f"  sha256 {d['source']['sha256'][:16]}" if d['source'].get('sha256') else ""))
+    print(f"tuning       {', '.join(d['tuning_profiles']) or 'no profiles (run `localllm tune`)'}")
+
+
+def cmd_quantize(a) -> None:
+    from .quantize import quantize
+    out = quantize(a.source, a.output, bits=a.bits, group_size=a.group_size, residuals=not a.no_residuals,
+                   calib_text=a.calib_text, calib_tokens=a.calib_tokens, gguf_file=a.gguf_file)
+    print(f"wrote {out}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="localllm", description="Low-bit LLM inference with QDEC error compensation.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text (streams to stdout)",
+                       description="localllm generate [MODEL] PROMPT: with no MODEL, the demo model.")
+    g.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.9)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--qdec", type=_qdec_arg, default="on", help="on, off, or k_chunk per 1024 channels")
+    g.add_argument("--system", help="system prompt (chat models)")
+    g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
+    g.add_argument("--gguf-file", help="which GGUF file of a folder to load")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="sizes, bits, calibration and tuning profiles of a model")
+    i.add_argument("model", nargs="?", help="model folder (default: the demo model)")
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--gguf-file")
+    i.set_defaults(func=cmd_info)
+
+    q = sub.add_parser("quantize", help="quantize a checkpoint (+ QDEC residuals and calibration)")
+    q.add_argument("source", help="checkpoint folder (safetensors), .gguf file, or hub id")
+    q.add_argument("-o", "--output", required=True, help="new model folder (must not exist)")
+    q.add_argument("--bits", type=int, default=4, choices=(2, 3, 4))
+    q.add_argument("--group-size", type=int, default=128)
+    q.add_argument("--no-residuals", action="store_true", help="skip QDEC residuals")
+    q.add_argument("--calib-text", help="UTF-8 text file for calibration (default: built-in sample)")
+    q.add_argument("--calib-tokens", type=int, default=4096)
+    q.add_argument("--gguf-file")
+    q.set_defaults(func=cmd_quantize)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    if a.command == "generate" and len(a.args) > 2:
+        parser().error("generate takes [MODEL] PROMPT: quote the prompt")
+    try:
+        a.func(a)
+    except LocalLLMError as e:
+        print(f"localllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nlocalllm: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Model configuration, read from a checkpoint's config.json (Llama family only)."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .errors import LocalLLMError
+
+# model_type -> whether q/k/v carry a bias. Everything else about these is the same Llama block.
+SUPPORTED = {"llama": False, "mistral": False, "qwen2": True}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": "llama3"|"linear", ...} or {}
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    model_type: str = "llama"
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Build from a Hugging Face config dict (config.json or a transformers config's to_dict())."""
+        mt = cfg.get("model_type")
+        if mt not in SUPPORTED:
+            archs = ", ".join(cfg.get("architectures") or [str(mt)])
+            raise LocalLLMError(
+                f"unsupported architecture '{archs}': localllm runs Llama-family models "
+                f"(model_type llama, mistral, qwen2); pick a Llama/Mistral/Qwen2/SmolLM checkpoint")
+        try:
+            heads = cfg["num_attention_heads"]
+            hidden = cfg["hidden_size"]
+            rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+            theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+            rope_type = rope.get("rope_type") or rope.get("type") or "default"
+            if rope_type not in ("default", "llama3", "linear"):
+                raise LocalLLMError(
+                    f"unsupported RoPE scaling '{rope_type}': localllm supports default, linear and llama3 RoPE")
+            rope = {} if rope_type == "default" else {**rope, "rope_type": rope_type}
+            if mt == "mistral" and cfg.get("sliding_window"):
+                # Sliding-window attention only differs past the window; we cap the context there.
+                max_pos = min(cfg.get("max_position_embeddings", 4096), cfg["sliding_window"])
+            else:
+                max_pos = cfg.get("max_position_embeddings", 4096)
+            return cls(
+                vocab_size=cfg["vocab_size"],
+                hidden_size=hidden,
+                intermediate_size=cfg["intermediate_size"],
+                num_layers=cfg["num_hidden_layers"],
+                num_heads=heads,
+                num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or hidden // heads,
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+                rope_theta=float(theta),
+                rope_scaling=rope,
+                max_position_embeddings=max_pos,
+                qkv_bias=SUPPORTED[mt] or bool(cfg.get("attention_bias", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                model_type=mt,
+            )
+        except KeyError as e:
+            raise LocalLLMError(f"config.json is missing '{e.args[0]}': the checkpoint is incomplete or not a "
+                                "Llama-family model; re-download it") from None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        return cls(**d)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim // 2], float32, with Llama-3 or linear scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling
+    kind = s.get("rope_type")
+    if kind == "linear":
+        inv = inv / s["factor"]
+    elif kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
+        factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_ctx = s.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        blend = ((old_ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)
+        inv = torch.where(wavelen > old_ctx / lo, inv / factor,
+                          torch.where(wavelen < old_ctx / hi, inv, (1 - blend) * inv / factor + blend * inv))
+    return inv.float()

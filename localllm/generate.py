@@ -1,0 +1,177 @@
+"""Text generation: chat templates, sampling, stop strings and streaming."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .errors import LocalLLMError
+from .model import KVCache
+from .runtime import LocalModel, load
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.7   # 0 = greedy
+    top_p: float = 0.9
+    top_k: int = 0             # 0 = off
+    repetition_penalty: float = 1.0
+
+    def check(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.repetition_penalty <= 0:
+            raise LocalLLMError(f"bad sampling settings {self}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, "
+                                "repetition_penalty > 0")
+
+
+def warp(logits: torch.Tensor, seen: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits [V] (float32), seen: bool [V] tokens already in the context -> the logits to sample from.
+
+    Same semantics as transformers' processors: repetition penalty, temperature, top-k, top-p."""
+    logits = logits.clone()
+    if p.repetition_penalty != 1.0:
+        s = logits[seen]
+        logits[seen] = torch.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
+    if p.temperature == 0:
+        return logits
+    logits = logits / p.temperature
+    if p.top_k > 0:
+        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > p.top_p  # tokens entirely past the nucleus; the top one always stays
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample(logits: torch.Tensor, seen: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+    """The next token id (0-dim tensor): greedy at temperature 0, else drawn from warp()'s distribution."""
+    logits = warp(logits, seen, p)
+    if p.temperature == 0:
+        return logits.argmax()
+    return torch.multinomial(logits.softmax(-1), 1, generator=gen)[0]
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    time_to_first_token: float = 0.0
+    decode_seconds: float = 0.0
+    finish_reason: str = ""  # "eos" | "stop" | "length"
+
+    @property
+    def tokens_per_second(self) -> float:
+        return (self.new_tokens - 1) / self.decode_seconds if self.new_tokens > 1 and self.decode_seconds else 0.0
+
+
+@dataclass
+class Stream:
+    """Iterate for the text pieces as they decode; `stats` is filled when done."""
+    pieces: Iterator[str]
+    stats: Stats = field(default_factory=Stats)
+
+    def __iter__(self):
+        return self.pieces
+
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def encode_prompt(lm: LocalModel, prompt: str | list[dict]) -> list[int]:
+    tok = lm.tokenizer
+    if isinstance(prompt, str):
+        return tok(prompt, add_special_tokens=True)["input_ids"]
+    if not getattr(tok, "chat_template", None):
+        raise LocalLLMError(f"{lm.path} has no chat template; pass a plain string prompt instead of messages")
+    out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that could still grow into a stop string."""
+    return max((n for s in stops for n in range(min(len(s) - 1, len(text)), 0, -1) if s.startswith(text[-n:])),
+               default=0)
+
+
+def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingParams, stops: list[str],
+         seed: int, stats: Stats) -> Iterator[str]:
+    model, tok = lm.model, lm.tokenizer
+    dev = model.embed.device
+    limit = lm.model.cfg.max_position_embeddings
+    if len(ids) >= limit:
+        raise LocalLLMError(f"the prompt has {len(ids)} tokens; this model's context is {limit}: shorten it")
+    max_new_tokens = min(max_new_tokens, limit - len(ids))
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    lm.settings.generator = torch.Generator(device=dev).manual_seed(seed + 1)
+    cache = KVCache(model.cfg, len(ids) + max_new_tokens, dtype=model.embed.dtype, device=dev)
+    seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=dev)
+    seen[torch.tensor(ids, device=dev)] = True
+    eos = set(lm.eos_ids)
+    stats.prompt_tokens = len(ids)
+    t0 = time.perf_counter()
+    out: list[int] = []
+    emitted = 0  # characters of the decoded text already yielded
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids], device=dev), 0, cache)[0, -1]
+        for step in range(max_new_tokens):
+            nxt = sample(logits, seen, params, gen)
+            t = int(nxt)
+            if step == 0:
+                stats.time_to_first_token = time.perf_counter() - t0
+                t1 = time.perf_counter()
+            if t in eos:
+                stats.finish_reason = "eos"
+                break
+            out.append(t)
+            stats.new_tokens = len(out)
+            seen[t] = True
+            text = tok.decode(out, skip_special_tokens=True)
+            cut = min((i for i in (text.find(s, max(0, emitted - len(s))) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                if cut > emitted:
+                    yield text[emitted:cut]
+                stats.finish_reason = "stop"
+                break
+            end = len(text) - _held_back(text, stops)
+            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+                end = min(end, len(text) - 1)
+            if end > emitted:
+                yield text[emitted:end]
+                emitted = end
+            if step + 1 < max_new_tokens:
+                logits = model(nxt.view(1, 1), len(ids) + step, cache)[0, -1]
+        else:
+            stats.finish_reason = "length"
+            text = tok.decode(out, skip_special_tokens=True)
+            if len(text) > emitted:
+                yield text[emitted:]
+    if out:
+        stats.decode_seconds = time.perf_counter() - t1
+
+
+def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_tokens: int = 256,
+             temperature: float = 0.7, top_p: float = 0.9, top_k: int = 0, repetition_penalty: float = 1.0,
+             stop: str | list[str] | None = None, seed: int | None = None, stream: bool = False,
+             qdec: str | int | dict | None = None) -> str | Stream:
+    """Generate a reply to `prompt` (a string, or chat messages [{"role": ..., "content": ...}] which get the
+    model's chat template). `model` is a LocalModel, a model path, or None for the demo model.
+
+    stream=True returns a Stream that yields text pieces as they decode; otherwise the whole text.
+    qdec: None keeps the model's setting; "on" / "off" / a k_chunk / a dict (see LocalModel.set_qdec).
+    The same seed gives the same text."""
+    lm = model if isinstance(model, LocalModel) else load(model)
+    if qdec is not None:
+        lm.set_qdec(qdec)
+    params = SamplingParams(temperature, top_p, top_k, repetition_penalty)
+    params.check()
+    if max_new_tokens < 1:
+        raise LocalLLMError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+    seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
+    s = Stream(iter(()))
+    s.pieces = _run(lm, encode_prompt(lm, prompt), max_new_tokens, params, stops, seed, s.stats)
+    return s if stream else s.text()

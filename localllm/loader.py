@@ -1,0 +1,194 @@
+"""Open a source checkpoint: a folder of safetensors + config.json + tokenizer, a GGUF file, or a hub id.
+
+A Checkpoint hands out the tensors of one decoder block at a time (q/k/v and gate/up fused), so quantizing
+a large model never needs it whole in memory (except GGUF, which transformers dequantizes in one go).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .config import ModelConfig
+from .errors import LocalLLMError
+from .progress import progress
+
+MANIFEST = "localllm.json"  # marks a quantized localllm model folder
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tokenizer: object
+    source: dict                       # where it came from: {"format", "path", ["gguf_file"], ["hub_id"]}
+    files: list[Path]                  # weight files, for the fingerprint
+    get: Callable[[str], torch.Tensor] # Hugging Face tensor name -> tensor
+    names: set = field(default_factory=set)
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """Tokens that end a reply: the tokenizer's EOS plus generation_config.json's (Llama 3 has two)."""
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        gen = Path(self.source["path"]) / "generation_config.json"
+        if self.source["format"] == "safetensors" and gen.exists():
+            e = json.loads(gen.read_text()).get("eos_token_id")
+            ids |= set(e if isinstance(e, list) else [e] if e is not None else [])
+        return sorted(ids)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise LocalLLMError(f"checkpoint {self.source['path']} lacks tensor '{name}': the files are incomplete "
+                                "or from another architecture; re-download the checkpoint")
+        return self.get(name).float()
+
+    def block_tensors(self, i: int) -> dict:
+        """Fused weights of block i, as model.build_block takes them."""
+        p = f"model.layers.{i}."
+        t = lambda n: self.tensor(p + n)  # noqa: E731
+        att, mlp = "self_attn.", "mlp."
+        qkv_bias = None
+        if self.config.qkv_bias:
+            qkv_bias = torch.cat([t(att + f"{n}_proj.bias") for n in "qkv"])
+        return {
+            "attn_norm": t("input_layernorm.weight"),
+            "mlp_norm": t("post_attention_layernorm.weight"),
+            "qkv": {"weight": torch.cat([t(att + f"{n}_proj.weight") for n in "qkv"]), "bias": qkv_bias},
+            "o": {"weight": t(att + "o_proj.weight")},
+            "gate_up": {"weight": torch.cat([t(mlp + "gate_proj.weight"), t(mlp + "up_proj.weight")])},
+            "down": {"weight": t(mlp + "down_proj.weight")},
+        }
+
+    def embed(self) -> torch.Tensor:
+        return self.tensor("model.embed_tokens.weight")
+
+    def final_norm(self) -> torch.Tensor:
+        return self.tensor("model.norm.weight")
+
+    def lm_head(self) -> torch.Tensor | None:
+        """None when the output projection is tied to the embeddings."""
+        if self.config.tie_word_embeddings or "lm_head.weight" not in self.names:
+            return None
+        return self.tensor("lm_head.weight")
+
+    def fingerprint(self) -> str:
+        """sha256 over the weight files' contents: names a source model in manifests and tuning profiles."""
+        h = hashlib.sha256()
+        total = sum(f.stat().st_size for f in self.files)
+        with progress(total=total, desc="hashing source", unit="B", unit_scale=True) as bar:
+            for f in self.files:
+                h.update(f.name.encode())
+                with open(f, "rb") as fh:
+                    while buf := fh.read(1 << 24):
+                        h.update(buf)
+                        bar.update(len(buf))
+        return h.hexdigest()
+
+
+def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Checkpoint:
+    """Open `src`: a .gguf file, a folder (safetensors or GGUF), or a Hugging Face hub id."""
+    path = Path(src).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise LocalLLMError(f"{path} is a file but not a .gguf; pass a .gguf file or a checkpoint folder")
+        return _open_gguf(path.parent, path.name)
+    if path.is_dir():
+        if (path / MANIFEST).exists():
+            raise LocalLLMError(f"{path} is already a quantized localllm model; use it directly "
+                                "(e.g. `localllm generate {path} ...`)")
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if gguf_file or (ggufs and not list(path.glob("*.safetensors"))):
+            if not gguf_file and len(ggufs) > 1:
+                raise LocalLLMError(f"{path} holds several GGUF files ({', '.join(ggufs)}); pass one with --gguf-file")
+            return _open_gguf(path, gguf_file or ggufs[0])
+        return _open_safetensors(path, {"format": "safetensors", "path": str(path)})
+    if _looks_like_hub_id(str(src)):
+        local = _download(str(src))
+        return _open_safetensors(local, {"format": "safetensors", "path": str(local), "hub_id": str(src)})
+    raise LocalLLMError(f"no such file or folder: {src}; pass a checkpoint folder, a .gguf file or a hub id (org/name)")
+
+
+def _looks_like_hub_id(s: str) -> bool:
+    parts = s.split("/")
+    return len(parts) == 2 and all(parts) and not s.startswith((".", "~"))
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model",
+                                                               "*.jinja"]))
+    except Exception as e:  # offline, unknown repo, gated repo: all the same advice
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LocalLLMError(f"'{repo_id}' is not a local path and could not be fetched from the Hugging Face hub "
+                            f"({first[:160]}); download the checkpoint and pass its folder") from None
+
+
+def _tokenizer(path: Path, **kw):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path), **kw)
+    except Exception as e:
+        raise LocalLLMError(f"cannot load the tokenizer from {path} ({type(e).__name__}: {str(e)[:160]}); "
+                            "the checkpoint needs tokenizer.json or tokenizer.model beside config.json") from None
+
+
+def _open_safetensors(path: Path, source: dict) -> Checkpoint:
+    from safetensors import SafetensorError, safe_open
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise LocalLLMError(f"{path} has no config.json; pass a Hugging Face checkpoint folder or a .gguf file")
+    try:
+        hf_cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise LocalLLMError(f"{cfg_file} is not valid JSON ({e}); re-download the checkpoint") from None
+    config = ModelConfig.from_hf(hf_cfg)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        hint = " (pickled .bin weights are not loaded, for safety: convert them to safetensors)" \
+            if list(path.glob("*.bin")) else ""
+        raise LocalLLMError(f"{path} has no .safetensors weight files{hint}")
+    where: dict[str, object] = {}
+    for f in files:
+        try:
+            h = safe_open(str(f), framework="pt")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise LocalLLMError(f"corrupt or truncated weight file {f} ({e}); re-download it") from None
+        for k in h.keys():
+            where[k] = h
+
+    def get(name: str) -> torch.Tensor:
+        try:
+            return where[name].get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise LocalLLMError(f"cannot read tensor {name} from {path} ({e}); the file is corrupt, re-download it") \
+                from None
+
+    return Checkpoint(config, _tokenizer(path), source, files, get, set(where))
+
+
+def _open_gguf(folder: Path, name: str) -> Checkpoint:
+    f = folder / name
+    if not f.exists():
+        raise LocalLLMError(f"no GGUF file {f}")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        hf_cfg = AutoConfig.from_pretrained(str(folder), gguf_file=name).to_dict()
+    except Exception as e:
+        raise LocalLLMError(f"cannot read GGUF file {f} ({type(e).__name__}: {str(e)[:160]}); it is corrupt, "
+                            "truncated or of an architecture transformers cannot import") from None
+    config = ModelConfig.from_hf(hf_cfg)
+    with progress(total=1, desc=f"dequantizing {name}") as bar:
+        try:
+            state = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name,
+                                                         dtype=torch.float32).state_dict()
+        except Exception as e:
+            raise LocalLLMError(f"cannot load GGUF weights from {f} ({type(e).__name__}: {str(e)[:160]}); "
+                                "the file is corrupt or truncated, re-download it") from None
+        bar.update()
+    return Checkpoint(config, _tokenizer(folder, gguf_file=name),
+                      {"format": "gguf", "path": str(folder), "gguf_file": name}, [f], state.__getitem__, set(state))

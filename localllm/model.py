@@ -1,0 +1,182 @@
+"""Compact Llama-family decoder: RMSNorm, RoPE, GQA attention with a static KV cache, SwiGLU.
+
+Every projection of a block is a `Linear` (fused qkv, o, fused gate_up, down), whether it holds dense
+weights (a source checkpoint) or low-bit weights with QDEC residuals (a quantized model).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import qdec
+from .config import ModelConfig, rope_inv_freq
+from .quant import QuantResidual, QuantWeight
+
+KINDS = ("qkv", "o", "gate_up", "down")
+QDEC_MODES = ("off", "exact", "approx", "static", "random")
+
+
+@dataclass
+class QdecSettings:
+    """How QDEC runs, shared by every Linear of a model. k_chunk: channels compensated per 1024 inputs."""
+    mode: str = "off"
+    k_chunk: dict = field(default_factory=lambda: {k: 0 for k in KINDS})
+    generator: torch.Generator | None = None  # randomness of boundary-bucket / random picks
+
+    def k_for(self, kind: str) -> int:
+        return 0 if self.mode == "off" else self.k_chunk.get(kind, 0)
+
+
+class Linear(nn.Module):
+    """y = W x (+ b), W either dense or dequantized from `quant`; plus R_hat[:, S] x[S] when QDEC is on."""
+
+    def __init__(self, kind: str, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 quant: QuantWeight | None = None, residual: QuantResidual | None = None,
+                 stats: qdec.ActStats | None = None, settings: QdecSettings | None = None):
+        super().__init__()
+        assert (weight is None) != (quant is None), "give dense weights or quantized weights"
+        self.kind = kind
+        self.quant = quant
+        self.residual = residual
+        self.stats = stats
+        self.settings = settings or QdecSettings()
+        w = weight if weight is not None else quant.dequantize()
+        self.weight = nn.Parameter(w.float(), requires_grad=False)  # [N, K] compute copy
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
+        y = F.linear(x, self.weight, self.bias)
+        k = self.settings.k_for(self.kind)
+        if k > 0 and self.residual is not None:
+            x2 = x.reshape(-1, x.shape[-1])
+            idx = select_channels(self, x2, k)
+            y = y + qdec.compensate(x2, idx, self.residual).to(y.dtype).reshape(y.shape)
+        return y
+
+
+def select_channels(lin: Linear, x: torch.Tensor, k_chunk: int) -> torch.Tensor:
+    """The salient input channels of each row of x [T, K] under the model's QDEC mode -> idx [T, k]."""
+    s = lin.settings
+    if s.mode == "exact":
+        return qdec.select_exact(x, k_chunk)
+    if s.mode == "random":
+        return qdec.select_random(x.shape[0], x.shape[1], k_chunk, s.generator)
+    if lin.stats is None:
+        raise RuntimeError(f"QDEC mode '{s.mode}' needs calibration statistics, which this model lacks")
+    if s.mode == "static":
+        return qdec.select_static(lin.stats.sq_mean, k_chunk, x.shape[0])
+    return qdec.select_approx(x, k_chunk, lin.stats.b0, float(lin.stats.kth[k_chunk - 1]), s.generator)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D]; cos/sin: [T, D/2]. Rotate-half convention, as Hugging Face checkpoints expect.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rope_tables(inv_freq: torch.Tensor, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D/2] for positions start..start+T-1."""
+    pos = torch.arange(start, start + T, device=inv_freq.device, dtype=torch.float32)
+    ang = torch.outer(pos, inv_freq)
+    return ang.cos(), ang.sin()
+
+
+class KVCache(nn.Module):
+    """Static KV cache: k/v [layers, B, kv_heads, max_len, head_dim], filled in place."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, batch: int = 1, dtype=torch.float32, device=None):
+        super().__init__()
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device))
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, attn_norm: RMSNorm, qkv: Linear, o: Linear,
+                 mlp_norm: RMSNorm, gate_up: Linear, down: Linear):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.attn_norm, self.qkv, self.o = attn_norm, qkv, o
+        self.mlp_norm, self.gate_up, self.down = mlp_norm, gate_up, down
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                cache: KVCache | None) -> torch.Tensor:  # h: [B, T, D]
+        c = self.cfg
+        B, T, _ = h.shape
+        q, k, v = self.qkv(self.attn_norm(h)).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = apply_rope(q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        if cache is not None:
+            cache.k[self.layer, :B, :, start:start + T] = k
+            cache.v[self.layer, :B, :, start:start + T] = v
+            k, v = cache.k[self.layer, :B, :, :start + T], cache.v[self.layer, :B, :, :start + T]
+        # query t (absolute position start+t) sees keys 0..start+t
+        mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=h.device).tril(diagonal=k.shape[2] - T)
+        a = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                           enable_gqa=c.num_kv_heads != c.num_heads)
+        h = h + self.o(a.transpose(1, 2).reshape(B, T, c.q_size))
+        gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, blocks: list[Block], norm: RMSNorm,
+                 lm_head: torch.Tensor | None, settings: QdecSettings):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(embed.float(), requires_grad=False)  # [V, D]
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = norm
+        # tied embeddings share the tensor
+        self.lm_head = self.embed if lm_head is None else nn.Parameter(lm_head.float(), requires_grad=False)
+        self.settings = settings
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens: [B, T] at positions start..start+T-1 -> logits [B, T, V] (float32)."""
+        T = tokens.shape[1]
+        if cache is not None and start + T > cache.max_len:
+            raise ValueError(f"sequence of {start + T} tokens exceeds the KV cache ({cache.max_len})")
+        h = F.embedding(tokens, self.embed)
+        cos, sin = rope_tables(self.inv_freq, start, T)
+        for blk in self.blocks:
+            h = blk(h, cos, sin, start, cache)
+        return F.linear(self.norm(h), self.lm_head).float()
+
+    def linears(self):
+        for blk in self.blocks:
+            yield from (blk.qkv, blk.o, blk.gate_up, blk.down)
+
+
+def build_block(cfg: ModelConfig, layer: int, t: dict, settings: QdecSettings) -> Block:
+    """A block from its tensors: norms + per-kind dicts of Linear arguments (see Linear.__init__)."""
+    lins = {k: Linear(k, settings=settings, **t[k]) for k in KINDS}
+    return Block(cfg, layer, RMSNorm(t["attn_norm"], cfg.rms_norm_eps), lins["qkv"], lins["o"],
+                 RMSNorm(t["mlp_norm"], cfg.rms_norm_eps), lins["gate_up"], lins["down"])

@@ -1,0 +1,172 @@
+"""The quantized model folder: safetensors files + a JSON manifest + the tokenizer.
+
+    localllm.json            manifest: format version, source (+ sha256), config, bits, group size,
+                             residual and calibration info, size + sha256 of every file
+    model.safetensors        fp16 embeddings / norms / lm_head; packed low-bit weights (+ qkv bias)
+    residuals.safetensors    4-bit QDEC residuals, input-channel-major (optional)
+    calibration.safetensors  activation statistics for QDEC bucket boundaries (optional)
+    tokenizer files          incl. the chat template
+
+Nothing is pickled. Loading checks version, sizes, hashes and shapes and refuses a mismatch in one line.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from . import __version__, atomic
+from .config import ModelConfig
+from .errors import LocalLLMError
+from .loader import MANIFEST
+from .model import KINDS, Block, QdecSettings, RMSNorm, Transformer, build_block
+from .qdec import ActStats
+from .quant import QuantResidual, QuantWeight
+
+FORMAT_VERSION = 1
+WEIGHT_LAYOUT = "rtn-planes-v1"      # quant.pack_codes: 32-channel blocks, 2-bit + 1-bit planes for 3-bit
+RESIDUAL_LAYOUT = "sym4-inmajor-v1"  # quant.QuantResidual: [K, N/8] int32 of (q + 8) nibbles
+FILES = ("model.safetensors", "residuals.safetensors", "calibration.safetensors")
+
+
+def linear_shape(cfg: ModelConfig, kind: str) -> tuple[int, int]:
+    """(out_features N, in_features K) of a fused projection."""
+    return {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
+            "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
+            "down": (cfg.hidden_size, cfg.intermediate_size)}[kind]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while buf := f.read(1 << 24):
+            h.update(buf)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- writing
+
+def block_state(i: int, blk: Block) -> tuple[dict, dict, dict]:
+    """Tensors of one quantized block for (model, residuals, calibration) files."""
+    p = f"blocks.{i}."
+    model = {p + "attn_norm": blk.attn_norm.weight.half(), p + "mlp_norm": blk.mlp_norm.weight.half()}
+    res, cal = {}, {}
+    for kind in KINDS:
+        lin = getattr(blk, kind)
+        q = lin.quant
+        model |= {p + kind + ".qweight": q.qweight, p + kind + ".scales": q.scales, p + kind + ".zeros": q.zeros}
+        if lin.bias is not None:
+            model[p + kind + ".bias"] = lin.bias.half()
+        if lin.residual is not None:
+            res |= {p + kind + ".packed": lin.residual.packed, p + kind + ".scales": lin.residual.scales}
+        if lin.stats is not None:
+            cal |= {p + kind + "." + k: v for k, v in lin.stats.state().items()}
+    return model, res, cal
+
+
+def save(out: str | Path, manifest: dict, tensors: tuple[dict, dict, dict], tokenizer) -> Path:
+    """Write a model folder atomically. `manifest` gets the format fields and file hashes added here."""
+    out = Path(out)
+    with atomic.new_folder(out) as tmp:
+        files = {}
+        for name, t in zip(FILES, tensors):
+            if t:
+                save_file({k: v.contiguous() for k, v in t.items()}, str(tmp / name))
+                files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+        tokenizer.save_pretrained(str(tmp))
+        manifest = {"format": "localllm", "format_version": FORMAT_VERSION, "created_by": f"localllm {__version__}",
+                    **manifest, "files": files,
+                    "model_id": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return out.resolve()
+
+
+# ---------------------------------------------------------------- reading
+
+def read_manifest(path: Path) -> dict:
+    f = path / MANIFEST
+    if not f.exists():
+        raise LocalLLMError(f"{path} is not a localllm model (no {MANIFEST}); create one with `localllm quantize`")
+    try:
+        m = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise LocalLLMError(f"{f} is corrupt ({e}); re-run `localllm quantize`") from None
+    v = m.get("format_version")
+    if m.get("format") != "localllm" or not isinstance(v, int):
+        raise LocalLLMError(f"{f} is not a localllm manifest; re-run `localllm quantize`")
+    if v > FORMAT_VERSION:
+        raise LocalLLMError(f"{path} was written by a newer localllm (format {v}, this one reads {FORMAT_VERSION}); "
+                            "upgrade localllm")
+    if v < FORMAT_VERSION or m["quant"].get("layout") != WEIGHT_LAYOUT:
+        raise LocalLLMError(f"{path} uses an older format (version {v}); re-run `localllm quantize` on the source")
+    return m
+
+
+def _load_checked(path: Path, name: str, meta: dict, verify: bool) -> dict:
+    f = path / name
+    if not f.exists():
+        raise LocalLLMError(f"{f} is missing; the model folder is incomplete, re-run `localllm quantize`")
+    size = f.stat().st_size
+    if size != meta["bytes"]:
+        raise LocalLLMError(f"{f} has {size} bytes, the manifest says {meta['bytes']}: the file is truncated or "
+                            "was replaced; re-run `localllm quantize`")
+    if verify and sha256_file(f) != meta["sha256"]:
+        raise LocalLLMError(f"{f} does not match its sha256 in the manifest: the file is corrupt; "
+                            "re-run `localllm quantize`")
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LocalLLMError(f"{f} is corrupt ({e}); re-run `localllm quantize`") from None
+
+
+def load(path: str | Path, verify: bool = True, settings: QdecSettings | None = None) -> tuple[Transformer, dict]:
+    """Load a quantized model folder -> (model on CPU, manifest)."""
+    path = Path(path).expanduser()
+    m = read_manifest(path)
+    cfg = ModelConfig.from_dict(m["config"])
+    files = {n: _load_checked(path, n, meta, verify) for n, meta in m["files"].items()}
+    w, res, cal = (files.get(n, {}) for n in FILES)
+    bits, g = m["quant"]["bits"], m["quant"]["group_size"]
+    settings = settings or QdecSettings()
+
+    def take(d: dict, name: str, shape: tuple, fname: str) -> torch.Tensor:
+        t = d.get(name)
+        if t is None or tuple(t.shape) != tuple(shape):
+            got = "missing" if t is None else f"shape {tuple(t.shape)}"
+            raise LocalLLMError(f"{path / fname}: tensor {name} is {got}, expected {tuple(shape)}; the files do not "
+                                "match the manifest, re-run `localllm quantize`")
+        return t
+
+    D = cfg.hidden_size
+    blocks = []
+    for i in range(cfg.num_layers):
+        p = f"blocks.{i}."
+        t = {"attn_norm": take(w, p + "attn_norm", (D,), FILES[0]), "mlp_norm": take(w, p + "mlp_norm", (D,), FILES[0])}
+        for kind in KINDS:
+            N, K = linear_shape(cfg, kind)
+            q = p + kind + "."
+            quant = QuantWeight(take(w, q + "qweight", (N, K * bits // 32), FILES[0]),
+                                take(w, q + "scales", (N, math.ceil(K / g)), FILES[0]),
+                                take(w, q + "zeros", (N, math.ceil(K / g)), FILES[0]), bits, g, K)
+            bias = take(w, q + "bias", (N,), FILES[0]) if kind == "qkv" and cfg.qkv_bias else None
+            residual = None
+            if res:
+                residual = QuantResidual(take(res, q + "packed", (K, N // 8), FILES[1]),
+                                         take(res, q + "scales", (N,), FILES[1]))
+            stats = ActStats.from_state({k[len(q):]: v for k, v in cal.items() if k.startswith(q)}) if cal else None
+            if stats is not None and stats.sq_mean.shape != (K,):
+                raise LocalLLMError(f"{path / FILES[2]}: statistics of {q[:-1]} do not match the model; "
+                                    "re-run `localllm quantize`")
+            t[kind] = {"quant": quant, "bias": bias, "residual": residual, "stats": stats}
+        blocks.append(build_block(cfg, i, t, settings))
+    V = cfg.vocab_size
+    embed = take(w, "embed", (V, D), FILES[0])
+    lm_head = None if cfg.tie_word_embeddings else take(w, "lm_head", (V, D), FILES[0])
+    model = Transformer(cfg, embed, blocks, RMSNorm(take(w, "norm", (D,), FILES[0]), cfg.rms_norm_eps), lm_head,
+                        settings)
+    return model.eval(), m

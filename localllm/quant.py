@@ -1,0 +1,232 @@
+"""Base-weight RTN quantization with compact bit packing, and QDEC residual quantization.
+
+A linear weight W is [N, K] (N = out_features, K = in_features), as in torch's nn.Linear.
+The base weight W_hat is group-wise asymmetric b-bit RTN; the residual R = W - W_hat is
+quantized to 4-bit symmetric per output channel and stored input-channel-major so that
+one selected input channel is one contiguous read (QDEC paper sec. 4.2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BASE_BITS = (2, 3, 4)
+RESIDUAL_BITS = 4
+RESIDUAL_QMAX = 7  # residual codes are clip(round(r / S), -7, 7)
+
+# Row blocks hold about this many elements, bounding temporaries to tens of MB.
+_BLOCK_ELEMS = 1 << 22
+# Smallest normal fp16: base scales are clamped to it so fp16 storage keeps 11 bits of
+# precision and the quantization grid still covers the group after rounding.
+_FP16_MIN_NORMAL = 2.0**-14
+# Smallest fp16 subnormal: keeps residual scale candidates nonzero (all-zero rows).
+_FP16_MIN_SUBNORMAL = 2.0**-24
+
+
+def _row_blocks(n: int, k: int, multiple: int = 1) -> Iterator[slice]:
+    """Slices of rows of an [n, k] matrix, each a multiple of `multiple` rows long (except the last)."""
+    step = max(multiple, _BLOCK_ELEMS // max(k, 1) // multiple * multiple)
+    for r0 in range(0, n, step):
+        yield slice(r0, min(r0 + step, n))
+
+
+def _pack_words(codes: Tensor, width: int) -> Tensor:
+    """codes int [..., M * 32/width] in [0, 2^width) -> int32 [..., M]; value i of a word at bits width*i."""
+    per = 32 // width
+    shifts = torch.arange(0, 32, width, dtype=torch.int64, device=codes.device)  # [per]
+    words = (codes.long().reshape(*codes.shape[:-1], -1, per) << shifts).sum(-1)  # [..., M], in [0, 2^32)
+    # Wrap to int32 explicitly: the top code may set bit 31.
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _unpack_words(words: Tensor, width: int) -> Tensor:
+    """Inverse of _pack_words: int32 [..., M] -> int32 [..., M * 32/width]."""
+    shifts = torch.arange(0, 32, width, dtype=torch.int32, device=words.device)
+    # The shift is arithmetic (sign-extending) for int32; the mask drops the copied sign bits.
+    return ((words.unsqueeze(-1) >> shifts) & (2**width - 1)).flatten(-2)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in BASE_BITS:
+        raise ValueError(f"bits must be one of {BASE_BITS}, got {bits}")
+
+
+def _check_in_features(k: int) -> None:
+    if k % 32:
+        raise ValueError(f"in_features must be a multiple of 32 for bit packing, got {k}")
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """Pack codes int [N, K] in [0, 2^bits) into int32 [N, K * bits // 32], exactly `bits` bits per weight.
+
+    Each block of 32 consecutive input channels of a row becomes `bits` words:
+    bits=4: word j holds channels 8j..8j+7, channel 8j+i at bits 4i..4i+3;
+    bits=2: word j holds channels 16j..16j+15, channel 16j+i at bits 2i..2i+1;
+    bits=3: words 0, 1 hold the low 2 bits as in bits=2, word 2 holds bit 2 of channel i at bit i.
+    """
+    _check_bits(bits)
+    if codes.ndim != 2:
+        raise ValueError(f"codes must be 2-D [N, K], got shape {tuple(codes.shape)}")
+    n, k = codes.shape
+    _check_in_features(k)
+    if codes.numel() and (codes.min() < 0 or codes.max() >= 2**bits):
+        raise ValueError(f"codes must lie in [0, {2**bits})")
+    codes = codes.long()
+    if bits == 3:
+        low = _pack_words(codes & 3, 2).view(n, k // 32, 2)
+        high = _pack_words(codes >> 2, 1).view(n, k // 32, 1)
+        return torch.cat([low, high], dim=-1).view(n, k * 3 // 32)
+    return _pack_words(codes, bits)
+
+
+def unpack_codes(qweight: Tensor, bits: int) -> Tensor:
+    """Inverse of pack_codes: int32 [N, K * bits // 32] -> uint8 [N, K]."""
+    _check_bits(bits)
+    n, words = qweight.shape
+    if bits == 3:
+        w = qweight.view(n, words // 3, 3)
+        low = _unpack_words(w[..., :2], 2)  # [N, K/32, 32]
+        high = _unpack_words(w[..., 2:], 1)  # [N, K/32, 32]
+        codes = (low | (high << 2)).flatten(1)
+    else:
+        codes = _unpack_words(qweight, bits)
+    return codes.to(torch.uint8)
+
+
+@dataclass
+class QuantWeight:
+    """Group-wise asymmetric RTN weight: W_hat[n, c] = (code - zeros[n, g]) * scales[n, g], g = c // group_size."""
+
+    qweight: Tensor  # int32 [N, K * bits // 32]
+    scales: Tensor  # fp16 [N, G]
+    zeros: Tensor  # uint8 [N, G]
+    bits: int
+    group_size: int
+    in_features: int  # K
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """W_hat as [N, K]; the math is float32, cast to `dtype` at the end."""
+        n, k, gs = self.qweight.shape[0], self.in_features, self.group_size
+        out = torch.empty(n, k, dtype=dtype)
+        for rows in _row_blocks(n, k):
+            codes = unpack_codes(self.qweight[rows], self.bits).float()  # [n, K]
+            scale = self.scales[rows].float().repeat_interleave(gs, dim=1)[:, :k]  # [n, K]
+            zero = self.zeros[rows].float().repeat_interleave(gs, dim=1)[:, :k]  # [n, K]
+            out[rows] = ((codes - zero) * scale).to(dtype)
+        return out
+
+
+def quantize_rtn(w: Tensor, bits: int, group_size: int = 128) -> QuantWeight:
+    """Round-to-nearest asymmetric quantization over groups of `group_size` input channels per row.
+
+    K need not be a multiple of group_size (the last group is partial) but must be a multiple
+    of 32. The group range is widened to include 0 so the integer zero point always lies in
+    [0, 2^bits - 1] and every weight is within scale/2 of the grid (a one-signed group would
+    otherwise be clipped). Codes use the fp16-rounded scale, so dequantize() is exactly the
+    stored representation.
+    """
+    _check_bits(bits)
+    if w.ndim != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be positive, got {group_size}")
+    n, k = w.shape
+    _check_in_features(k)
+    maxq = 2**bits - 1
+    g = math.ceil(k / group_size)
+    qweight = torch.empty(n, k * bits // 32, dtype=torch.int32)
+    scales = torch.empty(n, g, dtype=torch.float16)
+    zeros = torch.empty(n, g, dtype=torch.uint8)
+    for rows in _row_blocks(n, k):
+        # Zero padding of the partial last group is harmless: the range includes 0 anyway.
+        wg = F.pad(w[rows].float(), (0, g * group_size - k)).view(-1, g, group_size)  # [n, G, gs]
+        lo = wg.amin(-1).clamp(max=0)  # [n, G]
+        hi = wg.amax(-1).clamp(min=0)
+        scale16 = ((hi - lo) / maxq).clamp(min=_FP16_MIN_NORMAL).half()
+        if torch.isinf(scale16).any():
+            raise ValueError("weight range too large for fp16 scales")
+        scale = scale16.float()
+        zero = (-lo / scale).round().clamp(0, maxq)  # [n, G]
+        codes = ((wg / scale[..., None]).round() + zero[..., None]).clamp(0, maxq)  # [n, G, gs]
+        qweight[rows] = pack_codes(codes.flatten(1)[:, :k].to(torch.uint8), bits)
+        scales[rows] = scale16
+        zeros[rows] = zero.to(torch.uint8)
+    return QuantWeight(qweight, scales, zeros, bits, group_size, k)
+
+
+@dataclass
+class QuantResidual:
+    """4-bit symmetric per-output-channel residual: R_hat[n, c] = q[n, c] * scales[n], q in [-7, 7].
+
+    Stored input-channel-major: packed[c] holds the N codes of input channel c as nibbles
+    (q + 8) in [1, 15], output channel 8j+i at bits 4i..4i+3 of word j.
+    """
+
+    packed: Tensor  # int32 [K, N // 8]
+    scales: Tensor  # fp16 [N]
+
+    def rows(self, idx: Tensor) -> Tensor:
+        """idx long [...] of input channels -> float32 [..., N], i.e. R_hat[:, idx] moved to the last dim."""
+        q = _unpack_words(self.packed[idx], RESIDUAL_BITS)  # [..., N], nibbles q + 8
+        return (q - 8).float() * self.scales.float()
+
+    def dequantize(self) -> Tensor:
+        """R_hat as float32 [N, K]."""
+        return self.rows(torch.arange(self.packed.shape[0])).T.contiguous()
+
+
+def residual_scale_search(r: Tensor, grid: int = 100) -> Tensor:
+    """Per-row scale S minimising sum_j (clip(round(r_j / S), -7, 7) * S - r_j)^2: r [N, K] -> fp16 [N].
+
+    Candidates are alpha * max|r| / 7 for `grid` alphas linspace(0.2, 1.0), each rounded to
+    fp16 before its error is measured (the stored scale is what gets evaluated); ties go to
+    the smallest alpha. An all-zero row gets the finite scale 2^-24.
+
+    Instead of quantizing the row once per candidate, sort |r| once: for scale S the values
+    between thresholds (m - 0.5) S and (m + 0.5) S take level m, so each candidate's error
+    follows from prefix sums at 7 searchsorted thresholds. Sums are float64 so near-tied
+    candidates are ranked exactly as a direct float64 evaluation would rank them.
+    """
+    n, k = r.shape
+    alphas = torch.linspace(0.2, 1.0, grid, dtype=torch.float32)  # [g]
+    levels = torch.arange(RESIDUAL_QMAX + 1, dtype=torch.float64)  # [8]: q = 0..7
+    out = torch.empty(n, dtype=torch.float16)
+    for rows in _row_blocks(n, k * 2):  # float64 temporaries: half the usual rows
+        a = r[rows].float().abs().sort(dim=1).values  # [n, K] ascending
+        cand16 = (alphas * a[:, -1:] / RESIDUAL_QMAX).clamp(min=_FP16_MIN_SUBNORMAL).half()  # [n, g]
+        s = cand16.double()
+        a = a.double()
+        prefix = F.pad(a.cumsum(1), (1, 0))  # [n, K+1]: prefix[:, j] = sum of the j smallest |r|
+        thr = s[..., None] * (levels[:-1] + 0.5)  # [n, g, 7]: |r| >= thr[m] rounds to at least m+1
+        cut = torch.searchsorted(a, thr.flatten(1)).view(thr.shape)  # [n, g, 7]
+        edges = F.pad(F.pad(cut, (1, 0), value=0), (0, 1), value=k)  # [n, g, 9]: level m is [edges[m], edges[m+1])
+        sums = prefix.gather(1, edges.flatten(1)).view(edges.shape).diff(dim=-1)  # [n, g, 8]: sum |r| per level
+        counts = edges.diff(dim=-1).double()  # [n, g, 8]
+        ms = levels * s[..., None]  # [n, g, 8]: dequantized level m * S
+        # sum over a level of (m S - |r|)^2 = m^2 S^2 count - 2 m S sum|r| + sum r^2; the last
+        # term is the same for every candidate, so it is left out of the comparison.
+        err = (ms * (ms * counts - 2 * sums)).sum(-1)  # [n, g]
+        out[rows] = cand16.gather(1, err.argmin(dim=1, keepdim=True)).squeeze(1)
+    return out
+
+
+def quantize_residual(r: Tensor) -> QuantResidual:
+    """Quantize a residual r [N, K] (N a multiple of 8) to 4-bit per-output-channel symmetric codes."""
+    if r.ndim != 2:
+        raise ValueError(f"residual must be 2-D [N, K], got shape {tuple(r.shape)}")
+    n, k = r.shape
+    if n % 8:
+        raise ValueError(f"out_features must be a multiple of 8 for residual packing, got {n}")
+    scales = residual_scale_search(r)
+    packed = torch.empty(k, n // 8, dtype=torch.int32)
+    for rows in _row_blocks(n, k, multiple=8):
+        s = scales[rows].float()[:, None]  # [n, 1]
+        q = (r[rows].float() / s).round().clamp(-RESIDUAL_QMAX, RESIDUAL_QMAX)  # [n, K]
+        packed[:, rows.start // 8 : rows.stop // 8] = _pack_words((q + 8).T, RESIDUAL_BITS)
+    return QuantResidual(packed, scales)

@@ -1,0 +1,126 @@
+"""A loaded model ready to run: the decoder, its tokenizer, its manifest and QDEC settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import modelfile
+from .errors import LocalLLMError
+from .loader import MANIFEST, Checkpoint, open_checkpoint
+from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block
+
+DEFAULT_K_CHUNK = 8  # channels per 1024 compensated when QDEC is on and no tuning profile applies
+
+
+@dataclass
+class LocalModel:
+    model: Transformer
+    tokenizer: object
+    manifest: dict | None  # None: a dense source checkpoint, not quantized
+    path: str
+    eos_ids: list[int]
+
+    @property
+    def settings(self) -> QdecSettings:
+        return self.model.settings
+
+    @property
+    def has_residuals(self) -> bool:
+        return any(lin.residual is not None for lin in self.model.linears())
+
+    def set_qdec(self, qdec: str | int | dict = "on") -> None:
+        """qdec: "on" (approximate top-k, default k_chunk), "off", a k_chunk for every layer type, or a dict
+        {"mode": "exact"|"approx"|"static"|"random", "k_chunk": int | {kind: int}}."""
+        s = self.settings
+        if qdec in ("off", 0, None, False):
+            s.mode = "off"
+            return
+        if not self.has_residuals:
+            raise LocalLLMError(f"{self.path} has no QDEC residuals; re-quantize it with residuals or use qdec='off'")
+        if qdec in ("on", True):
+            mode, k = "approx", DEFAULT_K_CHUNK
+        elif isinstance(qdec, int):
+            mode, k = "approx", qdec
+        elif isinstance(qdec, dict):
+            mode, k = qdec.get("mode", "approx"), qdec.get("k_chunk", DEFAULT_K_CHUNK)
+        else:
+            raise LocalLLMError(f"qdec={qdec!r} is not understood; use 'on', 'off', a k_chunk integer or a dict")
+        if mode not in QDEC_MODES[1:]:
+            raise LocalLLMError(f"QDEC mode '{mode}' is unknown; use one of {', '.join(QDEC_MODES[1:])}")
+        ks = {kind: k for kind in KINDS} if isinstance(k, int) else {kind: int(k.get(kind, 0)) for kind in KINDS}
+        # approximate top-k needs a calibrated bucket boundary for k; the other modes go up to a whole chunk
+        kmax = self.manifest["calibration"]["kmax"] if mode == "approx" else 1024
+        if any(not 0 <= v <= kmax for v in ks.values()):
+            raise LocalLLMError(f"k_chunk must be within 0..{kmax} for QDEC mode '{mode}'; got {ks}")
+        s.mode, s.k_chunk = mode, ks
+
+    def sizes(self) -> dict:
+        """Bytes the model needs: on the GPU (packed weights, fp16 embeddings) and pinned on the host."""
+        gpu = 2 * (self.model.embed.numel() + sum(n.weight.numel() for n in self._norms()))
+        if self.model.lm_head is not self.model.embed:
+            gpu += 2 * self.model.lm_head.numel()
+        host = 0
+        for lin in self.model.linears():
+            q = lin.quant
+            gpu += (q.qweight.numel() * 4 + q.scales.numel() * 2 + q.zeros.numel()) if q is not None \
+                else 2 * lin.weight.numel()
+            if lin.bias is not None:
+                gpu += 2 * lin.bias.numel()
+            if lin.residual is not None:
+                host += lin.residual.packed.numel() * 4 + lin.residual.scales.numel() * 2
+        return {"gpu_bytes": gpu, "pinned_host_bytes": host}
+
+    def _norms(self):
+        yield self.model.norm
+        for b in self.model.blocks:
+            yield from (b.attn_norm, b.mlp_norm)
+
+
+def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str | int | dict = "on",
+         verify: bool = True) -> LocalModel:
+    """Load a quantized model folder, a source checkpoint (dense, no QDEC), or, with no src, the demo model."""
+    if src is None:
+        from .demo import demo_model
+        src = demo_model()
+    path = Path(src).expanduser()
+    if path.is_dir() and (path / MANIFEST).exists():
+        model, manifest = modelfile.load(path, verify=verify)
+        from transformers import AutoTokenizer
+        lm = LocalModel(model, AutoTokenizer.from_pretrained(str(path)), manifest, str(path),
+                        manifest.get("eos_token_ids", []))
+        lm.set_qdec(qdec if lm.has_residuals else "off")
+        return lm
+    ckpt = open_checkpoint(src, gguf_file)
+    return LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids)
+
+
+def dense_model(ckpt: Checkpoint) -> Transformer:
+    """The source checkpoint as a float32 decoder (the reference the quantized model is measured against)."""
+    cfg, settings = ckpt.config, QdecSettings()
+    blocks = [build_block(cfg, i, ckpt.block_tensors(i), settings) for i in range(cfg.num_layers)]
+    return Transformer(cfg, ckpt.embed(), blocks, RMSNorm(ckpt.final_norm(), cfg.rms_norm_eps), ckpt.lm_head(),
+                       settings).eval()
+
+
+def describe(lm: LocalModel) -> dict:
+    """What `localllm info` prints."""
+    m = lm.manifest or {}
+    c = lm.model.cfg
+    n_params = sum(p.numel() for p in lm.model.parameters())  # tied lm_head counted once
+    return {
+        "path": lm.path,
+        "architecture": f"{c.model_type}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/"
+                        f"{c.num_kv_heads} (q/kv), vocab {c.vocab_size}",
+        "parameters": n_params,
+        "bits": m["quant"]["bits"] if m else 16,
+        "group_size": m["quant"]["group_size"] if m else None,
+        "residuals": m.get("residual"),
+        "calibration": m.get("calibration"),
+        "source": m.get("source", {"path": lm.path}),
+        "model_id": m.get("model_id"),
+        **lm.sizes(),
+        "tuning_profiles": sorted(p.name for p in Path(lm.path).glob("profiles/*.json")) if m else [],
+        "qdec": {"mode": lm.settings.mode, "k_chunk": lm.settings.k_chunk},
+    }

@@ -1,0 +1,41 @@
+"""The `localllm` command as a user runs it."""
+import json
+import subprocess
+import sys
+
+from localllm.cli import main
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "localllm.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def test_generate_streams_text(tiny_quant):
+    r = run("generate", tiny_quant, "Once upon a time", "--max-new-tokens", "8", "--seed", "1", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "tokens" in r.stderr and "tok/s" in r.stderr
+
+
+def test_info_reports_sizes(tiny_quant, capsys):
+    assert main(["info", str(tiny_quant), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["bits"] == 3 and d["pinned_host_bytes"] > 0 and d["gpu_bytes"] > 0 and d["calibration"]["kmax"] == 256
+    assert main(["info", str(tiny_quant)]) == 0
+    out = capsys.readouterr().out
+    assert "pinned host" in out and "GPU memory" in out and "no profiles" in out
+
+
+def test_quantize_then_generate(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "m2"
+    assert main(["quantize", str(tiny_ckpt), "-o", str(out), "--bits", "2", "--group-size", "64",
+                 "--calib-tokens", "512"]) == 0
+    assert json.loads((out / "localllm.json").read_text())["quant"]["bits"] == 2
+    assert main(["generate", str(out), "hi", "--max-new-tokens", "3", "--qdec", "off"]) == 0
+
+
+def test_errors_are_one_line(tmp_path):
+    r = run("generate", tmp_path / "missing", "hello")
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("localllm: error: no such file")
+    r = run("quantize", tmp_path / "missing", "-o", tmp_path / "o")
+    assert r.returncode == 2 and "Traceback" not in r.stderr

