@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 
 from .config import ModelConfig
+from .digest import sha256_files
 from .errors import LocalLLMError
-from .progress import progress
 
 MANIFEST = "localllm.json"  # marks a quantized localllm model folder
 
@@ -76,17 +76,9 @@ class Checkpoint:
         return self.tensor("lm_head.weight")
 
     def fingerprint(self) -> str:
-        """sha256 over the weight files' contents: names a source model in manifests and tuning profiles."""
-        h = hashlib.sha256()
-        total = sum(f.stat().st_size for f in self.files)
-        with progress(total=total, desc="hashing source", unit="B", unit_scale=True) as bar:
-            for f in self.files:
-                h.update(f.name.encode())
-                with open(f, "rb") as fh:
-                    while buf := fh.read(1 << 24):
-                        h.update(buf)
-                        bar.update(len(buf))
-        return h.hexdigest()
+        """sha256 over the weight files (names + contents): names a source model in manifests and profiles."""
+        digests = sha256_files(self.files, "hashing source")
+        return hashlib.sha256("".join(f"{f.name}:{d}\n" for f, d in zip(self.files, digests)).encode()).hexdigest()
 
 
 def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Checkpoint:
@@ -182,13 +174,10 @@ def _open_gguf(folder: Path, name: str) -> Checkpoint:
         raise LocalLLMError(f"cannot read GGUF file {f} ({type(e).__name__}: {str(e)[:160]}); it is corrupt, "
                             "truncated or of an architecture transformers cannot import") from None
     config = ModelConfig.from_hf(hf_cfg)
-    with progress(total=1, desc=f"dequantizing {name}") as bar:
-        try:
-            state = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name,
-                                                         dtype=torch.float32).state_dict()
-        except Exception as e:
-            raise LocalLLMError(f"cannot load GGUF weights from {f} ({type(e).__name__}: {str(e)[:160]}); "
-                                "the file is corrupt or truncated, re-download it") from None
-        bar.update()
+    try:  # transformers shows its own progress bar while it dequantizes
+        state = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32).state_dict()
+    except Exception as e:
+        raise LocalLLMError(f"cannot load GGUF weights from {f} ({type(e).__name__}: {str(e)[:160]}); "
+                            "the file is corrupt or truncated, re-download it") from None
     return Checkpoint(config, _tokenizer(folder, gguf_file=name),
                       {"format": "gguf", "path": str(folder), "gguf_file": name}, [f], state.__getitem__, set(state))

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from . import __version__, atomic
 from .config import ModelConfig
+from .digest import sha256_files
 from .errors import LocalLLMError
 from .loader import MANIFEST
 from .model import KINDS, Block, QdecSettings, RMSNorm, Transformer, build_block
@@ -39,14 +40,6 @@ def linear_shape(cfg: ModelConfig, kind: str) -> tuple[int, int]:
     return {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
             "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
             "down": (cfg.hidden_size, cfg.intermediate_size)}[kind]
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while buf := f.read(1 << 24):
-            h.update(buf)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- writing
@@ -77,7 +70,7 @@ def save(out: str | Path, manifest: dict, tensors: tuple[dict, dict, dict], toke
         for name, t in zip(FILES, tensors):
             if t:
                 save_file({k: v.contiguous() for k, v in t.items()}, str(tmp / name))
-                files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+                files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_files([tmp / name])[0]}
         tokenizer.save_pretrained(str(tmp))
         manifest = {"format": "localllm", "format_version": FORMAT_VERSION, "created_by": f"localllm {__version__}",
                     **manifest, "files": files,
@@ -115,7 +108,7 @@ def _load_checked(path: Path, name: str, meta: dict, verify: bool) -> dict:
     if size != meta["bytes"]:
         raise LocalLLMError(f"{f} has {size} bytes, the manifest says {meta['bytes']}: the file is truncated or "
                             "was replaced; re-run `localllm quantize`")
-    if verify and sha256_file(f) != meta["sha256"]:
+    if verify and sha256_files([f], f"verifying {name}")[0] != meta["sha256"]:
         raise LocalLLMError(f"{f} does not match its sha256 in the manifest: the file is corrupt; "
                             "re-run `localllm quantize`")
     try:
