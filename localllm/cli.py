@@ -67,6 +67,11 @@ def cmd_quantize(a) -> None:
     print(f"wrote {out}")
 
 
+def cmd_bench(a) -> None:
+    from .bench import main as bench_main
+    bench_main()
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localllm", description="Low-bit LLM inference with QDEC error compensation.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -103,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--calib-tokens", type=int, default=4096)
     q.add_argument("--gguf-file")
     q.set_defaults(func=cmd_quantize)
+
+    b = sub.add_parser("bench", help="GPU benchmarks: low-bit GEMV kernels vs memory bandwidth and fp16")
+    b.set_defaults(func=cmd_bench)
     return p
 
 

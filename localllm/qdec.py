@@ -93,12 +93,13 @@ def select_approx(
 
     def pick(s: int, e: int, k: int) -> Tensor:
         bucket = bucket_index(a[:, s:e], b0, b15).long()  # [T, c]
-        counts = torch.zeros(t, N_BUCKETS, dtype=torch.long).scatter_add_(1, bucket, torch.ones_like(bucket))
+        counts = torch.zeros(t, N_BUCKETS, dtype=torch.long, device=a.device)
+        counts.scatter_add_(1, bucket, torch.ones_like(bucket))
         # Boundary bucket: the first whose cumulative count exceeds k (N_BUCKETS if k == c).
         boundary = (counts.cumsum(1) <= k).sum(1, keepdim=True)  # [T, 1]
         # Whole buckets score 2, the boundary bucket a random priority in [0, 1), the rest -1:
         # top-k then takes every whole bucket plus a uniform random subset of the boundary.
-        rand = torch.rand(bucket.shape, generator=generator)
+        rand = torch.rand(bucket.shape, generator=generator, device=a.device)
         score = torch.where(bucket < boundary, 2.0, torch.where(bucket == boundary, rand, -1.0))
         return score.topk(k, dim=-1).indices
 
@@ -125,7 +126,7 @@ def compensate(x: Tensor, idx: Tensor, residual: QuantResidual) -> Tensor:
     """o_dec[t] = sum_j R_hat[:, idx[t, j]] * x[t, idx[t, j]]: x [T, K], idx [T, k] -> float32 [T, N]."""
     t, k = idx.shape
     n = residual.scales.shape[0]
-    out = torch.empty(t, n, dtype=torch.float32)
+    out = torch.empty(t, n, dtype=torch.float32, device=x.device)
     step = max(1, _BLOCK_ELEMS // max(1, k * n))
     for t0 in range(0, t, step):
         blk = slice(t0, t0 + step)

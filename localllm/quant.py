@@ -113,7 +113,7 @@ class QuantWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """W_hat as [N, K]; the math is float32, cast to `dtype` at the end."""
         n, k, gs = self.qweight.shape[0], self.in_features, self.group_size
-        out = torch.empty(n, k, dtype=dtype)
+        out = torch.empty(n, k, dtype=dtype, device=self.qweight.device)
         for rows in _row_blocks(n, k):
             codes = unpack_codes(self.qweight[rows], self.bits).float()  # [n, K]
             scale = self.scales[rows].float().repeat_interleave(gs, dim=1)[:, :k]  # [n, K]

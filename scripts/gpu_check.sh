@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Everything the GPU machine checks, in one call: GPU tests, then the benchmarks. Logs go to $OUT.
+# On the device: carry .whl (wheels for packages missing there, e.g. textual, gguf) and run this script.
+set -uo pipefail
+OUT=${OUT:-/tmp/localllm-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 LOCALLLM_PROGRESS=0
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.txt"
+tests_rc=${PIPESTATUS[0]}
+python3 -m localllm.bench 2>&1 | tee "$OUT/bench.txt"
+bench_rc=${PIPESTATUS[0]}
+echo "gpu tests rc=$tests_rc bench rc=$bench_rc"
+exit $(( tests_rc | bench_rc ))
