@@ -4,24 +4,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from localllm.quant import GROUP_SIZES
+
 from . import cuda
 
-ROWS, UNROLL = 4, 4  # rows per warp, 1024-channel strides in flight (gemv.cu template arguments)
-THREADS = 128
-NAMES = tuple(f"gemv<{b},{ROWS},{UNROLL}>" for b in (2, 3, 4))
+WARPS, UNROLL = 8, 4  # warps per 16-row tile (split K), 64-channel steps in flight per warp (gemv.cu)
+NAMES = tuple(f"gemv<{b},{WARPS},{UNROLL},{gs}>" for b in (2, 3, 4) for gs in range(len(GROUP_SIZES)))
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
          group_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: fp16 [K] (contiguous, CUDA); qweight int32 [N, K*bits/32]; scales fp16 [N, G]; zeros uint8 [N, G]."""
+    """x: fp16 [K] (contiguous, CUDA); qweight int32 [N/16, K*bits/2] (quant.pack_codes); scales fp16 [N, G];
+    zeros uint8 [N, G]; group_size one of GROUP_SIZES."""
     N, G = scales.shape
     K = x.shape[-1]
-    assert x.dtype == torch.float16 and x.is_contiguous() and qweight.shape == (N, K * bits // 32)
+    assert x.dtype == torch.float16 and x.is_contiguous() and qweight.shape == (N // 16, K * bits // 2)
     if out is None:
         out = torch.empty(N, dtype=torch.float16, device=x.device)
-    warps = -(-N // ROWS)
-    blocks = -(-warps * 32 // THREADS)
-    k = cuda.kernel("gemv", f"gemv<{bits},{ROWS},{UNROLL}>", NAMES)
-    k((blocks,), (THREADS,), (cuda.ptr(qweight), cuda.ptr(scales), cuda.ptr(zeros), cuda.ptr(x), cuda.ptr(out),
-                              np.int32(N), np.int32(K), np.int32(G), np.int32(group_size)), stream=cuda.stream())
+    k = cuda.kernel("gemv", f"gemv<{bits},{WARPS},{UNROLL},{GROUP_SIZES.index(group_size)}>", NAMES)
+    smem = K * 2 + K // 64 * 4 + 16 * G * 3  # x, its 64-channel sums, the tile's scales and zeros
+    if smem > 48 * 1024:
+        k.max_dynamic_shared_size_bytes = smem
+    k((N // 16,), (32 * WARPS,), (cuda.ptr(qweight), cuda.ptr(scales), cuda.ptr(zeros), cuda.ptr(x), cuda.ptr(out),
+                              np.int32(N), np.int32(K), np.int32(G)), stream=cuda.stream(),
+      shared_mem=smem)
     return out

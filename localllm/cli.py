@@ -6,6 +6,7 @@ import json
 import sys
 
 from .errors import LocalLLMError
+from .quant import GROUP_SIZES
 
 
 def _qdec_arg(s: str):
@@ -102,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("source", help="checkpoint folder (safetensors), .gguf file, or hub id")
     q.add_argument("-o", "--output", required=True, help="new model folder (must not exist)")
     q.add_argument("--bits", type=int, default=4, choices=(2, 3, 4))
-    q.add_argument("--group-size", type=int, default=128)
+    q.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES)
     q.add_argument("--no-residuals", action="store_true", help="skip QDEC residuals")
     q.add_argument("--calib-text", help="UTF-8 text file for calibration (default: built-in sample)")
     q.add_argument("--calib-tokens", type=int, default=4096)

@@ -30,7 +30,7 @@ from .qdec import ActStats
 from .quant import QuantResidual, QuantWeight
 
 FORMAT_VERSION = 1
-WEIGHT_LAYOUT = "rtn-planes-v1"      # quant.pack_codes: 32-channel blocks, 2-bit + 1-bit planes for 3-bit
+WEIGHT_LAYOUT = "rtn-mma-v2"        # quant.pack_codes: 16x64 tiles in tensor-core operand order
 RESIDUAL_LAYOUT = "sym4-inmajor-v1"  # quant.QuantResidual: [K, N/8] int32 of (q + 8) nibbles
 FILES = ("model.safetensors", "residuals.safetensors", "calibration.safetensors")
 
@@ -143,7 +143,7 @@ def load(path: str | Path, verify: bool = True, settings: QdecSettings | None = 
         for kind in KINDS:
             N, K = linear_shape(cfg, kind)
             q = p + kind + "."
-            quant = QuantWeight(take(w, q + "qweight", (N, K * bits // 32), FILES[0]),
+            quant = QuantWeight(take(w, q + "qweight", (N // 16, K * bits // 2), FILES[0]),
                                 take(w, q + "scales", (N, math.ceil(K / g)), FILES[0]),
                                 take(w, q + "zeros", (N, math.ceil(K / g)), FILES[0]), bits, g, K)
             bias = take(w, q + "bias", (N,), FILES[0]) if kind == "qkv" and cfg.qkv_bias else None

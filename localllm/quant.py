@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 BASE_BITS = (2, 3, 4)
+GROUP_SIZES = (64, 128, 256, 512)  # powers of two: the GPU GEMV takes log2(group_size / 64) at compile time
 RESIDUAL_BITS = 4
 RESIDUAL_QMAX = 7  # residual codes are clip(round(r / S), -7, 7)
 
@@ -57,53 +58,86 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"bits must be one of {BASE_BITS}, got {bits}")
 
 
-def _check_in_features(k: int) -> None:
-    if k % 32:
-        raise ValueError(f"in_features must be a multiple of 32 for bit packing, got {k}")
+def _check_shape(n: int, k: int) -> None:
+    if n % TILE_N or k % TILE_K:
+        raise ValueError(f"a {n}x{k} weight cannot be packed: out_features must be a multiple of {TILE_N} and "
+                         f"in_features a multiple of {TILE_K}")
+
+
+# Layout "mma-v2": the GPU GEMV feeds tensor-core mma.m16n8k16 instructions straight from the packed words, so
+# the weights are stored in the order the instruction's A operand wants them in registers. A 16-row x 64-channel
+# tile is four 16x16 mma tiles; lane L = 4*g + t of a warp holds, of each mma tile, the 8 elements
+#   e = 2*j + h (register j = 0..3, half h = 0..1): row g + 8*(j % 2), column 2*t + h + 8*(j // 2).
+# Each lane's elements of the four mma tiles are packed into `bits` words, so one 16x64 tile is 32 lanes x bits
+# words (exactly `bits` bits per weight), and the kernel turns two codes into a half2 with one mask-and-or:
+#   4-bit: word = mma tile; element (j, h) at bits 4j + 16h.
+#   2-bit: word = mma tile // 2; element (j, h) of mma tile m at bits 2(4(m % 2) + j) + 16h.
+#   3-bit: words 0-1 hold the low two bits as 2-bit; word 2 holds bit 2 of element (j, h) of mma tile m at bit
+#          4m + j + 16h.
+TILE_N, TILE_K = 16, 64
+_LANE = torch.arange(32)
+_ELEM = torch.arange(8)
+# [32 lanes, 8 elements] -> row within the 16-row tile and column within the 16-column mma tile
+_ROW = (_LANE[:, None] // 4) + 8 * ((_ELEM[None, :] // 2) % 2)
+_COL = 2 * (_LANE[:, None] % 4) + _ELEM[None, :] % 2 + 8 * (_ELEM[None, :] // 4)
+
+
+def _fields(bits: int) -> list[tuple[int, Tensor, Tensor, int]]:
+    """(code bit offset, word index [4 mma tiles, 8 elements], bit position [4, 8], width) of each field."""
+    m = torch.arange(4)[:, None]
+    j, h = (_ELEM // 2)[None, :], (_ELEM % 2)[None, :]
+    if bits == 4:
+        return [(0, m.expand(4, 8), 4 * j + 16 * h + 0 * m, 4)]
+    low = (0, (m // 2).expand(4, 8), 2 * (4 * (m % 2) + j) + 16 * h, 2)
+    if bits == 2:
+        return [low]
+    return [low, (2, torch.full((4, 8), 2), 4 * m + j + 16 * h, 1)]
 
 
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
-    """Pack codes int [N, K] in [0, 2^bits) into int32 [N, K * bits // 32], exactly `bits` bits per weight.
-
-    Each block of 32 consecutive input channels of a row becomes `bits` words:
-    bits=4: word j holds channels 8j..8j+7, channel 8j+i at bits 4i..4i+3;
-    bits=2: word j holds channels 16j..16j+15, channel 16j+i at bits 2i..2i+1;
-    bits=3: words 0, 1 hold the low 2 bits as in bits=2, word 2 holds bit 2 of channel i at bit i.
-    """
+    """Pack codes int [N, K] in [0, 2^bits) into int32 [N / 16, K * bits / 2] in the mma-v2 layout above."""
     _check_bits(bits)
     if codes.ndim != 2:
         raise ValueError(f"codes must be 2-D [N, K], got shape {tuple(codes.shape)}")
     n, k = codes.shape
-    _check_in_features(k)
+    _check_shape(n, k)
     if codes.numel() and (codes.min() < 0 or codes.max() >= 2**bits):
         raise ValueError(f"codes must lie in [0, {2**bits})")
-    codes = codes.long()
-    if bits == 3:
-        low = _pack_words(codes & 3, 2).view(n, k // 32, 2)
-        high = _pack_words(codes >> 2, 1).view(n, k // 32, 1)
-        return torch.cat([low, high], dim=-1).view(n, k * 3 // 32)
-    return _pack_words(codes, bits)
+    dev = codes.device
+    # [N/16, K/64, 4 mma tiles, 16 rows, 16 cols] -> [N/16, K/64, 32 lanes, 4 mma tiles, 8 elements]
+    c = codes.long().view(n // 16, 16, k // 64, 4, 16).permute(0, 2, 3, 1, 4)
+    f = c[:, :, :, _ROW.to(dev), _COL.to(dev)].transpose(2, 3)
+    words = torch.zeros(n // 16, k // 64, 32, bits, dtype=torch.int64, device=dev)
+    for off, widx, pos, width in _fields(bits):
+        part = ((f >> off) & (2**width - 1)) << pos.to(dev)  # [..., 32, 4, 8]
+        words.scatter_add_(3, widx.to(dev).reshape(1, 1, 1, 32).expand(*part.shape[:3], 32),
+                           part.flatten(3))
+    # wrap to int32: the top field may set bit 31
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.view(n // 16, k * bits // 2)
 
 
 def unpack_codes(qweight: Tensor, bits: int) -> Tensor:
-    """Inverse of pack_codes: int32 [N, K * bits // 32] -> uint8 [N, K]."""
+    """Inverse of pack_codes: int32 [N / 16, K * bits / 2] -> uint8 [N, K]."""
     _check_bits(bits)
-    n, words = qweight.shape
-    if bits == 3:
-        w = qweight.view(n, words // 3, 3)
-        low = _unpack_words(w[..., :2], 2)  # [N, K/32, 32]
-        high = _unpack_words(w[..., 2:], 1)  # [N, K/32, 32]
-        codes = (low | (high << 2)).flatten(1)
-    else:
-        codes = _unpack_words(qweight, bits)
-    return codes.to(torch.uint8)
+    nt, words = qweight.shape
+    kt = words // (32 * bits)
+    dev = qweight.device
+    w = qweight.view(nt, kt, 32, bits).long() & 0xFFFFFFFF
+    f = torch.zeros(nt, kt, 32, 4, 8, dtype=torch.int64, device=dev)
+    for off, widx, pos, width in _fields(bits):
+        sel = w[:, :, :, widx.to(dev).flatten()].view(nt, kt, 32, 4, 8)
+        f |= ((sel >> pos.to(dev)) & (2**width - 1)) << off
+    c = torch.empty(nt, kt, 4, 16, 16, dtype=torch.int64, device=dev)
+    c[:, :, :, _ROW.to(dev), _COL.to(dev)] = f.transpose(2, 3)
+    return c.permute(0, 3, 1, 2, 4).reshape(nt * 16, kt * 64).to(torch.uint8)
 
 
 @dataclass
 class QuantWeight:
     """Group-wise asymmetric RTN weight: W_hat[n, c] = (code - zeros[n, g]) * scales[n, g], g = c // group_size."""
 
-    qweight: Tensor  # int32 [N, K * bits // 32]
+    qweight: Tensor  # int32 [N / 16, K * bits / 2], layout mma-v2 (pack_codes)
     scales: Tensor  # fp16 [N, G]
     zeros: Tensor  # uint8 [N, G]
     bits: int
@@ -112,10 +146,11 @@ class QuantWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """W_hat as [N, K]; the math is float32, cast to `dtype` at the end."""
-        n, k, gs = self.qweight.shape[0], self.in_features, self.group_size
+        n, k, gs = self.scales.shape[0], self.in_features, self.group_size
         out = torch.empty(n, k, dtype=dtype, device=self.qweight.device)
-        for rows in _row_blocks(n, k):
-            codes = unpack_codes(self.qweight[rows], self.bits).float()  # [n, K]
+        for rows in _row_blocks(n, k, TILE_N):
+            tiles = slice(rows.start // TILE_N, -(-rows.stop // TILE_N))
+            codes = unpack_codes(self.qweight[tiles], self.bits).float()  # [n, K]
             scale = self.scales[rows].float().repeat_interleave(gs, dim=1)[:, :k]  # [n, K]
             zero = self.zeros[rows].float().repeat_interleave(gs, dim=1)[:, :k]  # [n, K]
             out[rows] = ((codes - zero) * scale).to(dtype)
@@ -137,13 +172,15 @@ def quantize_rtn(w: Tensor, bits: int, group_size: int = 128) -> QuantWeight:
     if group_size < 1:
         raise ValueError(f"group_size must be positive, got {group_size}")
     n, k = w.shape
-    _check_in_features(k)
+    _check_shape(n, k)
+    if group_size % TILE_K:
+        raise ValueError(f"group_size must be a multiple of {TILE_K}, got {group_size}")
     maxq = 2**bits - 1
     g = math.ceil(k / group_size)
-    qweight = torch.empty(n, k * bits // 32, dtype=torch.int32)
+    qweight = torch.empty(n // TILE_N, k * bits // 2, dtype=torch.int32)
     scales = torch.empty(n, g, dtype=torch.float16)
     zeros = torch.empty(n, g, dtype=torch.uint8)
-    for rows in _row_blocks(n, k):
+    for rows in _row_blocks(n, k, TILE_N):
         # Zero padding of the partial last group is harmless: the range includes 0 anyway.
         wg = F.pad(w[rows].float(), (0, g * group_size - k)).view(-1, g, group_size)  # [n, G, gs]
         lo = wg.amin(-1).clamp(max=0)  # [n, G]
@@ -154,7 +191,7 @@ def quantize_rtn(w: Tensor, bits: int, group_size: int = 128) -> QuantWeight:
         scale = scale16.float()
         zero = (-lo / scale).round().clamp(0, maxq)  # [n, G]
         codes = ((wg / scale[..., None]).round() + zero[..., None]).clamp(0, maxq)  # [n, G, gs]
-        qweight[rows] = pack_codes(codes.flatten(1)[:, :k].to(torch.uint8), bits)
+        qweight[rows.start // TILE_N: rows.stop // TILE_N] = pack_codes(codes.flatten(1)[:, :k].to(torch.uint8), bits)
         scales[rows] = scale16
         zeros[rows] = zero.to(torch.uint8)
     return QuantWeight(qweight, scales, zeros, bits, group_size, k)

@@ -19,7 +19,7 @@ from .config import rope_inv_freq
 from .model import KINDS, QdecSettings, build_block, rope_tables
 from .progress import progress
 from .qdec import ActStats
-from .quant import BASE_BITS, quantize_residual, quantize_rtn
+from .quant import BASE_BITS, GROUP_SIZES, quantize_residual, quantize_rtn
 
 DEFAULT_CALIB = "calibration.txt"  # shipped in localllm/data
 
@@ -62,17 +62,18 @@ def quantize(src: str, out: str, bits: int = 4, group_size: int = 128, residuals
              gguf_file: str | None = None, ckpt: Checkpoint | None = None) -> Path:
     if bits not in BASE_BITS:
         raise LocalLLMError(f"--bits {bits} is not supported; use one of {', '.join(map(str, BASE_BITS))}")
-    if group_size < 32 or group_size % 32:
-        raise LocalLLMError(f"--group-size {group_size} must be a positive multiple of 32 (e.g. 64, 128)")
+    if group_size not in GROUP_SIZES:
+        raise LocalLLMError(f"--group-size {group_size} is not supported; use one of "
+                            f"{', '.join(map(str, GROUP_SIZES))}")
     if Path(out).expanduser().exists():
         raise LocalLLMError(f"{out} already exists; choose another output path or remove it first")
     ckpt = ckpt or open_checkpoint(src, gguf_file)
     cfg = ckpt.config
     for kind in KINDS:
         N, K = modelfile.linear_shape(cfg, kind)
-        if K % 32 or N % 8:
-            raise LocalLLMError(f"{kind} projection is {N}x{K}: localllm needs in_features % 32 == 0 and "
-                                "out_features % 8 == 0")
+        if K % 64 or N % 16:
+            raise LocalLLMError(f"{kind} projection is {N}x{K}: localllm needs in_features % 64 == 0 and "
+                                "out_features % 16 == 0 (the GPU kernels' tiles)")
     toks, calib = calibration_tokens(ckpt.tokenizer, calib_text, calib_tokens, seq_len)
     fingerprint = ckpt.fingerprint()
 

@@ -11,7 +11,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 # Small but real-shaped: GQA, K % 32 == 0, an intermediate size that is not a power of two.
-TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
@@ -64,7 +64,7 @@ def tiny_quant(tmp_path_factory, tiny_ckpt) -> Path:
     """The tiny checkpoint quantized to 3 bits with residuals and calibration."""
     from localllm.quantize import quantize
     out = tmp_path_factory.mktemp("q") / "tiny-w3"
-    return quantize(str(tiny_ckpt), str(out), bits=3, group_size=32, calib_tokens=1024, seq_len=128)
+    return quantize(str(tiny_ckpt), str(out), bits=3, group_size=64, calib_tokens=1024, seq_len=128)
 
 
 @pytest.fixture(scope="session")

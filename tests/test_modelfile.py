@@ -15,7 +15,7 @@ def test_folder_contents_and_manifest(tiny_quant, tiny_ckpt):
     assert {"localllm.json", *FILES, "tokenizer.json"} <= names
     assert not [n for n in names if n.endswith((".bin", ".pt", ".pkl"))]  # nothing pickled
     m = json.loads((tiny_quant / "localllm.json").read_text())
-    assert m["format_version"] == 1 and m["quant"]["bits"] == 3 and m["quant"]["group_size"] == 32
+    assert m["format_version"] == 1 and m["quant"]["bits"] == 3 and m["quant"]["group_size"] == 64
     assert m["residual"]["bits"] == 4 and m["calibration"]["tokens"] >= 128
     assert len(m["source"]["sha256"]) == 64 and m["source"]["path"] == str(tiny_ckpt)
     # no stray temp folders left beside the output
@@ -26,7 +26,7 @@ def test_loaded_weights_are_the_rtn_quantization_of_the_source(tiny_quant, tiny_
     from localllm.quant import quantize_rtn
     q, src = load(tiny_quant, qdec="off").model, load(tiny_ckpt).model
     for lq, ls in zip(q.linears(), src.linears()):
-        want = quantize_rtn(ls.weight, 3, 32).dequantize()
+        want = quantize_rtn(ls.weight, 3, 64).dequantize()
         assert torch.equal(lq.weight, want)
         # residual reconstructs most of the quantization error
         r = ls.weight - lq.weight

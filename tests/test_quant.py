@@ -21,32 +21,41 @@ def seed() -> int:
 
 
 def naive_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Per-block Python loop over the documented layout; words built as Python ints, then wrapped."""
+    """Scalar loops over the documented mma-v2 layout (quant.py): words built as Python ints, then wrapped."""
     n, k = codes.shape
-    rows = []
-    for r in range(n):
-        words = []
-        for b in range(0, k, 32):
-            blk = [int(c) for c in codes[r, b : b + 32]]
-            if bits == 3:
-                lw = [sum((blk[16 * j + i] & 3) << (2 * i) for i in range(16)) for j in range(2)]
-                words += lw + [sum((blk[i] >> 2) << i for i in range(32))]
-            else:
-                per = 32 // bits
-                words += [sum(blk[per * j + i] << (bits * i) for i in range(per)) for j in range(bits)]
-        rows.append([w - (1 << 32) if w >= 1 << 31 else w for w in words])
-    return torch.tensor(rows, dtype=torch.int32)
+    out = []
+    for tr in range(n // 16):
+        row_words = []
+        for tk in range(k // 64):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                words = [0] * bits
+                for m in range(4):  # mma tile: columns 16m..16m+15 of the 64-channel tile
+                    for j in range(4):
+                        for h in range(2):
+                            r = 16 * tr + g + 8 * (j % 2)
+                            c = 64 * tk + 16 * m + 2 * t + h + 8 * (j // 2)
+                            code = int(codes[r, c])
+                            if bits == 4:
+                                words[m] |= code << (4 * j + 16 * h)
+                            else:
+                                words[m // 2] |= (code & 3) << (2 * (4 * (m % 2) + j) + 16 * h)
+                                if bits == 3:
+                                    words[2] |= (code >> 2) << (4 * m + j + 16 * h)
+                row_words += words
+        out.append([w - (1 << 32) if w >= 1 << 31 else w for w in row_words])
+    return torch.tensor(out, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("bits", BASE_BITS)
-@pytest.mark.parametrize("shape", [(7, 96), (64, 4096), (3, 32)])
+@pytest.mark.parametrize("shape", [(16, 64), (64, 4096), (48, 576)])
 def test_pack_roundtrip(bits, shape, seed):
     n, k = shape
     codes = torch.randint(0, 2**bits, shape, dtype=torch.uint8)
-    codes[0] = 2**bits - 1  # all-max row: sets bit 31 of every word
+    codes[:16] = 2**bits - 1  # an all-max tile: sets bit 31 of every word
     packed = pack_codes(codes, bits)
     assert packed.dtype == torch.int32
-    assert packed.shape == (n, k * bits // 32), "exactly `bits` bits per weight"
+    assert packed.shape == (n // 16, k * bits // 2), "exactly `bits` bits per weight"
     assert (packed[0] == -1).all(), "all-max codes fill every bit"
     assert torch.equal(unpack_codes(packed, bits), codes), f"seed={seed}"
     assert unpack_codes(packed, bits).dtype == torch.uint8
@@ -54,28 +63,34 @@ def test_pack_roundtrip(bits, shape, seed):
 
 @pytest.mark.parametrize("bits", BASE_BITS)
 def test_pack_layout_matches_naive(bits, seed):
-    codes = torch.randint(0, 2**bits, (5, 96), dtype=torch.uint8)
+    codes = torch.randint(0, 2**bits, (32, 128), dtype=torch.uint8)
     assert torch.equal(pack_codes(codes, bits), naive_pack(codes, bits)), f"seed={seed}"
 
 
 def test_pack_layout_known_words():
-    # 4-bit: channel 8j+i at bits 4i of word j.
-    codes = torch.zeros(1, 32, dtype=torch.uint8)
-    codes[0, 9] = 5  # word 1, nibble 1
-    assert pack_codes(codes, 4).tolist() == [[0, 5 << 4, 0, 0]]
-    # 3-bit: code 6 = 0b110 at channel 17 -> low bits 0b10 in word 1 at bit 2, high bit in word 2 at bit 17.
-    codes[0, 9] = 0
-    codes[0, 17] = 6
-    assert pack_codes(codes, 3).tolist() == [[0, 2 << 2, 1 << 17]]
+    # 4-bit: row 9 = g 1 + 8 (register j odd), column 3 = 2t + h with t 1, h 1, in mma tile 0 ->
+    # lane 4g + t = 5, word 0 (mma tile 0), bits 4j + 16h with j = 1: 20.
+    codes = torch.zeros(16, 64, dtype=torch.uint8)
+    codes[9, 3] = 5
+    words = pack_codes(codes, 4).view(32, 4)
+    assert words[5].tolist() == [5 << 20, 0, 0, 0] and words.count_nonzero() == 1
+    # 3-bit: code 6 = 0b110 at row 0, column 16 + 8 (mma tile 1, j = 2, t = 0, h = 0, lane 0):
+    # low bits 0b10 in word 0 at 2 * (4 + 2) = 12, high bit in word 2 at 4 + 2 = 6.
+    codes[9, 3] = 0
+    codes[0, 24] = 6
+    words = pack_codes(codes, 3).view(32, 3)
+    assert words[0].tolist() == [2 << 12, 0, 1 << 6] and words.count_nonzero() == 2
 
 
 def test_pack_rejects_bad_input():
-    with pytest.raises(ValueError, match="multiple of 32"):
-        pack_codes(torch.zeros(2, 48, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pack_codes(torch.zeros(16, 96, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pack_codes(torch.zeros(8, 64, dtype=torch.uint8), 4)
     with pytest.raises(ValueError):
-        pack_codes(torch.full((2, 32), 4, dtype=torch.uint8), 2)
+        pack_codes(torch.full((16, 64), 4, dtype=torch.uint8), 2)
     with pytest.raises(ValueError):
-        pack_codes(torch.zeros(2, 32, dtype=torch.uint8), 5)
+        pack_codes(torch.zeros(16, 64, dtype=torch.uint8), 5)
 
 
 def naive_rtn(w: torch.Tensor, bits: int, gs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,16 +118,16 @@ def naive_rtn(w: torch.Tensor, bits: int, gs: int) -> tuple[torch.Tensor, torch.
 
 
 @pytest.mark.parametrize("bits", BASE_BITS)
-@pytest.mark.parametrize("k,gs", [(576, 128), (256, 64), (96, 128), (64, 32)])
+@pytest.mark.parametrize("k,gs", [(576, 128), (256, 64), (192, 128), (64, 64)])
 def test_rtn_matches_naive(bits, k, gs, seed):
-    w = torch.randn(12, k) * 0.05
+    w = torch.randn(16, k) * 0.05
     w[0, :gs] = w[0, :gs].abs() + 0.5  # a one-signed group
     w[1, :gs] = 0.0  # a zero-range group
     q = quantize_rtn(w, bits, gs)
     g = math.ceil(k / gs)
-    assert q.qweight.shape == (12, k * bits // 32) and q.qweight.dtype == torch.int32
-    assert q.scales.shape == (12, g) and q.scales.dtype == torch.float16
-    assert q.zeros.shape == (12, g) and q.zeros.dtype == torch.uint8
+    assert q.qweight.shape == (1, k * bits // 2) and q.qweight.dtype == torch.int32
+    assert q.scales.shape == (16, g) and q.scales.dtype == torch.float16
+    assert q.zeros.shape == (16, g) and q.zeros.dtype == torch.uint8
     assert (q.bits, q.group_size, q.in_features) == (bits, gs, k)
     codes, scales, zeros, w_hat = naive_rtn(w, bits, gs)
     got = unpack_codes(q.qweight, bits)
@@ -138,10 +153,14 @@ def test_rtn_error_decreases_with_bits(seed):
 
 
 def test_rtn_rejects_bad_shapes():
-    with pytest.raises(ValueError, match="multiple of 32"):
-        quantize_rtn(torch.randn(4, 100), 4)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quantize_rtn(torch.randn(16, 100), 4)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_rtn(torch.randn(4, 128), 4)
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_rtn(torch.randn(16, 128), 4, 32)
     with pytest.raises(ValueError):
-        quantize_rtn(torch.randn(4, 128), 8)
+        quantize_rtn(torch.randn(16, 128), 8)
 
 
 ALPHAS = torch.linspace(0.2, 1.0, 100, dtype=torch.float32)
