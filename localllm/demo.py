@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,9 +52,20 @@ def demo_gguf() -> Path:
 def demo_model(bits: int = DEFAULT_BITS) -> Path:
     """Path of the quantized demo model folder, quantizing it (with residuals + calibration) on first use."""
     out = cache_dir() / "models" / f"smollm2-135m-instruct-w{bits}g128"
+    if out.exists() and not _current(out):
+        shutil.rmtree(out)  # our own cache, written by an older localllm: make it again
     if not out.exists():
         from .quantize import quantize
         src = demo_gguf()
         print(f"localllm: quantizing the demo model to {bits} bits (once) ...", file=sys.stderr)
         quantize(str(src), str(out), bits=bits)
     return out
+
+
+def _current(folder: Path) -> bool:
+    from .modelfile import read_manifest
+    try:
+        read_manifest(folder)
+        return True
+    except LocalLLMError:
+        return False
