@@ -84,11 +84,132 @@ def bench_gemv(bits_list=(4, 3, 2), group_size: int = 128) -> list[dict]:
     return rows
 
 
+LLAMA3_8B_CONFIG = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                        num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
+
+
+def random_model(cfg, bits: int | None, group_size: int = 128):
+    """A decoder of cfg's shapes with random weights made on the GPU: packed `bits`-bit, or dense fp16 (None)."""
+    from .model import KINDS, QdecSettings, RMSNorm, Transformer, build_block
+    from .modelfile import linear_shape
+    from .quant import QuantWeight, pack_codes
+    dev, D = torch.device("cuda"), cfg.hidden_size
+    settings = QdecSettings()
+    blocks = []
+    for i in range(cfg.num_layers):
+        t = {"attn_norm": torch.ones(D, device=dev), "mlp_norm": torch.ones(D, device=dev)}
+        for kind in KINDS:
+            N, K = linear_shape(cfg, kind)
+            if bits is None:
+                t[kind] = {"weight": torch.randn(N, K, device=dev, dtype=torch.float16) * K ** -0.5}
+            else:
+                G = -(-K // group_size)
+                q = pack_codes(torch.randint(0, 2**bits, (N, K), device=dev), bits)
+                scales = (torch.rand(N, G, device=dev) * 2 / (2**bits * K**0.5)).half()
+                zeros = torch.full((N, G), 2 ** (bits - 1), device=dev, dtype=torch.uint8)
+                t[kind] = {"quant": QuantWeight(q, scales, zeros, bits, group_size, K)}
+        blk = build_block(cfg, i, t, settings)
+        for lin in (blk.qkv, blk.o, blk.gate_up, blk.down):
+            lin.place(dev, torch.float16)
+        blocks.append(blk)
+    embed = torch.randn(cfg.vocab_size, D, device=dev, dtype=torch.float16)
+    lm_head = torch.randn(cfg.vocab_size, D, device=dev, dtype=torch.float16) * D ** -0.5
+    return Transformer(cfg, embed, blocks, RMSNorm(torch.ones(D, device=dev), cfg.rms_norm_eps), lm_head,
+                       settings).place(dev).eval()
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step must read: packed (or dense) projections, lm_head, norms."""
+    n = model.lm_head.numel() * 2
+    for lin in model.linears():
+        q = lin.quant
+        n += q.qweight.numel() * 4 + q.scales.numel() * 2 + q.zeros.numel() if q is not None \
+            else lin.weight.numel() * 2
+    return n
+
+
+def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 50) -> float:
+    """Seconds per decode step: the captured graph replayed back to back (no sampling, no host sync)."""
+    from .decode import Decoder
+    dec = Decoder(model, ctx)
+    with torch.inference_mode():
+        logits = dec.prefill(list(range(1, prompt + 1)))
+        dec.step(logits.argmax(), prompt)  # captures the graph
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for i in range(reps):
+            dec.graph.replay()
+        b.record()
+        b.synchronize()
+    return a.elapsed_time(b) / 1e3 / reps
+
+
+def hf_generate_tps(cfg, new_tokens: int = 64) -> float:
+    """transformers fp16 generate (its default path) on a random model of the same shape, tokens/s."""
+    import time
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings)
+    with torch.device("cuda"):
+        m = LlamaForCausalLM._from_config(hf_cfg, dtype=torch.float16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), device="cuda")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        m.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        m.generate(ids, **kw)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    del m
+    torch.cuda.empty_cache()
+    return new_tokens / dt
+
+
+def bench_e2e(bits_list=(4, 3)) -> list[dict]:
+    from .config import ModelConfig
+    cfg = ModelConfig(**LLAMA3_8B_CONFIG)
+    bw = copy_bandwidth()
+    rows = []
+    dense = random_model(cfg, None)
+    t16 = decode_time(dense)
+    fp16_bytes = weight_bytes(dense)
+    del dense
+    torch.cuda.empty_cache()
+    hf_tps = hf_generate_tps(cfg)
+    for bits in bits_list:
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        m = random_model(cfg, bits)
+        used = torch.cuda.memory_allocated() - base
+        nbytes = weight_bytes(m)
+        t = decode_time(m)
+        rows.append({"bits": bits, "ms": t * 1e3, "tok/s": 1 / t, "roofline_tok/s": bw / nbytes,
+                     "of_roofline": nbytes / bw / t, "vs_fp16_graph": t16 / t, "bytes_ratio": fp16_bytes / nbytes,
+                     "vs_hf": (1 / t) / hf_tps, "gpu_mem_GB": used / 1e9,
+                     "packed_GB": (nbytes + m.embed.numel() * 2) / 1e9})
+        del m
+    print(f"\nDecode, batch 1, Llama-3-8B shapes, random weights, context 256, CUDA graph replay "
+          f"(copy bandwidth {bw / 1e9:.0f} GB/s)")
+    print(f"fp16 (same decoder, CUDA graph): {1 / t16:.1f} tok/s; transformers fp16 generate: {hf_tps:.1f} tok/s")
+    print(f"{'bits':>4} {'ms/tok':>7} {'tok/s':>7} {'roofline':>8} {'% roof':>7} {'vs fp16':>8} {'bytes x':>8} "
+          f"{'vs HF':>6} {'GPU GB':>7} {'model GB':>9}")
+    for r in rows:
+        print(f"{r['bits']:>4} {r['ms']:7.2f} {r['tok/s']:7.1f} {r['roofline_tok/s']:8.1f} "
+              f"{100 * r['of_roofline']:6.1f}% {r['vs_fp16_graph']:7.2f}x {r['bytes_ratio']:7.2f}x "
+              f"{r['vs_hf']:5.1f}x {r['gpu_mem_GB']:7.2f} {r['packed_GB']:9.2f}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise LocalLLMError("localllm bench measures the GPU kernels and needs a CUDA GPU; none is visible")
     print(f"device: {torch.cuda.get_device_name()}")
     bench_gemv()
+    bench_e2e()
 
 
 if __name__ == "__main__":

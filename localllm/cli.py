@@ -22,8 +22,11 @@ def cmd_generate(a) -> None:
     from .generate import generate
     from .runtime import load
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else a.args
-    lm = load(model, gguf_file=a.gguf_file)
-    if a.qdec != "on" or lm.has_residuals:
+    lm = load(model, gguf_file=a.gguf_file, device=a.device)
+    if lm.model.device.type == "cuda":
+        if a.qdec != "off" and lm.has_residuals:
+            print("localllm: QDEC is not on the GPU yet; generating without compensation", file=sys.stderr)
+    elif a.qdec != "on" or lm.has_residuals:
         lm.set_qdec(a.qdec)
     use_chat = not a.raw and getattr(lm.tokenizer, "chat_template", None)
     msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
@@ -91,6 +94,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--system", help="system prompt (chat models)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
     g.add_argument("--gguf-file", help="which GGUF file of a folder to load")
+    g.add_argument("--device", default="auto", help="auto (GPU when usable), cpu or cuda")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="sizes, bits, calibration and tuning profiles of a model")

@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 
 from .errors import LocalLLMError
-from .model import KVCache
+from .decode import Decoder
 from .runtime import LocalModel, load
 
 
@@ -100,14 +100,14 @@ def _held_back(text: str, stops: list[str]) -> int:
 def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingParams, stops: list[str],
          seed: int, stats: Stats) -> Iterator[str]:
     model, tok = lm.model, lm.tokenizer
-    dev = model.embed.device
+    dev = model.device
     limit = lm.model.cfg.max_position_embeddings
     if len(ids) >= limit:
         raise LocalLLMError(f"the prompt has {len(ids)} tokens; this model's context is {limit}: shorten it")
     max_new_tokens = min(max_new_tokens, limit - len(ids))
     gen = torch.Generator(device=dev).manual_seed(seed)
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed + 1)
-    cache = KVCache(model.cfg, len(ids) + max_new_tokens, dtype=model.embed.dtype, device=dev)
+    dec = Decoder(model, len(ids) + max_new_tokens)
     seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=dev)
     seen[torch.tensor(ids, device=dev)] = True
     eos = set(lm.eos_ids)
@@ -116,7 +116,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     out: list[int] = []
     emitted = 0  # characters of the decoded text already yielded
     with torch.inference_mode():
-        logits = model(torch.tensor([ids], device=dev), 0, cache)[0, -1]
+        logits = dec.prefill(ids)
         for step in range(max_new_tokens):
             nxt = sample(logits, seen, params, gen)
             t = int(nxt)
@@ -143,7 +143,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
                 yield text[emitted:end]
                 emitted = end
             if step + 1 < max_new_tokens:
-                logits = model(nxt.view(1, 1), len(ids) + step, cache)[0, -1]
+                logits = dec.step(nxt, len(ids) + step)
         else:
             stats.finish_reason = "length"
             text = tok.decode(out, skip_special_tokens=True)

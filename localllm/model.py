@@ -43,26 +43,60 @@ class Linear(nn.Module):
         self.residual = residual
         self.stats = stats
         self.settings = settings or QdecSettings()
-        w = weight if weight is not None else quant.dequantize()
-        self.weight = nn.Parameter(w.float(), requires_grad=False)  # [N, K] compute copy
+        # dense source weights [N, K]; a quantized Linear dequantizes on the CPU when first run there
+        self.weight = None if weight is None else nn.Parameter(weight.float(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self._dequantized: torch.Tensor | None = None
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[1]
+        return self.quant.in_features if self.quant is not None else self.weight.shape[1]
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[0]
+        return self.quant.scales.shape[0] if self.quant is not None else self.weight.shape[0]
+
+    def dense(self) -> torch.Tensor:
+        """The weights this layer computes with, as a dense [N, K] tensor (W_hat for a quantized layer)."""
+        if self.weight is not None:
+            return self.weight
+        if self._dequantized is None:
+            self._dequantized = self.quant.dequantize()
+        return self._dequantized
+
+    def place(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move to `device`; dense weights and bias take `dtype`, packed weights stay packed."""
+        if self.weight is not None:
+            self.weight = nn.Parameter(self.weight.to(device, dtype), requires_grad=False)
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.to(device, dtype), requires_grad=False)
+        if self.quant is not None:
+            q = self.quant
+            self.quant = type(q)(q.qweight.to(device), q.scales.to(device), q.zeros.to(device), q.bits,
+                                 q.group_size, q.in_features)
+            self._dequantized = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
-        y = F.linear(x, self.weight, self.bias)
+        if self.quant is not None and x.is_cuda:
+            y = self._gpu(x)
+        else:
+            y = F.linear(x, self.dense().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         k = self.settings.k_for(self.kind)
         if k > 0 and self.residual is not None:
             x2 = x.reshape(-1, x.shape[-1])
             idx = select_channels(self, x2, k)
             y = y + qdec.compensate(x2, idx, self.residual).to(y.dtype).reshape(y.shape)
         return y
+
+    def _gpu(self, x: torch.Tensor) -> torch.Tensor:
+        """One token: the low-bit GEMV kernel; several (a prompt): dequantize to fp16 and use cuBLAS."""
+        q = self.quant
+        if x.shape[:-1].numel() == 1:
+            from .kernels.gemv import gemv
+            y = gemv(x.reshape(-1).contiguous(), q.qweight, q.scales, q.zeros, q.bits, q.group_size)
+            y = y.view(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, q.dequantize(x.dtype), self.bias)
 
 
 def select_channels(lin: Linear, x: torch.Tensor, k_chunk: int) -> torch.Tensor:
@@ -96,10 +130,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def rope_tables(inv_freq: torch.Tensor, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, D/2] for positions start..start+T-1."""
-    pos = torch.arange(start, start + T, device=inv_freq.device, dtype=torch.float32)
-    ang = torch.outer(pos, inv_freq)
+def rope_tables(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D/2] for positions pos [T]."""
+    ang = pos.float()[:, None] * inv_freq[None, :]
     return ang.cos(), ang.sin()
 
 
@@ -125,20 +158,22 @@ class Block(nn.Module):
         self.attn_norm, self.qkv, self.o = attn_norm, qkv, o
         self.mlp_norm, self.gate_up, self.down = mlp_norm, gate_up, down
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
-                cache: KVCache | None) -> torch.Tensor:  # h: [B, T, D]
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                cache: KVCache | None, kv_len: int) -> torch.Tensor:
+        """h: [B, T, D] at positions pos [T]; with a cache, attend to its first kv_len entries."""
         c = self.cfg
         B, T, _ = h.shape
         q, k, v = self.qkv(self.attn_norm(h)).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = apply_rope(q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
         k = apply_rope(k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        key_pos = pos
         if cache is not None:
-            cache.k[self.layer, :B, :, start:start + T] = k
-            cache.v[self.layer, :B, :, start:start + T] = v
-            k, v = cache.k[self.layer, :B, :, :start + T], cache.v[self.layer, :B, :, :start + T]
-        # query t (absolute position start+t) sees keys 0..start+t
-        mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=h.device).tril(diagonal=k.shape[2] - T)
+            cache.k[self.layer, :B].index_copy_(2, pos, k.to(cache.k.dtype))
+            cache.v[self.layer, :B].index_copy_(2, pos, v.to(cache.v.dtype))
+            k, v = cache.k[self.layer, :B, :, :kv_len], cache.v[self.layer, :B, :, :kv_len]
+            key_pos = torch.arange(kv_len, device=h.device)
+        mask = key_pos[None, :] <= pos[:, None]  # [T, keys]: causal by absolute position
         a = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                            enable_gqa=c.num_kv_heads != c.num_heads)
         h = h + self.o(a.transpose(1, 2).reshape(B, T, c.q_size))
@@ -164,11 +199,34 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds the KV cache ({cache.max_len})")
+        pos = torch.arange(start, start + T, device=tokens.device)
+        return self.step(tokens, pos, cache, start + T)
+
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache | None, kv_len: int) -> torch.Tensor:
+        """forward() with positions as a tensor: with a fixed kv_len it can be captured in a CUDA graph."""
         h = F.embedding(tokens, self.embed)
-        cos, sin = rope_tables(self.inv_freq, start, T)
+        cos, sin = rope_tables(self.inv_freq, pos)
         for blk in self.blocks:
-            h = blk(h, cos, sin, start, cache)
+            h = blk(h, cos, sin, pos, cache, kv_len)
         return F.linear(self.norm(h), self.lm_head).float()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def place(self, device: str | torch.device) -> "Transformer":
+        """Move to `device`: fp16 activations and small tensors on a GPU, float32 on the CPU."""
+        device = torch.device(device)
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        tied = self.lm_head is self.embed
+        self.embed = nn.Parameter(self.embed.to(device, dtype), requires_grad=False)
+        self.lm_head = self.embed if tied else nn.Parameter(self.lm_head.to(device, dtype), requires_grad=False)
+        for n in [self.norm] + [m for b in self.blocks for m in (b.attn_norm, b.mlp_norm)]:
+            n.weight = nn.Parameter(n.weight.to(device), requires_grad=False)  # norms compute in float32
+        for lin in self.linears():
+            lin.place(device, dtype)
+        self.inv_freq = self.inv_freq.to(device)
+        return self
 
     def linears(self):
         for blk in self.blocks:

@@ -81,7 +81,8 @@ def quantize(src: str, out: str, bits: int = 4, group_size: int = 128, residuals
     h = embed[toks]  # [n_seq, seq_len, D]: calibration hidden states, pushed through block by block
     settings = QdecSettings()
     tensors = ({}, {}, {})
-    rope = rope_tables(rope_inv_freq(cfg), 0, toks.shape[1])
+    pos = torch.arange(toks.shape[1])
+    rope = rope_tables(rope_inv_freq(cfg), pos)
     for i in progress(range(cfg.num_layers), desc="quantizing blocks", unit="block"):
         qt = quantize_block(ckpt.block_tensors(i), bits, group_size, residuals)
         for kind in KINDS:
@@ -90,7 +91,7 @@ def quantize(src: str, out: str, bits: int = 4, group_size: int = 128, residuals
         hooks = [lin.register_forward_pre_hook(lambda m, args: m.stats.update(args[0]))
                  for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)]
         with torch.no_grad():
-            h = torch.cat([blk(hb, *rope, 0, None) for hb in h.split(4)])
+            h = torch.cat([blk(hb, *rope, pos, None, len(pos)) for hb in h.split(4)])
         for hk in hooks:
             hk.remove()
         for acc, part in zip(tensors, modelfile.block_state(i, blk)):

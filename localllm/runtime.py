@@ -39,6 +39,9 @@ class LocalModel:
             return
         if not self.has_residuals:
             raise LocalLLMError(f"{self.path} has no QDEC residuals; re-quantize it with residuals or use qdec='off'")
+        if self.model.device.type == "cuda":
+            raise LocalLLMError("QDEC on the GPU needs its fused kernel, which is not built yet; use qdec='off' "
+                                "on the GPU, or device='cpu' for compensated output")
         if qdec in ("on", True):
             mode, k = "approx", DEFAULT_K_CHUNK
         elif isinstance(qdec, int):
@@ -78,9 +81,25 @@ class LocalModel:
             yield from (b.attn_norm, b.mlp_norm)
 
 
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto": the GPU when the CUDA kernels can run (GPU + CuPy), else the CPU."""
+    from .kernels import cuda
+    if device == "auto":
+        return torch.device("cuda" if cuda.available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        cuda.require()
+    elif dev.type != "cpu":
+        raise LocalLLMError(f"device '{device}' is not supported; use auto, cpu or cuda")
+    return dev
+
+
 def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str | int | dict = "on",
-         verify: bool = True) -> LocalModel:
-    """Load a quantized model folder, a source checkpoint (dense, no QDEC), or, with no src, the demo model."""
+         verify: bool = True, device: str | torch.device = "cpu") -> LocalModel:
+    """Load a quantized model folder, a source checkpoint (dense, no QDEC), or, with no src, the demo model.
+
+    device: "cpu", "cuda" or "auto". On the GPU, QDEC is off until its fused kernel exists."""
+    dev = resolve_device(device)
     if src is None:
         from .demo import demo_model
         src = demo_model()
@@ -90,10 +109,14 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         from transformers import AutoTokenizer
         lm = LocalModel(model, AutoTokenizer.from_pretrained(str(path)), manifest, str(path),
                         manifest.get("eos_token_ids", []))
-        lm.set_qdec(qdec if lm.has_residuals else "off")
-        return lm
-    ckpt = open_checkpoint(src, gguf_file)
-    return LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids)
+        if dev.type == "cpu":
+            lm.set_qdec(qdec if lm.has_residuals else "off")
+    else:
+        ckpt = open_checkpoint(src, gguf_file)
+        lm = LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids)
+    if dev.type != "cpu":
+        lm.model.place(dev)
+    return lm
 
 
 def dense_model(ckpt: Checkpoint) -> Transformer:
