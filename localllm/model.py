@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import qdec
+from . import ops, qdec
 from .config import ModelConfig, rope_inv_freq
 from .quant import QuantResidual, QuantWeight
 
@@ -120,14 +120,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D]; cos/sin: [T, D/2]. Rotate-half convention, as Hugging Face checkpoints expect.
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return ops.rmsnorm(x, self.weight, self.eps)
 
 
 def rope_tables(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,9 +156,11 @@ class Block(nn.Module):
         """h: [B, T, D] at positions pos [T]; with a cache, attend to its first kv_len entries."""
         c = self.cfg
         B, T, _ = h.shape
-        q, k, v = self.qkv(self.attn_norm(h)).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rope(q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
+        qkv = self.qkv(self.attn_norm(h))  # [B, T, q + k + v]
+        ops.rope_(qkv.view(B * T, -1), cos, sin, c.num_heads + c.num_kv_heads, c.head_dim)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         key_pos = pos
         if cache is not None:
@@ -177,8 +172,7 @@ class Block(nn.Module):
         a = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                            enable_gqa=c.num_kv_heads != c.num_heads)
         h = h + self.o(a.transpose(1, 2).reshape(B, T, c.q_size))
-        gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        return h + self.down(ops.silu_mul(self.gate_up(self.mlp_norm(h))))
 
 
 class Transformer(nn.Module):

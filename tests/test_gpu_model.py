@@ -30,3 +30,23 @@ def test_graph_replay_equals_eager(tiny_quant):
             tok = a.argmax()
             a, b = eager.step(tok, pos), graph.step(tok, pos)
             assert torch.allclose(a, b, atol=2e-2, rtol=1e-2), pos
+
+
+@pytest.mark.parametrize("rows,D", [(1, 4096), (7, 576), (3, 5120)])
+def test_fused_kernels_match_torch_reference(rows, D):
+    from localllm import ops
+    from localllm.kernels import fused
+    x = torch.randn(rows, D, device="cuda").half()
+    w = torch.rand(D, device="cuda") + 0.5
+    ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * w).half()
+    assert torch.allclose(fused.rmsnorm(x, w, 1e-5).float(), ref.float(), rtol=2e-3, atol=2e-3)
+    gu = torch.randn(rows, 2 * D, device="cuda").half()
+    ref = (torch.nn.functional.silu(gu[:, :D].float()) * gu[:, D:].float()).half()
+    assert torch.allclose(fused.silu_mul(gu).float(), ref.float(), rtol=2e-3, atol=2e-3)
+    heads, hd = 6, 128
+    qkv = torch.randn(rows, heads * hd + 256, device="cuda").half()
+    ang = torch.rand(rows, hd // 2, device="cuda") * 6
+    want = qkv.clone().cpu().float()
+    ops.rope_(want, ang.cos().cpu(), ang.sin().cpu(), heads, hd)  # the torch reference, on the CPU
+    fused.rope_(qkv, ang.cos(), ang.sin(), heads, hd)
+    assert torch.allclose(qkv.float().cpu(), want, rtol=2e-3, atol=2e-3)

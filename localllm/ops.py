@@ -1,0 +1,49 @@
+"""Elementwise pieces of the decoder, one function each: the fused CUDA kernel for fp16 tensors on a GPU
+(kernels/fused.cu), else the torch reference below, which defines what the kernel computes."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _kernels() -> bool:
+    from .kernels import cuda
+    return cuda.available()
+
+
+def _fused(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.float16 and x.is_contiguous() and _kernels()
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] * rsqrt(mean(x^2) + eps) * w (w float32), computed in float32, returned in x's dtype."""
+    if _fused(x):
+        from .kernels import fused
+        return fused.rmsnorm(x, w, eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotate-half RoPE, in place, on the first `heads` heads of each row of qkv [rows, ld] (the q heads then the
+    k heads of a fused projection); row r is at position r % T of cos/sin [T, head_dim / 2]."""
+    if _fused(qkv):
+        from .kernels import fused
+        return fused.rope_(qkv, cos, sin, heads, head_dim)
+    T = cos.shape[0]
+    x = qkv[:, : heads * head_dim].view(-1, T, heads, head_dim)
+    x1, x2 = x.float().chunk(2, dim=-1)  # [B, T, H, D/2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: silu(gate) * up for gu = [gate | up] along the last dim."""
+    if _fused(gu):
+        from .kernels import fused
+        return fused.silu_mul(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
