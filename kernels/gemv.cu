@@ -55,12 +55,13 @@ __device__ __forceinline__ void load_round(const uint32_t* base, int s0, int str
     for (int u = 0; u < UNROLL; u++) load_step<BITS>(base + (size_t)min(s0 + u * stride, steps - 1) * 32 * BITS, w[u]);
 }
 
-// Dynamic shared memory: x as B fragments (K halves), the 64-channel sums of x (K/64 floats), then the tile's
+// y = W_hat x (+ res when res is not null). Dynamic shared memory: x as B fragments (K halves), the 64-channel sums of x (K/64 floats), then the tile's
 // 16 x G scales and 16 x G zeros. Group size = 64 << GSHIFT.
 template <int BITS, int WARPS, int UNROLL, int GSHIFT>
 __global__ void __launch_bounds__(32 * WARPS) gemv(const uint32_t* __restrict__ qw, const __half* __restrict__ scales,
                                                    const uint8_t* __restrict__ zeros, const __half* __restrict__ x,
-                                                   __half* __restrict__ y, int N, int K, int G) {
+                                                   const __half* __restrict__ res, __half* __restrict__ y, int N,
+                                                   int K, int G) {
     extern __shared__ __align__(16) unsigned char smem[];
     uint32_t* xs = reinterpret_cast<uint32_t*>(smem);  // [step][t][m][2] half2 words
     float* xsum = reinterpret_cast<float*>(xs + K / 2);
@@ -152,12 +153,13 @@ __global__ void __launch_bounds__(32 * WARPS) gemv(const uint32_t* __restrict__ 
         float v = 0.0f;
 #pragma unroll
         for (int i = 0; i < WARPS; i++) v += red[i][threadIdx.x];
+        if (res != nullptr) v += __half2float(res[tile * 16 + threadIdx.x]);  // fused residual add
         y[tile * 16 + threadIdx.x] = __float2half_rn(v);
     }
 }
 
 #define INST(B, GS) template __global__ void gemv<B, 8, 4, GS>(const uint32_t*, const __half*, const uint8_t*, \
-                                                           const __half*, __half*, int, int, int);
+                                                           const __half*, const __half*, __half*, int, int, int);
 #define INST_BITS(B) INST(B, 0) INST(B, 1) INST(B, 2) INST(B, 3)
 INST_BITS(2)
 INST_BITS(3)

@@ -76,11 +76,14 @@ class Linear(nn.Module):
                                  q.group_size, q.in_features)
             self._dequantized = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [..., K] -> [..., N], plus `residual` (same shape as the output) when given."""
         if self.quant is not None and x.is_cuda:
-            y = self._gpu(x)
+            y = self._gpu(x, residual)
         else:
             y = F.linear(x, self.dense().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            if residual is not None:
+                y = y + residual
         k = self.settings.k_for(self.kind)
         if k > 0 and self.residual is not None:
             x2 = x.reshape(-1, x.shape[-1])
@@ -88,15 +91,22 @@ class Linear(nn.Module):
             y = y + qdec.compensate(x2, idx, self.residual).to(y.dtype).reshape(y.shape)
         return y
 
-    def _gpu(self, x: torch.Tensor) -> torch.Tensor:
-        """One token: the low-bit GEMV kernel; several (a prompt): dequantize to fp16 and use cuBLAS."""
+    def _gpu(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """One token: the low-bit GEMV kernel (adding the residual in its epilogue when there is no bias);
+        several (a prompt): dequantize to fp16 and use cuBLAS."""
         q = self.quant
         if x.shape[:-1].numel() == 1:
             from .kernels.gemv import gemv
-            y = gemv(x.reshape(-1).contiguous(), q.qweight, q.scales, q.zeros, q.bits, q.group_size)
-            y = y.view(*x.shape[:-1], -1)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, q.dequantize(x.dtype), self.bias)
+            fuse = residual is not None and self.bias is None
+            y = gemv(x.reshape(-1).contiguous(), q.qweight, q.scales, q.zeros, q.bits, q.group_size,
+                     residual=residual.reshape(-1).contiguous() if fuse else None).view(*x.shape[:-1], -1)
+            if fuse:
+                return y
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = F.linear(x, q.dequantize(x.dtype), self.bias)
+        return y if residual is None else y + residual
 
 
 def select_channels(lin: Linear, x: torch.Tensor, k_chunk: int) -> torch.Tensor:
@@ -129,6 +139,13 @@ def rope_tables(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor
     return ang.cos(), ang.sin()
 
 
+def attention_mask(pos: torch.Tensor, kv_len: int | None) -> torch.Tensor:
+    """[T, keys]: query at position pos[t] sees keys at positions <= pos[t]; keys are cache entries 0..kv_len-1,
+    or, without a cache, the queries themselves. Made once per forward, shared by every block."""
+    keys = pos if kv_len is None else torch.arange(kv_len, device=pos.device)
+    return keys[None, :] <= pos[:, None]
+
+
 class KVCache(nn.Module):
     """Static KV cache: k/v [layers, B, kv_heads, max_len, head_dim], filled in place."""
 
@@ -152,8 +169,9 @@ class Block(nn.Module):
         self.mlp_norm, self.gate_up, self.down = mlp_norm, gate_up, down
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                cache: KVCache | None, kv_len: int) -> torch.Tensor:
-        """h: [B, T, D] at positions pos [T]; with a cache, attend to its first kv_len entries."""
+                cache: KVCache | None, mask: torch.Tensor) -> torch.Tensor:
+        """h: [B, T, D] at positions pos [T]; mask [T, keys] from attention_mask(); with a cache the keys are
+        its first mask.shape[1] entries."""
         c = self.cfg
         B, T, _ = h.shape
         qkv = self.qkv(self.attn_norm(h))  # [B, T, q + k + v]
@@ -162,17 +180,15 @@ class Block(nn.Module):
         q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
         k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        key_pos = pos
         if cache is not None:
+            kv_len = mask.shape[1]
             cache.k[self.layer, :B].index_copy_(2, pos, k.to(cache.k.dtype))
             cache.v[self.layer, :B].index_copy_(2, pos, v.to(cache.v.dtype))
             k, v = cache.k[self.layer, :B, :, :kv_len], cache.v[self.layer, :B, :, :kv_len]
-            key_pos = torch.arange(kv_len, device=h.device)
-        mask = key_pos[None, :] <= pos[:, None]  # [T, keys]: causal by absolute position
         a = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                            enable_gqa=c.num_kv_heads != c.num_heads)
-        h = h + self.o(a.transpose(1, 2).reshape(B, T, c.q_size))
-        return h + self.down(ops.silu_mul(self.gate_up(self.mlp_norm(h))))
+        h = self.o(a.transpose(1, 2).reshape(B, T, c.q_size), residual=h)
+        return self.down(ops.silu_mul(self.gate_up(self.mlp_norm(h))), residual=h)
 
 
 class Transformer(nn.Module):
@@ -200,8 +216,9 @@ class Transformer(nn.Module):
         """forward() with positions as a tensor: with a fixed kv_len it can be captured in a CUDA graph."""
         h = F.embedding(tokens, self.embed)
         cos, sin = rope_tables(self.inv_freq, pos)
+        mask = attention_mask(pos, kv_len if cache is not None else None)
         for blk in self.blocks:
-            h = blk(h, cos, sin, pos, cache, kv_len)
+            h = blk(h, cos, sin, pos, cache, mask)
         return F.linear(self.norm(h), self.lm_head).float()
 
     @property

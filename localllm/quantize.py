@@ -16,7 +16,7 @@ from . import modelfile
 from .errors import LocalLLMError
 from .loader import Checkpoint, open_checkpoint
 from .config import rope_inv_freq
-from .model import KINDS, QdecSettings, build_block, rope_tables
+from .model import KINDS, QdecSettings, attention_mask, build_block, rope_tables
 from .progress import progress
 from .qdec import ActStats
 from .quant import BASE_BITS, GROUP_SIZES, quantize_residual, quantize_rtn
@@ -83,6 +83,7 @@ def quantize(src: str, out: str, bits: int = 4, group_size: int = 128, residuals
     tensors = ({}, {}, {})
     pos = torch.arange(toks.shape[1])
     rope = rope_tables(rope_inv_freq(cfg), pos)
+    mask = attention_mask(pos, None)
     for i in progress(range(cfg.num_layers), desc="quantizing blocks", unit="block"):
         qt = quantize_block(ckpt.block_tensors(i), bits, group_size, residuals)
         for kind in KINDS:
@@ -91,7 +92,7 @@ def quantize(src: str, out: str, bits: int = 4, group_size: int = 128, residuals
         hooks = [lin.register_forward_pre_hook(lambda m, args: m.stats.update(args[0]))
                  for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)]
         with torch.no_grad():
-            h = torch.cat([blk(hb, *rope, pos, None, len(pos)) for hb in h.split(4)])
+            h = torch.cat([blk(hb, *rope, pos, None, mask) for hb in h.split(4)])
         for hk in hooks:
             hk.remove()
         for acc, part in zip(tensors, modelfile.block_state(i, blk)):

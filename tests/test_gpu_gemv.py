@@ -32,3 +32,12 @@ def test_gemv_matches_float64_reference(bits, N, K, gs):
     assert not out.isnan().any()
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert rel < 1e-3, f"bits={bits} {N}x{K} g{gs}: rel err {rel}"
+
+
+def test_gemv_adds_residual_in_epilogue():
+    from localllm.kernels.gemv import gemv
+    q = random_quant(4096, 4096, 4, 128)
+    x, res = torch.randn(4096, device="cuda").half(), torch.randn(4096, device="cuda").half()
+    ref = q.dequantize(torch.float64) @ x.double() + res.double()
+    got = gemv(x, q.qweight, q.scales, q.zeros, 4, 128, residual=res)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-3
