@@ -115,8 +115,28 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         ckpt = open_checkpoint(src, gguf_file)
         lm = LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids)
     if dev.type != "cpu":
+        check_gpu_memory(lm, dev)
         lm.model.place(dev)
     return lm
+
+
+def check_gpu_memory(lm: LocalModel, dev: torch.device, context: int = 4096) -> None:
+    """Refuse, in one line, a model that cannot fit: bytes needed vs free, and which bit width would fit."""
+    free, _ = torch.cuda.mem_get_info(dev)
+    cfg = lm.model.cfg
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * min(context, cfg.max_position_embeddings) * 2
+    sizes = lm.sizes()
+    need = sizes["gpu_bytes"] + kv + (256 << 20)  # + activations, workspace
+    if need <= free:
+        return
+    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    bits = lm.manifest["quant"]["bits"] if lm.manifest else 16
+    linear = sum(lin.in_features * lin.out_features for lin in lm.model.linears())
+    fits = [b for b in (4, 3, 2) if b < bits and need - linear * (bits - b) / 8 <= free]
+    hint = f"quantize it to {fits[0]} bits (localllm quantize --bits {fits[0]})" if fits else \
+        "use a smaller model or the CPU (device='cpu')"
+    raise LocalLLMError(f"{lm.path} needs {gib(need)} of GPU memory ({gib(sizes['gpu_bytes'])} weights, "
+                        f"{gib(kv)} KV cache for {context} tokens) but {gib(free)} is free; {hint}")
 
 
 def dense_model(ckpt: Checkpoint) -> Transformer:

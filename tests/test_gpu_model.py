@@ -50,3 +50,10 @@ def test_fused_kernels_match_torch_reference(rows, D):
     ops.rope_(want, ang.cos().cpu(), ang.sin().cpu(), heads, hd)  # the torch reference, on the CPU
     fused.rope_(qkv, ang.cos(), ang.sin(), heads, hd)
     assert torch.allclose(qkv.float().cpu(), want, rtol=2e-3, atol=2e-3)
+
+
+def test_too_big_for_the_gpu_is_refused_with_sizes(tiny_quant, monkeypatch):
+    from localllm.errors import LocalLLMError
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1 << 20, 80 << 30))
+    with pytest.raises(LocalLLMError, match=r"needs .* GiB of GPU memory .* but 0.0 GiB is free"):
+        load(tiny_quant, device="cuda")

@@ -126,3 +126,15 @@ def test_corrupt_source_safetensors_is_refused(tmp_path):
     f.write_bytes(f.read_bytes()[:1000])
     with pytest.raises(LocalLLMError, match="corrupt or truncated"):
         load(p)
+
+
+def test_gpu_memory_check_names_sizes_and_a_bit_width_that_fits(tiny_quant, monkeypatch):
+    from localllm.runtime import check_gpu_memory
+    lm = load(tiny_quant, qdec="off")
+    linear = sum(lin.in_features * lin.out_features for lin in lm.model.linears())
+    need = lm.sizes()["gpu_bytes"] + 2 * 2 * 2 * 16 * 256 * 2 + (256 << 20)  # weights + KV (256 tokens) + slack
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (need - linear // 16, 1 << 40))
+    with pytest.raises(LocalLLMError, match=r"GiB of GPU memory .* is free; quantize it to 2 bits"):
+        check_gpu_memory(lm, torch.device("cuda"), context=4096)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (need + 1, 1 << 40))
+    check_gpu_memory(lm, torch.device("cuda"), context=4096)  # fits: no error
