@@ -158,9 +158,11 @@ __global__ void __launch_bounds__(32 * WARPS) gemv(const uint32_t* __restrict__ 
     }
 }
 
-#define INST(B, GS) template __global__ void gemv<B, 8, 4, GS>(const uint32_t*, const __half*, const uint8_t*, \
-                                                           const __half*, const __half*, __half*, int, int, int);
-#define INST_BITS(B) INST(B, 0) INST(B, 1) INST(B, 2) INST(B, 3)
-INST_BITS(2)
-INST_BITS(3)
-INST_BITS(4)
+// (warps per tile, steps in flight) variants, chosen per shape by gemv.py's pick_variant
+#define INST(B, W, U, GS) template __global__ void gemv<B, W, U, GS>(const uint32_t*, const __half*, \
+    const uint8_t*, const __half*, const __half*, __half*, int, int, int);
+#define INST_GS(B, W, U) INST(B, W, U, 0) INST(B, W, U, 1) INST(B, W, U, 2) INST(B, W, U, 3)
+#define INST_BITS(W, U) INST_GS(2, W, U) INST_GS(3, W, U) INST_GS(4, W, U)
+INST_BITS(4, 2)
+INST_BITS(4, 4)
+INST_BITS(16, 2)

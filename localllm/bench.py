@@ -49,6 +49,31 @@ def _copies(one_bytes: int) -> int:
     return max(2, -(-L2_FLUSH_BYTES // one_bytes))
 
 
+def gemv_sweep(group_size: int = 128) -> None:
+    """Time each compiled (warps, unroll) variant of the GEMV on the 8B shapes, W4 and W3: which to ship."""
+    from .kernels.gemv import VARIANTS, gemv
+    from .quant import pack_codes
+    bw = copy_bandwidth()
+    print(f"\nGEMV variants, % of copy bandwidth ({bw / 1e9:.0f} GB/s); columns: (warps per tile, steps in flight)")
+    print(f"{'layer':8} {'bits':>4} " + " ".join(f"{str(v):>9}" for v in VARIANTS))
+    for name, (N, K) in LLAMA3_8B.items():
+        x = torch.randn(K, device="cuda").half()
+        for bits in (4, 3):
+            G = K // group_size
+            sets = [(pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits),
+                     torch.rand(N, G, device="cuda").half(),
+                     torch.randint(0, 2**bits, (N, G), device="cuda", dtype=torch.uint8),
+                     torch.empty(N, device="cuda", dtype=torch.float16)) for _ in range(_copies(N * K * bits // 8))]
+            nbytes = N * K * bits // 8 + N * G * 3 + K * 2 + N * 2
+            cells = []
+            for v in VARIANTS:
+                t = time_graph([lambda s=s, v=v: gemv(x, s[0], s[1], s[2], bits, group_size, out=s[3], variant=v)
+                                for s in sets])
+                cells.append(f"{100 * nbytes / t / bw:8.1f}%")
+            print(f"{name:8} {bits:>4} " + " ".join(cells))
+            del sets
+
+
 def bench_gemv(bits_list=(4, 3, 2), group_size: int = 128) -> list[dict]:
     from .kernels.gemv import gemv
     from .quant import pack_codes
@@ -253,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     parts = (sys.argv[1:] if argv is None else argv) or ["gemv", "e2e", "demo"]
     print(f"device: {torch.cuda.get_device_name()}")
     for p in parts:
-        {"gemv": bench_gemv, "e2e": bench_e2e, "demo": bench_demo}[p]()
+        {"gemv": bench_gemv, "gemv-sweep": gemv_sweep, "e2e": bench_e2e, "demo": bench_demo}[p]()
 
 
 if __name__ == "__main__":
