@@ -151,7 +151,8 @@ def describe(lm: LocalModel) -> dict:
     """What `localllm info` prints."""
     m = lm.manifest or {}
     c = lm.model.cfg
-    n_params = sum(p.numel() for p in lm.model.parameters())  # tied lm_head counted once
+    n_params = sum(lin.in_features * lin.out_features for lin in lm.model.linears()) + lm.model.embed.numel() \
+        + (0 if lm.model.lm_head is lm.model.embed else lm.model.lm_head.numel())
     return {
         "path": lm.path,
         "architecture": f"{c.model_type}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/"
