@@ -158,6 +158,41 @@ __global__ void __launch_bounds__(32 * WARPS) gemv(const uint32_t* __restrict__ 
     }
 }
 
+// W_hat as dense fp16 [N, K] (for prompts: cuBLAS then multiplies). One thread per (16x64 tile, lane): the same
+// decode as the GEMV, then (code - zero) * scale in fp32 rounded once to fp16, as quant.QuantWeight.dequantize.
+template <int BITS>
+__global__ void dequant(const uint32_t* __restrict__ qw, const __half* __restrict__ scales,
+                        const uint8_t* __restrict__ zeros, __half* __restrict__ out, int N, int K, int G,
+                        int group_size) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    const int steps = K / 64;
+    if (idx >= N / 16 * steps * 32) return;
+    const int lane = idx & 31, step = (idx >> 5) % steps, tile = (idx >> 5) / steps;
+    const int g = lane >> 2, t = lane & 3;
+    uint32_t w[BITS];
+    load_step<BITS>(qw + (size_t)idx * BITS, w);
+    const int grp = step * 64 / group_size;
+#pragma unroll
+    for (int half_row = 0; half_row < 2; half_row++) {
+        const int row = tile * 16 + g + 8 * half_row;
+        const float s = __half2float(scales[(size_t)row * G + grp]);
+        const float z = 1024.0f + zeros[(size_t)row * G + grp];
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+#pragma unroll
+            for (int jj = 0; jj < 2; jj++) {  // register j = 2 * jj + half_row: columns + 8 * jj
+                const uint32_t v = magic_codes<BITS>(w, m, 2 * jj + half_row);
+                const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v));
+                const int col = step * 64 + m * 16 + 2 * t + 8 * jj;
+                *reinterpret_cast<__half2*>(out + (size_t)row * K + col) =
+                    __floats2half2_rn((f.x - z) * s, (f.y - z) * s);
+            }
+    }
+}
+template __global__ void dequant<2>(const uint32_t*, const __half*, const uint8_t*, __half*, int, int, int, int);
+template __global__ void dequant<3>(const uint32_t*, const __half*, const uint8_t*, __half*, int, int, int, int);
+template __global__ void dequant<4>(const uint32_t*, const __half*, const uint8_t*, __half*, int, int, int, int);
+
 // (warps per tile, steps in flight) variants, chosen per shape by gemv.py's pick_variant
 #define INST(B, W, U, GS) template __global__ void gemv<B, W, U, GS>(const uint32_t*, const __half*, \
     const uint8_t*, const __half*, const __half*, __half*, int, int, int);

@@ -11,7 +11,8 @@ from . import cuda
 # (warps per 16-row tile splitting K, 64-channel steps in flight per warp): the compiled variants of gemv.cu.
 # Measured on the H100 (localllm bench gemv-sweep): long K wants more warps per tile, large N more steps in flight.
 VARIANTS = ((4, 2), (4, 4), (16, 2))
-NAMES = tuple(f"gemv<{b},{w},{u},{gs}>" for b in (2, 3, 4) for w, u in VARIANTS for gs in range(len(GROUP_SIZES)))
+NAMES = tuple(f"gemv<{b},{w},{u},{gs}>" for b in (2, 3, 4) for w, u in VARIANTS for gs in range(len(GROUP_SIZES))) \
+    + tuple(f"dequant<{b}>" for b in (2, 3, 4))
 
 
 def pick_variant(N: int, K: int) -> tuple[int, int]:
@@ -40,4 +41,18 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
                               cuda.ptr(residual) if residual is not None else np.uint64(0), cuda.ptr(out),
                               np.int32(N), np.int32(K), np.int32(G)), stream=cuda.stream(),
       shared_mem=smem)
+    return out
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               group_size: int) -> torch.Tensor:
+    """W_hat as fp16 [N, K] on the GPU: what quant.QuantWeight.dequantize(torch.float16) computes."""
+    N, G = scales.shape
+    K = qweight.shape[1] * 2 // bits
+    out = torch.empty(N, K, dtype=torch.float16, device=qweight.device)
+    threads = N // 16 * (K // 64) * 32
+    cuda.kernel("gemv", f"dequant<{bits}>", NAMES)(
+        (-(-threads // 256),), (256,), (cuda.ptr(qweight), cuda.ptr(scales), cuda.ptr(zeros), cuda.ptr(out),
+                                        np.int32(N), np.int32(K), np.int32(G), np.int32(group_size)),
+        stream=cuda.stream())
     return out

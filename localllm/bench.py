@@ -169,6 +169,23 @@ def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 50) -> floa
     return a.elapsed_time(b) / 1e3 / reps
 
 
+def prefill_time(model, tokens: int = 512) -> float:
+    """Seconds to run a prompt of `tokens` tokens (dequantize per layer + cuBLAS), eager, median of 3."""
+    from .model import KVCache
+    ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), device="cuda")
+    cache = KVCache(model.cfg, tokens, dtype=model.embed.dtype, device="cuda")
+    times = []
+    with torch.inference_mode():
+        for _ in range(4):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            model(ids, 0, cache)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times[1:])
+
+
 def hf_generate_tps(cfg, new_tokens: int = 64) -> float:
     """transformers fp16 generate (its default path) on a random model of the same shape, tokens/s."""
     import time
@@ -212,7 +229,8 @@ def bench_e2e(bits_list=(4, 3)) -> list[dict]:
         used = torch.cuda.memory_allocated() - base
         nbytes = weight_bytes(m)
         t = decode_time(m)
-        rows.append({"bits": bits, "ms": t * 1e3, "tok/s": 1 / t, "roofline_tok/s": bw / nbytes,
+        rows.append({"bits": bits, "ms": t * 1e3, "prefill512_ms": prefill_time(m) * 1e3, "tok/s": 1 / t,
+                     "roofline_tok/s": bw / nbytes,
                      "of_roofline": nbytes / bw / t, "vs_fp16_graph": t16 / t, "bytes_ratio": fp16_bytes / nbytes,
                      "vs_hf": (1 / t) / hf_tps, "gpu_mem_GB": used / 1e9,
                      "packed_GB": (nbytes + m.embed.numel() * 2) / 1e9})
@@ -221,11 +239,11 @@ def bench_e2e(bits_list=(4, 3)) -> list[dict]:
           f"(copy bandwidth {bw / 1e9:.0f} GB/s)")
     print(f"fp16 (same decoder, CUDA graph): {1 / t16:.1f} tok/s; transformers fp16 generate: {hf_tps:.1f} tok/s")
     print(f"{'bits':>4} {'ms/tok':>7} {'tok/s':>7} {'roofline':>8} {'% roof':>7} {'vs fp16':>8} {'bytes x':>8} "
-          f"{'vs HF':>6} {'GPU GB':>7} {'model GB':>9}")
+          f"{'vs HF':>6} {'GPU GB':>7} {'model GB':>9} {'prefill 512 ms':>14}")
     for r in rows:
         print(f"{r['bits']:>4} {r['ms']:7.2f} {r['tok/s']:7.1f} {r['roofline_tok/s']:8.1f} "
               f"{100 * r['of_roofline']:6.1f}% {r['vs_fp16_graph']:7.2f}x {r['bytes_ratio']:7.2f}x "
-              f"{r['vs_hf']:5.1f}x {r['gpu_mem_GB']:7.2f} {r['packed_GB']:9.2f}")
+              f"{r['vs_hf']:5.1f}x {r['gpu_mem_GB']:7.2f} {r['packed_GB']:9.2f} {r['prefill512_ms']:14.1f}")
     return rows
 
 

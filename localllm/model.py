@@ -105,7 +105,8 @@ class Linear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         else:
-            y = F.linear(x, q.dequantize(x.dtype), self.bias)
+            from .kernels.gemv import dequantize
+            y = F.linear(x, dequantize(q.qweight, q.scales, q.zeros, q.bits, q.group_size), self.bias)
         return y if residual is None else y + residual
 
 

@@ -41,3 +41,11 @@ def test_gemv_adds_residual_in_epilogue():
     ref = q.dequantize(torch.float64) @ x.double() + res.double()
     got = gemv(x, q.qweight, q.scales, q.zeros, 4, 128, residual=res)
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-3
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("N,K,gs", [(6144, 4096, 128), (1728, 576, 128), (48, 192, 64)])
+def test_dequant_kernel_equals_reference(bits, N, K, gs):
+    from localllm.kernels.gemv import dequantize
+    q = random_quant(N, K, bits, gs)
+    assert torch.equal(dequantize(q.qweight, q.scales, q.zeros, bits, gs), q.dequantize(torch.float16))
