@@ -18,16 +18,17 @@ HERE = Path(__file__).parent
 
 def available() -> bool:
     """Whether the CUDA kernels can run here: a GPU, CuPy, and not switched off."""
-    if os.environ.get("LOCALLLM_NO_CUDA_KERNELS") == "1" or not torch.cuda.is_available():
+    if os.environ.get("LOCALLLM_NO_CUDA_KERNELS") == "1":
         return False
     try:
-        import cupy  # noqa: F401
-    except ImportError:
+        require()
+    except LocalLLMError:
         return False
     return True
 
 
 def require() -> None:
+    """Raise a one-line LocalLLMError saying what is missing for the GPU kernels."""
     if not torch.cuda.is_available():
         raise LocalLLMError("no CUDA GPU is visible; the GPU kernels need an NVIDIA GPU (the CPU path runs without)")
     try:

@@ -49,22 +49,27 @@ def _copies(one_bytes: int) -> int:
     return max(2, -(-L2_FLUSH_BYTES // one_bytes))
 
 
+def gemv_sets(N: int, K: int, bits: int, group_size: int) -> tuple[list, int]:
+    """Enough random packed weight sets (qweight, scales, zeros, out) to defeat L2, and the bytes one GEMV moves."""
+    from .quant import pack_codes
+    G = -(-K // group_size)
+    sets = [(pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits),
+             torch.rand(N, G, device="cuda").half(),
+             torch.randint(0, 2**bits, (N, G), device="cuda", dtype=torch.uint8),
+             torch.empty(N, device="cuda", dtype=torch.float16)) for _ in range(_copies(N * K * bits // 8))]
+    return sets, N * K * bits // 8 + N * G * 3 + K * 2 + N * 2
+
+
 def gemv_sweep(group_size: int = 128) -> None:
     """Time each compiled (warps, unroll) variant of the GEMV on the 8B shapes, W4 and W3: which to ship."""
     from .kernels.gemv import VARIANTS, gemv
-    from .quant import pack_codes
     bw = copy_bandwidth()
     print(f"\nGEMV variants, % of copy bandwidth ({bw / 1e9:.0f} GB/s); columns: (warps per tile, steps in flight)")
     print(f"{'layer':8} {'bits':>4} " + " ".join(f"{str(v):>9}" for v in VARIANTS))
     for name, (N, K) in LLAMA3_8B.items():
         x = torch.randn(K, device="cuda").half()
         for bits in (4, 3):
-            G = K // group_size
-            sets = [(pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits),
-                     torch.rand(N, G, device="cuda").half(),
-                     torch.randint(0, 2**bits, (N, G), device="cuda", dtype=torch.uint8),
-                     torch.empty(N, device="cuda", dtype=torch.float16)) for _ in range(_copies(N * K * bits // 8))]
-            nbytes = N * K * bits // 8 + N * G * 3 + K * 2 + N * 2
+            sets, nbytes = gemv_sets(N, K, bits, group_size)
             cells = []
             for v in VARIANTS:
                 t = time_graph([lambda s=s, v=v: gemv(x, s[0], s[1], s[2], bits, group_size, out=s[3], variant=v)
@@ -76,7 +81,6 @@ def gemv_sweep(group_size: int = 128) -> None:
 
 def bench_gemv(bits_list=(4, 3, 2), group_size: int = 128) -> list[dict]:
     from .kernels.gemv import gemv
-    from .quant import pack_codes
     bw = copy_bandwidth()
     rows = []
     for name, (N, K) in LLAMA3_8B.items():
@@ -87,15 +91,8 @@ def bench_gemv(bits_list=(4, 3, 2), group_size: int = 128) -> list[dict]:
         t16 = time_graph([lambda w=w: torch.mv(w, x) for w in ws])
         del ws, w16
         for bits in bits_list:
-            G = -(-K // group_size)
-            sets = []
-            for _ in range(_copies(N * K * bits // 8)):
-                q = pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits)
-                sets.append((q, torch.rand(N, G, device="cuda").half(),
-                             torch.randint(0, 2**bits, (N, G), device="cuda", dtype=torch.uint8),
-                             torch.empty(N, device="cuda", dtype=torch.float16)))
+            sets, nbytes = gemv_sets(N, K, bits, group_size)
             t = time_graph([lambda s=s: gemv(x, s[0], s[1], s[2], bits, group_size, out=s[3]) for s in sets])
-            nbytes = N * K * bits // 8 + N * G * 3 + K * 2 + N * 2
             rows.append({"layer": name, "N": N, "K": K, "bits": bits, "us": t * 1e6, "GB/s": nbytes / t / 1e9,
                          "of_copy_bw": nbytes / t / bw, "fp16_us": t16 * 1e6, "speedup_vs_fp16": t16 / t})
             del sets

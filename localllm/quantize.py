@@ -19,7 +19,7 @@ from .config import rope_inv_freq
 from .model import KINDS, QdecSettings, attention_mask, build_block, rope_tables
 from .progress import progress
 from .qdec import ActStats
-from .quant import BASE_BITS, GROUP_SIZES, quantize_residual, quantize_rtn
+from .quant import BASE_BITS, GROUP_SIZES, TILE_K, TILE_N, quantize_residual, quantize_rtn
 
 DEFAULT_CALIB = "calibration.txt"  # shipped in localllm/data
 
@@ -71,9 +71,9 @@ def quantize(src: str, out: str, bits: int = 4, group_size: int = 128, residuals
     cfg = ckpt.config
     for kind in KINDS:
         N, K = modelfile.linear_shape(cfg, kind)
-        if K % 64 or N % 16:
-            raise LocalLLMError(f"{kind} projection is {N}x{K}: localllm needs in_features % 64 == 0 and "
-                                "out_features % 16 == 0 (the GPU kernels' tiles)")
+        if K % TILE_K or N % TILE_N:
+            raise LocalLLMError(f"{kind} projection is {N}x{K}: localllm needs in_features % {TILE_K} == 0 and "
+                                f"out_features % {TILE_N} == 0 (the GPU kernels' tiles)")
     toks, calib = calibration_tokens(ckpt.tokenizer, calib_text, calib_tokens, seq_len)
     fingerprint = ckpt.fingerprint()
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from localllm.generate import generate
-from localllm.runtime import LocalModel, dense_model, load
+from localllm.runtime import dense_model, load
 
 
 @pytest.fixture(scope="module")
