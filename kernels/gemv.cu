@@ -1,203 +1,290 @@
-// Low-bit GEMV (batch 1) on the tensor cores: y[N] = W_hat[N, K] x[K], W_hat group-wise asymmetric RTN.
+// Low-bit GEMV (batch 1) on the tensor cores: y[N] = W_hat[N, K] x[K] (+ res), W_hat group-wise asymmetric RTN.
 //
-// qweight is in the mma-v2 layout of quant.py: for each 16-row x 64-channel tile, lane L of a warp holds BITS
-// words that contain exactly its A-operand elements of the tile's four mma.m16n8k16 instructions. Two codes
-// become a half2 (1024 + code) with one mask-and-or (the 0x6400 exponent trick); the tensor core multiplies them
-// by x (the B operand's column 0; the other 7 columns are zero) with fp32 accumulation, and per 64-channel step
-// the lanes holding column 0 apply y += s * (C - (1024 + z) * sum(x)) in fp32 (the offset costs ~8 of fp32's 24
-// bits, far below fp16 output rounding). A block owns one 16-row tile; its WARPS warps split K and reduce through
-// shared memory. x (in B-fragment order), its 64-channel sums, and the tile's scales and zeros are staged in
-// shared memory, so only weight loads stay in flight, double-buffered across rounds of UNROLL steps.
+// qweight is in the mma-v3 layout of quant.py: a 16-row x 64-channel tile ("step") is 32 lanes x BITS words, each
+// lane's words holding exactly its A-operand elements of the step's four mma.m16n8k16 instructions; the steps of a
+// 16-row tile are contiguous, and tiles follow each other. One mask-and-or turns a bit field of both halves of a
+// word into a half2 of (1024 + f * code) (the 0x6400 exponent trick; f a power of two fixed per mma tile and row
+// half by the layout); the tensor core multiplies them by x (every column of B is x) with fp32 accumulation, and
+// per step and row y += s * (sum_m C_m / f_m - 1024 * sum_m X_m / f_m - z * X), X_m the 16-channel sums of x, in
+// fp32 (the offset costs ~8 of fp32's 24 bits, far below fp16 output rounding). meta holds, per (tile, group), the
+// 16 rows' fp16 scales then their 16 uint8 zeros (48 bytes; gemv.py builds it from QuantWeight's scales, zeros).
+//
+// Bandwidth comes from bytes in flight, not from threads: each block owns a contiguous range of tiles (a contiguous
+// byte range of qweight); its WARPS warps split K into contiguous step ranges, and every warp streams its steps
+// through its own ring of DEPTH shared-memory slots with cp.async (no registers held by loads in flight, no block
+// barrier in the stream). x, in B-fragment order, and its per-step sums are staged once per block. The warps'
+// partial sums of a tile meet in shared memory at the tile's end (one barrier per tile).
 #include <cuda_fp16.h>
 
 // NVRTC has no <stdint.h>
 typedef unsigned int uint32_t;
 typedef unsigned char uint8_t;
 
+// A predicated copy (no branch, so no divergence bookkeeping around it).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool on) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(dst),
+        "l"(src), "r"((int)on));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// log2 of the factor f of mma tile m, row half r (rows g: 0, rows g + 8: 1), as quant._SLOT places the fields.
+__host__ __device__ constexpr int log2_factor(int bits, int m, int r) {
+    return bits == 4   ? 4 * r
+           : bits == 3 ? (m == 0 ? 0 : m == 1 ? 3 * r : m == 2 ? 3 : 6)
+                       : (m < 3 ? 2 * m : 6 + 2 * r);
+}
+__device__ __forceinline__ float inv_factor(int bits, int m, int r) {
+    return 1.0f / (float)(1 << log2_factor(bits, m, r));
+}
+
+// The 16 A registers (a[m][j]: mma tile m, register j) of a lane's step, each a half2 of 1024 + f * code. The GEMV
+// passes magic = 0x64006400 as a kernel argument: a value the compiler cannot see stays a register operand, so each
+// register is one LOP3 (mask immediate, magic register) instead of an AND and an OR with two immediates.
 template <int BITS>
-__device__ __forceinline__ void load_step(const uint32_t* p, uint32_t (&w)[BITS]) {
+__device__ __forceinline__ void decode(const uint32_t (&w)[BITS], uint32_t magic, uint32_t (&a)[4][4]) {
     if (BITS == 4) {
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
-        w[0] = u.x; w[1 % BITS] = u.y; w[2 % BITS] = u.z; w[3 % BITS] = u.w;
-    } else if (BITS == 2) {
-        const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-        w[0] = u.x; w[1 % BITS] = u.y;
-    } else {
 #pragma unroll
-        for (int b = 0; b < BITS; b++) w[b] = __ldg(p + b);
+        for (int m = 0; m < 4; m++) {
+            const uint32_t hi = w[m] >> 8;
+            a[m][0] = (w[m] & 0x000F000Fu) | magic;
+            a[m][1] = (w[m] & 0x00F000F0u) | magic;
+            a[m][2] = (hi & 0x000F000Fu) | magic;
+            a[m][3] = (hi & 0x00F000F0u) | magic;
+        }
+    } else if (BITS == 3) {
+        const uint32_t A0 = w[0], A1 = w[1 % BITS], A2 = w[2 % BITS], B0 = A0 >> 9, B1 = A1 >> 9, B2 = A2 >> 9;
+        constexpr uint32_t F1 = 0x00070007u, F8 = 0x00380038u, F64 = 0x01C001C0u;
+        a[0][0] = (A0 & F1) | magic; a[0][1] = (A1 & F1) | magic; a[0][2] = (B0 & F1) | magic;
+        a[0][3] = (B1 & F1) | magic;
+        a[1][0] = (A2 & F1) | magic; a[1][1] = (A0 & F8) | magic; a[1][2] = (B2 & F1) | magic;
+        a[1][3] = (B0 & F8) | magic;
+        a[2][0] = (A1 & F8) | magic; a[2][1] = (A2 & F8) | magic; a[2][2] = (B1 & F8) | magic;
+        a[2][3] = (B2 & F8) | magic;
+        a[3][0] = (A0 & F64) | magic; a[3][1] = (A2 & F64) | magic; a[3][2] = (A1 & F64) | magic;
+        // the spread register: code bits 0, 1, 2 are bit 15 of words 0, 1, 2
+        a[3][3] = (B0 & 0x00400040u) | ((A1 >> 8) & 0x00800080u) | ((A2 >> 7) & 0x01000100u) | magic;
+    } else {
+        const uint32_t A0 = w[0], A1 = w[1 % BITS], B0 = A0 >> 10, B1 = A1 >> 10;
+#pragma unroll
+        for (int m = 0; m < 3; m++) {
+            const uint32_t mask = 0x00030003u << (2 * m);
+            a[m][0] = (A0 & mask) | magic;
+            a[m][1] = (A1 & mask) | magic;
+            a[m][2] = (B0 & mask) | magic;
+            a[m][3] = (B1 & mask) | magic;
+        }
+        a[3][0] = (A0 & 0x00C000C0u) | magic; a[3][1] = (A0 & 0x03000300u) | magic;
+        a[3][2] = (A1 & 0x00C000C0u) | magic; a[3][3] = (A1 & 0x03000300u) | magic;
     }
 }
 
-// half2 bits of (1024 + code) for register j of mma tile m (both arguments compile-time after unrolling).
+// A lane's BITS words of a step.
 template <int BITS>
-__device__ __forceinline__ uint32_t magic_codes(const uint32_t (&w)[BITS], int m, int j) {
-    if (BITS == 4) return ((w[m] >> (4 * j)) & 0x000F000Fu) | 0x64006400u;
-    const uint32_t low = ((w[m >> 1] >> (2 * (4 * (m & 1) + j))) & 0x00030003u) | 0x64006400u;
-    if (BITS == 2) return low;
-    const int p = 4 * m + j;  // bit 2 of the code sits at bit p (and p + 16) of the plane word
-    const uint32_t plane = w[BITS - 1];
-    return low | ((p >= 2 ? plane >> (p - 2) : plane << (2 - p)) & 0x00040004u);
+__device__ __forceinline__ void lane_words(const uint32_t* p, uint32_t (&w)[BITS]) {
+    if (BITS == 4) {
+        const uint4 u = *reinterpret_cast<const uint4*>(p);
+        w[0] = u.x; w[1 % BITS] = u.y; w[2 % BITS] = u.z; w[3 % BITS] = u.w;
+    } else if (BITS == 2) {
+        const uint2 u = *reinterpret_cast<const uint2*>(p);
+        w[0] = u.x; w[1 % BITS] = u.y;
+    } else {
+#pragma unroll
+        for (int b = 0; b < BITS; b++) w[b] = p[b];
+    }
 }
 
-__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int BITS, int UNROLL>
-__device__ __forceinline__ void load_round(const uint32_t* base, int s0, int stride, int steps,
-                                           uint32_t (&w)[UNROLL][BITS]) {
-#pragma unroll
-    for (int u = 0; u < UNROLL; u++) load_step<BITS>(base + (size_t)min(s0 + u * stride, steps - 1) * 32 * BITS, w[u]);
-}
+constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 zeros
 
-// y = W_hat x (+ res when res is not null). Dynamic shared memory: x as B fragments (K halves), the 64-channel sums of x (K/64 floats), then the tile's
-// 16 x G scales and 16 x G zeros. Group size = 64 << GSHIFT.
-template <int BITS, int WARPS, int UNROLL, int GSHIFT>
-__global__ void __launch_bounds__(32 * WARPS) gemv(const uint32_t* __restrict__ qw, const __half* __restrict__ scales,
-                                                   const uint8_t* __restrict__ zeros, const __half* __restrict__ x,
-                                                   const __half* __restrict__ res, __half* __restrict__ y, int N,
-                                                   int K, int G) {
+// Dynamic shared memory: x as B fragments (K halves), per step {X, offset of rows g, offset of rows g + 8, 0}
+// (K/64 float4), then the warps' rings (WARPS x DEPTH slots of one step's weights + one meta record). Registers
+// are capped at 64 so that 32 warps fit on an SM.
+// Group size = 64 << GSHIFT.
+template <int BITS, int WARPS, int DEPTH, int GSHIFT>
+__global__ void __launch_bounds__(32 * WARPS, 32 / WARPS) gemv(const uint8_t* __restrict__ qw, const uint8_t* __restrict__ meta,
+                                                   const __half* __restrict__ x, const __half* __restrict__ res,
+                                                   __half* __restrict__ y, int N, int K, int G, uint32_t magic) {
+    constexpr int STEP_BYTES = 128 * BITS, SLOT = STEP_BYTES + META_BYTES, SPG = 1 << GSHIFT;
     extern __shared__ __align__(16) unsigned char smem[];
+    const int S = K / 64;
     uint32_t* xs = reinterpret_cast<uint32_t*>(smem);  // [step][t][m][2] half2 words
-    float* xsum = reinterpret_cast<float*>(xs + K / 2);
-    __half* ss = reinterpret_cast<__half*>(xsum + K / 64);
-    uint8_t* zs = reinterpret_cast<uint8_t*>(ss + 16 * G);
+    float4* xstat = reinterpret_cast<float4*>(smem + K * 2);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: rows g and g + 8, columns 2t, 2t + 1
-    const int tile = blockIdx.x;
-    const int steps = K / 64, stride = WARPS * UNROLL;
-    const uint32_t* base = qw + (size_t)tile * steps * 32 * BITS + lane * BITS;
+    unsigned char* ring = smem + K * 2 + S * 16 + warp * DEPTH * SLOT;
+    const int T = N / 16;
+    const int t_begin = (int)((long long)blockIdx.x * T / gridDim.x);
+    const int t_end = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
+    const int lo = warp * S / WARPS, hi = (warp + 1) * S / WARPS;  // this warp's steps of every tile
+    const int items = (t_end - t_begin) * (hi - lo);
 
-    // The first round of weight loads goes out before the block stages x, scales and zeros.
-    uint32_t w[UNROLL][BITS];
-    load_round<BITS, UNROLL>(base, warp, WARPS, steps, w);
-    for (int s = threadIdx.x; s < steps; s += 32 * WARPS) {  // one thread per 64-channel step
-        uint32_t v[32];
-        const uint4* src = reinterpret_cast<const uint4*>(x + s * 64);
+    // The issue cursor: this lane's 16 bytes of the next step to load (src), of the meta records of its tile (mtile),
+    // and of the ring slot they go to (in_slot, a shared-memory address); in_step is the step within the tile. Every
+    // step brings its group's meta record along (the second read of a record comes from L2). No branches: a warp
+    // past its last step keeps going through the motions with its copies switched off.
+    const uint32_t ring0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + lane * 16;
+    const uint32_t ring_last = ring0 + (DEPTH - 1) * SLOT;
+    const uint8_t* src = qw + ((size_t)t_begin * S + lo) * STEP_BYTES + lane * 16;
+    const uint8_t* mtile = meta + (size_t)t_begin * G * META_BYTES + lane * 16;
+    const size_t skip = (size_t)(S - (hi - lo)) * STEP_BYTES;  // at a tile's end: the other warps' steps
+    int in_step = lo, issued = 0;
+    uint32_t in_slot = ring0;
+    auto issue = [&]() {
+        const bool live = issued++ < items;
+        cp_async16(in_slot, src, live && lane < STEP_BYTES / 16);
+        cp_async16(in_slot + STEP_BYTES, mtile + (in_step >> GSHIFT) * META_BYTES, live && lane < META_BYTES / 16);
+        cp_async_commit();
+        const bool wrap = ++in_step == hi;
+        in_step = wrap ? lo : in_step;
+        src += wrap ? STEP_BYTES + skip : STEP_BYTES;
+        mtile += wrap ? (size_t)G * META_BYTES : 0;
+        in_slot = in_slot == ring_last ? ring0 : in_slot + SLOT;
+    };
+
+    // The first DEPTH - 2 steps go out before the block stages x.
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const uint4 u = __ldg(src + i);
-            v[4 * i] = u.x; v[4 * i + 1] = u.y; v[4 * i + 2] = u.z; v[4 * i + 3] = u.w;
-        }
+    for (int i = 0; i < DEPTH - 2; i++) issue();
+
+    // Stage x: 8 threads per step, each 8 channels (4 words); word i of a step (channels 2i, 2i+1) goes to its
+    // B-fragment place: mma tile m = i / 8, r = i % 8 -> column pair t = r % 4, register b0 (r < 4) or b1.
+    for (int base = 0; base < S * 8; base += 32 * WARPS) {
+        const int idx = base + threadIdx.x, s = idx >> 3, q = idx & 7, m = q >> 1;
         float sum = 0.0f;
+        if (s < S) {
+            const uint4 u = __ldg(reinterpret_cast<const uint4*>(x) + idx);
+            const uint32_t v[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-        for (int i = 0; i < 32; i++) {
-            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[i]));
-            sum += f.x + f.y;
-        }
-        xsum[s] = sum;
-        // word i of the step is channels 2i, 2i+1: mma tile m = i / 8, fragment column pair (i % 8) % 4,
-        // b0 (first 8 columns) or b1 (last 8)
-        uint4* dst = reinterpret_cast<uint4*>(xs + s * 32);
-#pragma unroll
-        for (int tt = 0; tt < 4; tt++) {
-            dst[2 * tt] = make_uint4(v[tt], v[tt + 4], v[8 + tt], v[8 + tt + 4]);
-            dst[2 * tt + 1] = make_uint4(v[16 + tt], v[16 + tt + 4], v[24 + tt], v[24 + tt + 4]);
-        }
-    }
-    for (int i = threadIdx.x; i < 16 * G; i += 32 * WARPS) {
-        ss[i] = scales[(size_t)tile * 16 * G + i];
-        zs[i] = zeros[(size_t)tile * 16 * G + i];
-    }
-    __syncthreads();
-
-    float acc0 = 0.0f, acc1 = 0.0f;
-    for (int s0 = warp; s0 < steps; s0 += stride) {
-        uint32_t next[UNROLL][BITS];  // the next round is in flight while this one computes
-        if (s0 + stride < steps) load_round<BITS, UNROLL>(base, s0 + stride, WARPS, steps, next);
-#pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            const int s = s0 + u * WARPS;
-            if (s < steps) {
-                uint4 b01 = make_uint4(0u, 0u, 0u, 0u), b23 = b01;  // x lives in column 0 of B: lanes g == 0
-                if (g == 0) {
-                    b01 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t];
-                    b23 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t + 1];
-                }
-                float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                mma16816(c, magic_codes<BITS>(w[u], 0, 0), magic_codes<BITS>(w[u], 0, 1),
-                         magic_codes<BITS>(w[u], 0, 2), magic_codes<BITS>(w[u], 0, 3), b01.x, b01.y);
-                mma16816(c, magic_codes<BITS>(w[u], 1, 0), magic_codes<BITS>(w[u], 1, 1),
-                         magic_codes<BITS>(w[u], 1, 2), magic_codes<BITS>(w[u], 1, 3), b01.z, b01.w);
-                mma16816(c, magic_codes<BITS>(w[u], 2, 0), magic_codes<BITS>(w[u], 2, 1),
-                         magic_codes<BITS>(w[u], 2, 2), magic_codes<BITS>(w[u], 2, 3), b23.x, b23.y);
-                mma16816(c, magic_codes<BITS>(w[u], 3, 0), magic_codes<BITS>(w[u], 3, 1),
-                         magic_codes<BITS>(w[u], 3, 2), magic_codes<BITS>(w[u], 3, 3), b23.z, b23.w);
-                if (t == 0) {  // column 0 of C: rows g (c[0]) and g + 8 (c[2])
-                    const int grp = s >> GSHIFT;
-                    const float xs_sum = xsum[s];
-                    acc0 = fmaf(__half2float(ss[g * G + grp]), fmaf(-(1024.0f + zs[g * G + grp]), xs_sum, c[0]),
-                                acc0);
-                    acc1 = fmaf(__half2float(ss[(g + 8) * G + grp]),
-                                fmaf(-(1024.0f + zs[(g + 8) * G + grp]), xs_sum, c[2]), acc1);
-                }
+            for (int e = 0; e < 4; e++) {
+                const int i = 4 * q + e, r = i & 7;
+                xs[s * 32 + 8 * (r & 3) + 4 * (m >> 1) + 2 * (m & 1) + (r >> 2)] = v[e];
+                const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
+                sum += f.x + f.y;
             }
         }
+        float off0 = 1024.0f * sum * inv_factor(BITS, m, 0), off1 = 1024.0f * sum * inv_factor(BITS, m, 1);
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++)
-#pragma unroll
-            for (int b = 0; b < BITS; b++) w[u][b] = next[u][b];
-    }
-    __shared__ float red[WARPS][16];
-    if (t == 0) {
-        red[warp][g] = acc0;
-        red[warp][g + 8] = acc1;
+        for (int d = 1; d < 8; d <<= 1) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, d);
+            off0 += __shfl_xor_sync(0xffffffffu, off0, d);
+            off1 += __shfl_xor_sync(0xffffffffu, off1, d);
+        }
+        if (s < S && q == 0) xstat[s] = make_float4(sum, off0, off1, 0.0f);
     }
     __syncthreads();
-    if (threadIdx.x < 16) {
-        float v = 0.0f;
+
+    __shared__ float red[2][WARPS][16];
+    const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: rows g and g + 8, columns 2t, 2t + 1
+    int c_off = 0;  // the slot to compute from
+    float acc0, acc1;
+    auto compute = [&](int s) {
+        const unsigned char* slot = ring + c_off;
+        c_off = c_off + SLOT == DEPTH * SLOT ? 0 : c_off + SLOT;
+        uint32_t w[BITS];
+        lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot) + lane * BITS, w);
+        const float s0 = __half2float(reinterpret_cast<const __half*>(slot + STEP_BYTES)[g]);
+        const float s1 = __half2float(reinterpret_cast<const __half*>(slot + STEP_BYTES)[g + 8]);
+        const float z0 = slot[STEP_BYTES + 32 + g], z1 = slot[STEP_BYTES + 40 + g];
+        const uint4 b01 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t];
+        const uint4 b23 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t + 1];
+        uint32_t a[4][4];
+        decode<BITS>(w, magic, a);
+        float c[4][4] = {};  // four independent accumulators: the mma instructions pipeline
+        mma16816(c[0], a[0], b01.x, b01.y);
+        mma16816(c[1], a[1], b01.z, b01.w);
+        mma16816(c[2], a[2], b23.x, b23.y);
+        mma16816(c[3], a[3], b23.z, b23.w);
+        const float4 st = xstat[s];
+        float v0 = 0.0f, v1 = 0.0f;  // C rows g (c[m][0]) and g + 8 (c[m][2]), divided by their factors
 #pragma unroll
-        for (int i = 0; i < WARPS; i++) v += red[i][threadIdx.x];
-        if (res != nullptr) v += __half2float(res[tile * 16 + threadIdx.x]);  // fused residual add
-        y[tile * 16 + threadIdx.x] = __float2half_rn(v);
+        for (int m = 0; m < 4; m++) {
+            v0 += c[m][0] * inv_factor(BITS, m, 0);
+            v1 += c[m][2] * inv_factor(BITS, m, 1);
+        }
+        acc0 = fmaf(s0, fmaf(-z0, st.x, v0 - st.y), acc0);
+        acc1 = fmaf(s1, fmaf(-z1, st.x, v1 - st.z), acc1);
+    };
+    for (int tile = t_begin; tile < t_end; tile++) {
+        acc0 = acc1 = 0.0f;
+        int s = lo;
+        for (; s + 1 < hi; s += 2) {  // two steps per iteration: half the bookkeeping, twice the independent work
+            cp_async_wait<DEPTH - 4>();
+            __syncwarp();
+            issue();  // the steps DEPTH - 2 ahead, into slots read in the previous iteration
+            issue();
+            compute(s);
+            compute(s + 1);
+        }
+        if (s < hi) {
+            cp_async_wait<DEPTH - 3>();
+            __syncwarp();
+            issue();
+            compute(s);
+        }
+        const int buf = tile & 1;  // double-buffered: one barrier per tile
+        if (t == 0) {
+            red[buf][warp][g] = acc0;
+            red[buf][warp][g + 8] = acc1;
+        }
+        __syncthreads();
+        if (threadIdx.x < 16) {
+            float v = 0.0f;
+#pragma unroll
+            for (int k = 0; k < WARPS; k++) v += red[buf][k][threadIdx.x];
+            if (res != nullptr) v += __half2float(res[tile * 16 + threadIdx.x]);  // fused residual add
+            y[tile * 16 + threadIdx.x] = __float2half_rn(v);
+        }
     }
+    cp_async_wait<0>();
 }
 
-// W_hat as dense fp16 [N, K] (for prompts: cuBLAS then multiplies). One thread per (16x64 tile, lane): the same
-// decode as the GEMV, then (code - zero) * scale in fp32 rounded once to fp16, as quant.QuantWeight.dequantize.
+// W_hat as dense fp16 [N, K] (for prompts: cuBLAS then multiplies). One thread per (step, lane): the same decode
+// as the GEMV, then (code - zero) * scale in fp32 rounded once to fp16, as quant.QuantWeight.dequantize.
 template <int BITS>
-__global__ void dequant(const uint32_t* __restrict__ qw, const __half* __restrict__ scales,
-                        const uint8_t* __restrict__ zeros, __half* __restrict__ out, int N, int K, int G,
-                        int group_size) {
+__global__ void dequant(const uint32_t* __restrict__ qw, const uint8_t* __restrict__ meta, __half* __restrict__ out,
+                        int N, int K, int G, int group_size) {
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     const int steps = K / 64;
     if (idx >= N / 16 * steps * 32) return;
     const int lane = idx & 31, step = (idx >> 5) % steps, tile = (idx >> 5) / steps;
     const int g = lane >> 2, t = lane & 3;
-    uint32_t w[BITS];
-    load_step<BITS>(qw + (size_t)idx * BITS, w);
-    const int grp = step * 64 / group_size;
+    uint32_t w[BITS], a[4][4];
+    lane_words<BITS>(qw + (size_t)idx * BITS, w);
+    decode<BITS>(w, 0x64006400u, a);
+    const uint8_t* rec = meta + ((size_t)tile * G + step * 64 / group_size) * META_BYTES;
 #pragma unroll
-    for (int half_row = 0; half_row < 2; half_row++) {
-        const int row = tile * 16 + g + 8 * half_row;
-        const float s = __half2float(scales[(size_t)row * G + grp]);
-        const float z = 1024.0f + zeros[(size_t)row * G + grp];
+    for (int r = 0; r < 2; r++) {  // rows g + 8r: registers j = r and j = r + 2 (columns + 8)
+        const int row = tile * 16 + g + 8 * r;
+        const float s = __half2float(reinterpret_cast<const __half*>(rec)[g + 8 * r]);
+        const float z = rec[32 + g + 8 * r];
 #pragma unroll
         for (int m = 0; m < 4; m++)
 #pragma unroll
-            for (int jj = 0; jj < 2; jj++) {  // register j = 2 * jj + half_row: columns + 8 * jj
-                const uint32_t v = magic_codes<BITS>(w, m, 2 * jj + half_row);
-                const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v));
+            for (int jj = 0; jj < 2; jj++) {
+                const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&a[m][r + 2 * jj]));
+                const float inv = inv_factor(BITS, m, r);  // exact: codes are small integers
                 const int col = step * 64 + m * 16 + 2 * t + 8 * jj;
                 *reinterpret_cast<__half2*>(out + (size_t)row * K + col) =
-                    __floats2half2_rn((f.x - z) * s, (f.y - z) * s);
+                    __floats2half2_rn(((f.x - 1024.0f) * inv - z) * s, ((f.y - 1024.0f) * inv - z) * s);
             }
     }
 }
-template __global__ void dequant<2>(const uint32_t*, const __half*, const uint8_t*, __half*, int, int, int, int);
-template __global__ void dequant<3>(const uint32_t*, const __half*, const uint8_t*, __half*, int, int, int, int);
-template __global__ void dequant<4>(const uint32_t*, const __half*, const uint8_t*, __half*, int, int, int, int);
+template __global__ void dequant<2>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
+template __global__ void dequant<3>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
+template __global__ void dequant<4>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 
-// (warps per tile, steps in flight) variants, chosen per shape by gemv.py's pick_variant
-#define INST(B, W, U, GS) template __global__ void gemv<B, W, U, GS>(const uint32_t*, const __half*, \
-    const uint8_t*, const __half*, const __half*, __half*, int, int, int);
-#define INST_GS(B, W, U) INST(B, W, U, 0) INST(B, W, U, 1) INST(B, W, U, 2) INST(B, W, U, 3)
-#define INST_BITS(W, U) INST_GS(2, W, U) INST_GS(3, W, U) INST_GS(4, W, U)
-INST_BITS(4, 2)
-INST_BITS(4, 4)
-INST_BITS(16, 2)
+// (warps per block, ring depth) variants, chosen per shape by gemv.py
+#define INST(B, W, D, GS) template __global__ void gemv<B, W, D, GS>(const uint8_t*, const uint8_t*, \
+    const __half*, const __half*, __half*, int, int, int, uint32_t);
+#define INST_GS(B, W, D) INST(B, W, D, 0) INST(B, W, D, 1) INST(B, W, D, 2) INST(B, W, D, 3)
+#define INST_BITS(W, D) INST_GS(2, W, D) INST_GS(3, W, D) INST_GS(4, W, D)
+INST_BITS(16, 6)
+INST_BITS(8, 8)

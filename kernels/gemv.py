@@ -1,58 +1,93 @@
-"""Launcher of the low-bit GEMV kernels (gemv.cu): y = W_hat x for batch 1, fp16 in and out."""
+"""Launchers of the low-bit GEMV and dequantize kernels (gemv.cu), and the GPU-resident weight they read."""
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from localllm.quant import GROUP_SIZES
+from localllm.quant import GROUP_SIZES, QuantWeight
 
 from . import cuda
 
-# (warps per 16-row tile splitting K, 64-channel steps in flight per warp): the compiled variants of gemv.cu.
-# Measured on the H100 (localllm bench gemv-sweep): long K wants more warps per tile, large N more steps in flight.
-VARIANTS = ((4, 2), (4, 4), (16, 2))
-NAMES = tuple(f"gemv<{b},{w},{u},{gs}>" for b in (2, 3, 4) for w, u in VARIANTS for gs in range(len(GROUP_SIZES))) \
+META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
+
+# (warps per block, ring depth in steps per warp): the compiled variants of gemv.cu.
+VARIANTS = ((16, 6), (8, 8))
+NAMES = tuple(f"gemv<{b},{w},{d},{gs}>" for b in (2, 3, 4) for w, d in VARIANTS for gs in range(len(GROUP_SIZES))) \
     + tuple(f"dequant<{b}>" for b in (2, 3, 4))
 
 
-def pick_variant(N: int, K: int) -> tuple[int, int]:
-    if K >= 8192:
-        return 16, 2
-    return (4, 4) if N >= 16384 else (4, 2)
+@dataclass
+class Packed:
+    """A QuantWeight as the GPU kernels read it: the packed codes as they are, and each 16-row tile's scales and
+    zeros of one group side by side (one 48-byte record), so a warp fetches them with its weights."""
+    qweight: torch.Tensor  # int32 [N/16, K*bits/2], quant.pack_codes layout
+    meta: torch.Tensor  # uint8 [N/16, G, 48]
+    bits: int
+    group_size: int
+    in_features: int
+
+    @classmethod
+    def from_quant(cls, q: QuantWeight, device: torch.device | str = "cuda") -> "Packed":
+        N, G = q.scales.shape
+        sc = q.scales.to(device).view(N // 16, 16, G).transpose(1, 2).contiguous().view(torch.uint8)
+        zr = q.zeros.to(device).view(N // 16, 16, G).transpose(1, 2)
+        return cls(q.qweight.to(device), torch.cat([sc, zr], dim=2).contiguous(), q.bits, q.group_size,
+                   q.in_features)
+
+    @property
+    def out_features(self) -> int:
+        return self.meta.shape[0] * 16
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() * 4 + self.meta.numel()
 
 
-def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-         group_size: int, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-         variant: tuple[int, int] | None = None) -> torch.Tensor:
-    """x: fp16 [K] (contiguous, CUDA); qweight int32 [N/16, K*bits/2] (quant.pack_codes); scales fp16 [N, G];
-    zeros uint8 [N, G]; group_size one of GROUP_SIZES. residual: fp16 [N], added to y in the epilogue.
-    variant: one of VARIANTS (default: pick_variant for the shape)."""
-    N, G = scales.shape
-    K = x.shape[-1]
-    assert x.dtype == torch.float16 and x.is_contiguous() and qweight.shape == (N // 16, K * bits // 2)
+def pick_variant(N: int, K: int) -> tuple[tuple[int, int], int]:
+    """((warps, depth), blocks per SM) for an N x K GEMV, from `localllm bench gemv-sweep` on the H100: 16 warps of
+    6 steps in flight each; two blocks per SM only pay off with many tiles per block."""
+    return (16, 6), 2 if N >= 16384 else 1
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+         variant: tuple[int, int] | None = None, blocks_per_sm: int | None = None) -> torch.Tensor:
+    """y = W_hat x (+ residual, added in the epilogue). x, residual, y: fp16 [K], [N], [N] on the GPU.
+    variant: one of VARIANTS; it and blocks_per_sm default to pick_variant for the shape."""
+    N, K, G = w.out_features, w.in_features, w.meta.shape[1]
+    assert x.dtype == torch.float16 and x.shape == (K,) and w.qweight.shape == (N // 16, K * w.bits // 2)
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.clone()  # the kernel reads x 16 bytes at a time
     if out is None:
         out = torch.empty(N, dtype=torch.float16, device=x.device)
-    warps, unroll = variant or pick_variant(N, K)
-    k = cuda.kernel("gemv", f"gemv<{bits},{warps},{unroll},{GROUP_SIZES.index(group_size)}>", NAMES)
-    smem = K * 2 + K // 64 * 4 + 16 * G * 3  # x, its 64-channel sums, the tile's scales and zeros
+    (warps, depth), bps = pick_variant(N, K)
+    warps, depth = variant or (warps, depth)
+    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{GROUP_SIZES.index(w.group_size)}>", NAMES)
+    # x as B fragments, its per-step sums (float4), each warp's ring of steps + meta records
+    smem = K * 2 + K // 64 * 16 + warps * depth * (128 * w.bits + META_BYTES)
     if smem > 48 * 1024:
         k.max_dynamic_shared_size_bytes = smem
-    k((N // 16,), (32 * warps,), (cuda.ptr(qweight), cuda.ptr(scales), cuda.ptr(zeros), cuda.ptr(x),
-                              cuda.ptr(residual) if residual is not None else np.uint64(0), cuda.ptr(out),
-                              np.int32(N), np.int32(K), np.int32(G)), stream=cuda.stream(),
+    grid = min(N // 16, _sm_count(x.device.index or 0) * (blocks_per_sm or bps))
+    k((grid,), (32 * warps,), (cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(x),
+                               cuda.ptr(residual) if residual is not None else np.uint64(0), cuda.ptr(out),
+                               np.int32(N), np.int32(K), np.int32(G), np.uint32(0x64006400)), stream=cuda.stream(),
       shared_mem=smem)
     return out
 
 
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-               group_size: int) -> torch.Tensor:
+def dequantize(w: Packed) -> torch.Tensor:
     """W_hat as fp16 [N, K] on the GPU: what quant.QuantWeight.dequantize(torch.float16) computes."""
-    N, G = scales.shape
-    K = qweight.shape[1] * 2 // bits
-    out = torch.empty(N, K, dtype=torch.float16, device=qweight.device)
+    N, K, G = w.out_features, w.in_features, w.meta.shape[1]
+    out = torch.empty(N, K, dtype=torch.float16, device=w.qweight.device)
     threads = N // 16 * (K // 64) * 32
-    cuda.kernel("gemv", f"dequant<{bits}>", NAMES)(
-        (-(-threads // 256),), (256,), (cuda.ptr(qweight), cuda.ptr(scales), cuda.ptr(zeros), cuda.ptr(out),
-                                        np.int32(N), np.int32(K), np.int32(G), np.int32(group_size)),
-        stream=cuda.stream())
+    cuda.kernel("gemv", f"dequant<{w.bits}>", NAMES)(
+        (-(-threads // 256),), (256,), (cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(out), np.int32(N),
+                                        np.int32(K), np.int32(G), np.int32(w.group_size)), stream=cuda.stream())
     return out

@@ -50,31 +50,34 @@ def _copies(one_bytes: int) -> int:
 
 
 def gemv_sets(N: int, K: int, bits: int, group_size: int) -> tuple[list, int]:
-    """Enough random packed weight sets (qweight, scales, zeros, out) to defeat L2, and the bytes one GEMV moves."""
-    from .quant import pack_codes
+    """Enough random (Packed weight, output) pairs to defeat L2, and the bytes one GEMV moves."""
+    from .kernels.gemv import Packed
+    from .quant import QuantWeight, pack_codes
     G = -(-K // group_size)
-    sets = [(pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits),
-             torch.rand(N, G, device="cuda").half(),
-             torch.randint(0, 2**bits, (N, G), device="cuda", dtype=torch.uint8),
+    sets = [(Packed.from_quant(QuantWeight(pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits),
+                                           torch.rand(N, G, device="cuda").half(),
+                                           torch.randint(0, 2**bits, (N, G), device="cuda", dtype=torch.uint8),
+                                           bits, group_size, K)),
              torch.empty(N, device="cuda", dtype=torch.float16)) for _ in range(_copies(N * K * bits // 8))]
-    return sets, N * K * bits // 8 + N * G * 3 + K * 2 + N * 2
+    return sets, sets[0][0].nbytes + K * 2 + N * 2
 
 
-def gemv_sweep(group_size: int = 128) -> None:
-    """Time each compiled (warps, unroll) variant of the GEMV on the 8B shapes, W4 and W3: which to ship."""
+def gemv_sweep(group_size: int = 128, blocks_per_sm=(1, 2, 3, 4)) -> None:
+    """Time each compiled (warps, depth) variant of the GEMV at several grid sizes on the 8B shapes, W4 and W3."""
     from .kernels.gemv import VARIANTS, gemv
     bw = copy_bandwidth()
-    print(f"\nGEMV variants, % of copy bandwidth ({bw / 1e9:.0f} GB/s); columns: (warps per tile, steps in flight)")
-    print(f"{'layer':8} {'bits':>4} " + " ".join(f"{str(v):>9}" for v in VARIANTS))
+    cols = [(v, b) for v in VARIANTS for b in blocks_per_sm]
+    print(f"\nGEMV variants, % of copy bandwidth ({bw / 1e9:.0f} GB/s); columns: (warps, ring depth)/blocks per SM")
+    print(f"{'layer':8} {'bits':>4} " + " ".join(f"{f'{v[0]},{v[1]}/{b}':>8}" for v, b in cols))
     for name, (N, K) in LLAMA3_8B.items():
         x = torch.randn(K, device="cuda").half()
         for bits in (4, 3):
             sets, nbytes = gemv_sets(N, K, bits, group_size)
             cells = []
-            for v in VARIANTS:
-                t = time_graph([lambda s=s, v=v: gemv(x, s[0], s[1], s[2], bits, group_size, out=s[3], variant=v)
+            for v, b in cols:
+                t = time_graph([lambda s=s, v=v, b=b: gemv(x, s[0], out=s[1], variant=v, blocks_per_sm=b)
                                 for s in sets])
-                cells.append(f"{100 * nbytes / t / bw:8.1f}%")
+                cells.append(f"{100 * nbytes / t / bw:7.1f}%")
             print(f"{name:8} {bits:>4} " + " ".join(cells))
             del sets
 
@@ -92,7 +95,7 @@ def bench_gemv(bits_list=(4, 3, 2), group_size: int = 128) -> list[dict]:
         del ws, w16
         for bits in bits_list:
             sets, nbytes = gemv_sets(N, K, bits, group_size)
-            t = time_graph([lambda s=s: gemv(x, s[0], s[1], s[2], bits, group_size, out=s[3]) for s in sets])
+            t = time_graph([lambda s=s: gemv(x, s[0], out=s[1]) for s in sets])
             rows.append({"layer": name, "N": N, "K": K, "bits": bits, "us": t * 1e6, "GB/s": nbytes / t / 1e9,
                          "of_copy_bw": nbytes / t / bw, "fp16_us": t16 * 1e6, "speedup_vs_fp16": t16 / t})
             del sets
@@ -143,11 +146,7 @@ def random_model(cfg, bits: int | None, group_size: int = 128):
 def weight_bytes(model) -> int:
     """Bytes a decode step must read: packed (or dense) projections, lm_head, norms."""
     n = model.lm_head.numel() * 2
-    for lin in model.linears():
-        q = lin.quant
-        n += q.qweight.numel() * 4 + q.scales.numel() * 2 + q.zeros.numel() if q is not None \
-            else lin.weight.numel() * 2
-    return n
+    return n + sum(lin.nbytes for lin in model.linears())
 
 
 def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 50) -> float:

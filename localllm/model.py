@@ -39,7 +39,8 @@ class Linear(nn.Module):
         super().__init__()
         assert (weight is None) != (quant is None), "give dense weights or quantized weights"
         self.kind = kind
-        self.quant = quant
+        self.quant = quant  # on the CPU; on a GPU it becomes `packed` (place())
+        self.packed = None
         self.residual = residual
         self.stats = stats
         self.settings = settings or QdecSettings()
@@ -50,11 +51,20 @@ class Linear(nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.quant.in_features if self.quant is not None else self.weight.shape[1]
+        w = self.quant or self.packed
+        return w.in_features if w is not None else self.weight.shape[1]
 
     @property
     def out_features(self) -> int:
-        return self.quant.scales.shape[0] if self.quant is not None else self.weight.shape[0]
+        w = self.quant or self.packed
+        return w.out_features if w is not None else self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights (and bias) this layer reads per token."""
+        w = self.quant or self.packed
+        n = w.nbytes if w is not None else self.weight.numel() * self.weight.element_size()
+        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
     def dense(self) -> torch.Tensor:
         """The weights this layer computes with, as a dense [N, K] tensor (W_hat for a quantized layer)."""
@@ -65,20 +75,19 @@ class Linear(nn.Module):
         return self._dequantized
 
     def place(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Move to `device`; dense weights and bias take `dtype`, packed weights stay packed."""
+        """Move to `device`; dense weights and bias take `dtype`. Packed weights stay packed: on a GPU they become
+        the kernels' Packed form (the CPU QuantWeight is dropped)."""
         if self.weight is not None:
             self.weight = nn.Parameter(self.weight.to(device, dtype), requires_grad=False)
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.to(device, dtype), requires_grad=False)
-        if self.quant is not None:
-            q = self.quant
-            self.quant = type(q)(q.qweight.to(device), q.scales.to(device), q.zeros.to(device), q.bits,
-                                 q.group_size, q.in_features)
-            self._dequantized = None
+        if self.quant is not None and device.type == "cuda":
+            from .kernels.gemv import Packed
+            self.packed, self.quant, self._dequantized = Packed.from_quant(self.quant, device), None, None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [..., K] -> [..., N], plus `residual` (same shape as the output) when given."""
-        if self.quant is not None and x.is_cuda:
+        if self.packed is not None:
             y = self._gpu(x, residual)
         else:
             y = F.linear(x, self.dense().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -94,19 +103,17 @@ class Linear(nn.Module):
     def _gpu(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """One token: the low-bit GEMV kernel (adding the residual in its epilogue when there is no bias);
         several (a prompt): dequantize to fp16 and use cuBLAS."""
-        q = self.quant
+        from .kernels import gemv
         if x.shape[:-1].numel() == 1:
-            from .kernels.gemv import gemv
             fuse = residual is not None and self.bias is None
-            y = gemv(x.reshape(-1).contiguous(), q.qweight, q.scales, q.zeros, q.bits, q.group_size,
-                     residual=residual.reshape(-1).contiguous() if fuse else None).view(*x.shape[:-1], -1)
+            y = gemv.gemv(x.reshape(-1), self.packed,
+                          residual=residual.reshape(-1).contiguous() if fuse else None).view(*x.shape[:-1], -1)
             if fuse:
                 return y
             if self.bias is not None:
                 y = y + self.bias
         else:
-            from .kernels.gemv import dequantize
-            y = F.linear(x, dequantize(q.qweight, q.scales, q.zeros, q.bits, q.group_size), self.bias)
+            y = F.linear(x, gemv.dequantize(self.packed), self.bias)
         return y if residual is None else y + residual
 
 

@@ -30,7 +30,7 @@ from .qdec import ActStats
 from .quant import QuantResidual, QuantWeight
 
 FORMAT_VERSION = 1
-WEIGHT_LAYOUT = "rtn-mma-v2"        # quant.pack_codes: 16x64 tiles in tensor-core operand order
+WEIGHT_LAYOUT = "rtn-mma-v3"        # quant.pack_codes: 16x64 tiles in tensor-core operand order
 RESIDUAL_LAYOUT = "sym4-inmajor-v1"  # quant.QuantResidual: [K, N/8] int32 of (q + 8) nibbles
 FILES = ("model.safetensors", "residuals.safetensors", "calibration.safetensors")
 

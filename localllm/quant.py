@@ -64,38 +64,50 @@ def _check_shape(n: int, k: int) -> None:
                          f"in_features a multiple of {TILE_K}")
 
 
-# Layout "mma-v2": the GPU GEMV feeds tensor-core mma.m16n8k16 instructions straight from the packed words, so
+# Layout "mma-v3": the GPU GEMV feeds tensor-core mma.m16n8k16 instructions straight from the packed words, so
 # the weights are stored in the order the instruction's A operand wants them in registers. A 16-row x 64-channel
-# tile is four 16x16 mma tiles; lane L = 4*g + t of a warp holds, of each mma tile, the 8 elements
+# tile is four 16x16 mma tiles m; lane L = 4*g + t of a warp holds, of each mma tile, the 8 elements
 #   e = 2*j + h (register j = 0..3, half h = 0..1): row g + 8*(j % 2), column 2*t + h + 8*(j // 2).
-# Each lane's elements of the four mma tiles are packed into `bits` words, so one 16x64 tile is 32 lanes x bits
-# words (exactly `bits` bits per weight), and the kernel turns two codes into a half2 with one mask-and-or:
-#   4-bit: word = mma tile; element (j, h) at bits 4j + 16h.
-#   2-bit: word = mma tile // 2; element (j, h) of mma tile m at bits 2(4(m % 2) + j) + 16h.
-#   3-bit: words 0-1 hold the low two bits as 2-bit; word 2 holds bit 2 of element (j, h) of mma tile m at bit
-#          4m + j + 16h.
+# Each lane's 32 elements of a tile are packed into `bits` words (exactly `bits` bits per weight). Register j of
+# mma tile m takes its two codes from the same bit field of both 16-bit halves of one word (half h at +16), so one
+# mask-and-or makes a half2 of (1024 + code * f): `_SLOT[bits][m][j]` = (word, bit position of the field) with f =
+# 2^(position mod 8 or 9 or 10, whatever the kernel shifts by). Fields sit where the kernel needs at most one
+# shift per word, and the two registers of one row of an mma tile share f (the kernel divides by it per row):
+#   4-bit: register j of tile m in word m at 4j (f = 1 for rows g, 16 for rows g + 8; the kernel shifts by 8).
+#   3-bit: five 3-bit fields per half (0, 3, 6, 9, 12; the kernel shifts by 9); register (3, 3) is spread over
+#          bit 15 of words 0, 1, 2 (its code bits 0, 1, 2).
+#   2-bit: eight 2-bit fields per half (0..14; the kernel shifts by 10).
 TILE_N, TILE_K = 16, 64
 _LANE = torch.arange(32)
 _ELEM = torch.arange(8)
 # [32 lanes, 8 elements] -> row within the 16-row tile and column within the 16-column mma tile
 _ROW = (_LANE[:, None] // 4) + 8 * ((_ELEM[None, :] // 2) % 2)
 _COL = 2 * (_LANE[:, None] % 4) + _ELEM[None, :] % 2 + 8 * (_ELEM[None, :] // 4)
+SPREAD = None  # the 3-bit register whose code bits lie in bit 15 of words 0, 1, 2
+_SLOT = {
+    4: [[(m, 4 * j) for j in range(4)] for m in range(4)],
+    3: [[(0, 0), (1, 0), (0, 9), (1, 9)], [(2, 0), (0, 3), (2, 9), (0, 12)],
+        [(1, 3), (2, 3), (1, 12), (2, 12)], [(0, 6), (2, 6), (1, 6), SPREAD]],
+    2: [[(0, 0), (1, 0), (0, 10), (1, 10)], [(0, 2), (1, 2), (0, 12), (1, 12)],
+        [(0, 4), (1, 4), (0, 14), (1, 14)], [(0, 6), (0, 8), (1, 6), (1, 8)]],
+}
 
 
-def _fields(bits: int) -> list[tuple[int, Tensor, Tensor, int]]:
-    """(code bit offset, word index [4 mma tiles, 8 elements], bit position [4, 8], width) of each field."""
-    m = torch.arange(4)[:, None]
-    j, h = (_ELEM // 2)[None, :], (_ELEM % 2)[None, :]
-    if bits == 4:
-        return [(0, m.expand(4, 8), 4 * j + 16 * h + 0 * m, 4)]
-    low = (0, (m // 2).expand(4, 8), 2 * (4 * (m % 2) + j) + 16 * h, 2)
-    if bits == 2:
-        return [low]
-    return [low, (2, torch.full((4, 8), 2), 4 * m + j + 16 * h, 1)]
+def _bit_table(bits: int) -> tuple[Tensor, Tensor]:
+    """(word, bit position) of code bit b of element e of mma tile m: two int64 tensors [4, 8, bits]."""
+    word = torch.empty(4, 8, bits, dtype=torch.int64)
+    pos = torch.empty(4, 8, bits, dtype=torch.int64)
+    for m in range(4):
+        for e in range(8):
+            j, h = e // 2, e % 2
+            for b in range(bits):
+                slot = _SLOT[bits][m][j]
+                word[m, e, b], pos[m, e, b] = (b, 15 + 16 * h) if slot is SPREAD else (slot[0], slot[1] + b + 16 * h)
+    return word, pos
 
 
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
-    """Pack codes int [N, K] in [0, 2^bits) into int32 [N / 16, K * bits / 2] in the mma-v2 layout above."""
+    """Pack codes int [N, K] in [0, 2^bits) into int32 [N / 16, K * bits / 2] in the mma-v3 layout above."""
     _check_bits(bits)
     if codes.ndim != 2:
         raise ValueError(f"codes must be 2-D [N, K], got shape {tuple(codes.shape)}")
@@ -104,14 +116,14 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     if codes.numel() and (codes.min() < 0 or codes.max() >= 2**bits):
         raise ValueError(f"codes must lie in [0, {2**bits})")
     dev = codes.device
+    word, pos = (t.to(dev) for t in _bit_table(bits))
     # [N/16, K/64, 4 mma tiles, 16 rows, 16 cols] -> [N/16, K/64, 32 lanes, 4 mma tiles, 8 elements]
     c = codes.long().view(n // 16, 16, k // 64, 4, 16).permute(0, 2, 3, 1, 4)
     f = c[:, :, :, _ROW.to(dev), _COL.to(dev)].transpose(2, 3)
     words = torch.zeros(n // 16, k // 64, 32, bits, dtype=torch.int64, device=dev)
-    for off, widx, pos, width in _fields(bits):
-        part = ((f >> off) & (2**width - 1)) << pos.to(dev)  # [..., 32, 4, 8]
-        words.scatter_add_(3, widx.to(dev).reshape(1, 1, 1, 32).expand(*part.shape[:3], 32),
-                           part.flatten(3))
+    for b in range(bits):  # every bit of a word is written exactly once, so adding is or-ing
+        part = ((f >> b) & 1) << pos[:, :, b]
+        words.scatter_add_(3, word[:, :, b].reshape(1, 1, 1, 32).expand(*part.shape[:3], 32), part.flatten(3))
     # wrap to int32: the top field may set bit 31
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return words.view(n // 16, k * bits // 2)
@@ -123,11 +135,11 @@ def unpack_codes(qweight: Tensor, bits: int) -> Tensor:
     nt, words = qweight.shape
     kt = words // (32 * bits)
     dev = qweight.device
+    word, pos = (t.to(dev) for t in _bit_table(bits))
     w = qweight.view(nt, kt, 32, bits).long() & 0xFFFFFFFF
     f = torch.zeros(nt, kt, 32, 4, 8, dtype=torch.int64, device=dev)
-    for off, widx, pos, width in _fields(bits):
-        sel = w[:, :, :, widx.to(dev).flatten()].view(nt, kt, 32, 4, 8)
-        f |= ((sel >> pos.to(dev)) & (2**width - 1)) << off
+    for b in range(bits):
+        f |= ((w[:, :, :, word[:, :, b].flatten()].view(nt, kt, 32, 4, 8) >> pos[:, :, b]) & 1) << b
     c = torch.empty(nt, kt, 4, 16, 16, dtype=torch.int64, device=dev)
     c[:, :, :, _ROW.to(dev), _COL.to(dev)] = f.transpose(2, 3)
     return c.permute(0, 3, 1, 2, 4).reshape(nt * 16, kt * 64).to(torch.uint8)
@@ -137,12 +149,20 @@ def unpack_codes(qweight: Tensor, bits: int) -> Tensor:
 class QuantWeight:
     """Group-wise asymmetric RTN weight: W_hat[n, c] = (code - zeros[n, g]) * scales[n, g], g = c // group_size."""
 
-    qweight: Tensor  # int32 [N / 16, K * bits / 2], layout mma-v2 (pack_codes)
+    qweight: Tensor  # int32 [N / 16, K * bits / 2], layout mma-v3 (pack_codes)
     scales: Tensor  # fp16 [N, G]
     zeros: Tensor  # uint8 [N, G]
     bits: int
     group_size: int
     in_features: int  # K
+
+    @property
+    def out_features(self) -> int:
+        return self.scales.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() * 4 + self.scales.numel() * 2 + self.zeros.numel()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """W_hat as [N, K]; the math is float32, cast to `dtype` at the end."""

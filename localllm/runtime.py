@@ -66,11 +66,7 @@ class LocalModel:
             gpu += 2 * self.model.lm_head.numel()
         host = 0
         for lin in self.model.linears():
-            q = lin.quant
-            gpu += (q.qweight.numel() * 4 + q.scales.numel() * 2 + q.zeros.numel()) if q is not None \
-                else 2 * lin.weight.numel()
-            if lin.bias is not None:
-                gpu += 2 * lin.bias.numel()
+            gpu += lin.nbytes if lin.weight is None else lin.nbytes // lin.weight.element_size() * 2  # fp16
             if lin.residual is not None:
                 host += lin.residual.packed.numel() * 4 + lin.residual.scales.numel() * 2
         return {"gpu_bytes": gpu, "pinned_host_bytes": host}

@@ -21,12 +21,12 @@ def random_quant(N, K, bits, gs, device="cuda"):
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("gs", [128, 64])
 def test_gemv_matches_float64_reference(bits, N, K, gs):
-    from localllm.kernels.gemv import gemv
+    from localllm.kernels.gemv import Packed, gemv
     q = random_quant(N, K, bits, gs)
     x = torch.randn(K, device="cuda").half()
     x[torch.randint(0, K, (4,))] *= 30  # activation outliers
     out = torch.full((N,), float("nan"), device="cuda", dtype=torch.float16)  # poison: every row must be written
-    gemv(x, q.qweight, q.scales, q.zeros, bits, gs, out=out)
+    gemv(x, Packed.from_quant(q), out=out)
     torch.cuda.synchronize()
     ref = q.dequantize(torch.float64) @ x.double()
     assert not out.isnan().any()
@@ -35,17 +35,17 @@ def test_gemv_matches_float64_reference(bits, N, K, gs):
 
 
 def test_gemv_adds_residual_in_epilogue():
-    from localllm.kernels.gemv import gemv
+    from localllm.kernels.gemv import Packed, gemv
     q = random_quant(4096, 4096, 4, 128)
     x, res = torch.randn(4096, device="cuda").half(), torch.randn(4096, device="cuda").half()
     ref = q.dequantize(torch.float64) @ x.double() + res.double()
-    got = gemv(x, q.qweight, q.scales, q.zeros, 4, 128, residual=res)
+    got = gemv(x, Packed.from_quant(q), residual=res)
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-3
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("N,K,gs", [(6144, 4096, 128), (1728, 576, 128), (48, 192, 64)])
 def test_dequant_kernel_equals_reference(bits, N, K, gs):
-    from localllm.kernels.gemv import dequantize
+    from localllm.kernels.gemv import Packed, dequantize
     q = random_quant(N, K, bits, gs)
-    assert torch.equal(dequantize(q.qweight, q.scales, q.zeros, bits, gs), q.dequantize(torch.float16))
+    assert torch.equal(dequantize(Packed.from_quant(q)), q.dequantize(torch.float16))

@@ -20,8 +20,19 @@ def seed() -> int:
     return torch.seed()
 
 
+# The documented mma-v3 fields (quant.py), restated: (word, bit position) of register j of mma tile m; None is the
+# 3-bit register spread over bit 15 of words 0, 1, 2.
+FIELDS = {
+    4: [[(m, 4 * j) for j in range(4)] for m in range(4)],
+    3: [[(0, 0), (1, 0), (0, 9), (1, 9)], [(2, 0), (0, 3), (2, 9), (0, 12)],
+        [(1, 3), (2, 3), (1, 12), (2, 12)], [(0, 6), (2, 6), (1, 6), None]],
+    2: [[(0, 0), (1, 0), (0, 10), (1, 10)], [(0, 2), (1, 2), (0, 12), (1, 12)],
+        [(0, 4), (1, 4), (0, 14), (1, 14)], [(0, 6), (0, 8), (1, 6), (1, 8)]],
+}
+
+
 def naive_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Scalar loops over the documented mma-v2 layout (quant.py): words built as Python ints, then wrapped."""
+    """Scalar loops over the documented layout: words built as Python ints, then wrapped."""
     n, k = codes.shape
     out = []
     for tr in range(n // 16):
@@ -36,12 +47,12 @@ def naive_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
                             r = 16 * tr + g + 8 * (j % 2)
                             c = 64 * tk + 16 * m + 2 * t + h + 8 * (j // 2)
                             code = int(codes[r, c])
-                            if bits == 4:
-                                words[m] |= code << (4 * j + 16 * h)
+                            if FIELDS[bits][m][j] is None:
+                                for b in range(bits):
+                                    words[b] |= ((code >> b) & 1) << (15 + 16 * h)
                             else:
-                                words[m // 2] |= (code & 3) << (2 * (4 * (m % 2) + j) + 16 * h)
-                                if bits == 3:
-                                    words[2] |= (code >> 2) << (4 * m + j + 16 * h)
+                                w, p = FIELDS[bits][m][j]
+                                words[w] |= code << (p + 16 * h)
                 row_words += words
         out.append([w - (1 << 32) if w >= 1 << 31 else w for w in row_words])
     return torch.tensor(out, dtype=torch.int32)
@@ -74,12 +85,14 @@ def test_pack_layout_known_words():
     codes[9, 3] = 5
     words = pack_codes(codes, 4).view(32, 4)
     assert words[5].tolist() == [5 << 20, 0, 0, 0] and words.count_nonzero() == 1
-    # 3-bit: code 6 = 0b110 at row 0, column 16 + 8 (mma tile 1, j = 2, t = 0, h = 0, lane 0):
-    # low bits 0b10 in word 0 at 2 * (4 + 2) = 12, high bit in word 2 at 4 + 2 = 6.
+    # 3-bit: code 6 = 0b110 at row 0, column 16 + 8 (mma tile 1, register j = 2, t = 0, h = 0, lane 0):
+    # field (word 2, bit 9). Code 5 = 0b101 at row 8, column 48 + 9 (tile 3, j = 3, t = 0, h = 1): spread over
+    # bit 31 of words 0, 1, 2 -> bits 1, 0, 1.
     codes[9, 3] = 0
     codes[0, 24] = 6
+    codes[8, 57] = 5
     words = pack_codes(codes, 3).view(32, 3)
-    assert words[0].tolist() == [2 << 12, 0, 1 << 6] and words.count_nonzero() == 2
+    assert words[0].tolist() == [-(1 << 31), 0, (6 << 9) - (1 << 31)] and words.count_nonzero() == 2
 
 
 def test_pack_rejects_bad_input():
