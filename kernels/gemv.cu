@@ -106,15 +106,16 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 
 constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 zeros
 
-// Dynamic shared memory: x as B fragments (K halves), per step {X, offset of rows g, offset of rows g + 8, 0}
+// y = W_hat f(x) (+ res), f the input transform below. Dynamic shared memory: x as B fragments (K halves), per step {X, offset of rows g, offset of rows g + 8, 0}
 // (K/64 float4), then the warps' rings (WARPS x DEPTH slots of one step's weights + one meta record). Registers
 // are capped at 64 so that 32 warps fit on an SM.
 // Group size = 64 << GSHIFT.
 template <int BITS, int WARPS, int DEPTH, int GSHIFT>
 __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS) gemv(const uint8_t* __restrict__ qw, const uint8_t* __restrict__ meta,
                                                    const __half* __restrict__ x, const __half* __restrict__ res,
-                                                   __half* __restrict__ y, int N, int K, int G, uint32_t magic) {
-    constexpr int STEP_BYTES = 128 * BITS, SLOT = STEP_BYTES + META_BYTES, SPG = 1 << GSHIFT;
+                                                   __half* __restrict__ y, int N, int K, int G, uint32_t magic,
+                                                   const float* __restrict__ norm_w, float eps, int glu) {
+    constexpr int STEP_BYTES = 128 * BITS, SLOT = STEP_BYTES + META_BYTES;
     extern __shared__ __align__(16) unsigned char smem[];
     const int S = K / 64;
     uint32_t* xs = reinterpret_cast<uint32_t*>(smem);  // [step][t][m][2] half2 words
@@ -154,6 +155,31 @@ __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS) gemv(const uint8_t* __
 #pragma unroll
     for (int i = 0; i < DEPTH - 2; i++) issue();
 
+    // The input transform: with norm_w, x becomes fp16(x * rsqrt(mean(x^2) + eps) * norm_w) (ops.rmsnorm); with
+    // glu, x is [gate | up] (2K halves) and becomes fp16(silu(gate) * up) (ops.silu_mul). Each block redoes it:
+    // K values from L2 cost less than a kernel launch.
+    __shared__ float part[WARPS];
+    float rnorm = 1.0f;
+    if (norm_w != nullptr) {
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS) {
+            const uint4 u = __ldg(reinterpret_cast<const uint4*>(x) + i);
+            const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float2 f = __half22float2(h[e]);
+                ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) part[warp] = ss;
+        __syncthreads();
+        ss = 0.0f;
+#pragma unroll
+        for (int k = 0; k < WARPS; k++) ss += part[k];
+        rnorm = rsqrtf(ss / K + eps);
+    }
+
     // Stage x: 8 threads per step, each 8 channels (4 words); word i of a step (channels 2i, 2i+1) goes to its
     // B-fragment place: mma tile m = i / 8, r = i % 8 -> column pair t = r % 4, register b0 (r < 4) or b1.
     for (int base = 0; base < S * 8; base += 32 * WARPS) {
@@ -161,7 +187,27 @@ __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS) gemv(const uint8_t* __
         float sum = 0.0f;
         if (s < S) {
             const uint4 u = __ldg(reinterpret_cast<const uint4*>(x) + idx);
-            const uint32_t v[4] = {u.x, u.y, u.z, u.w};
+            uint32_t v[4] = {u.x, u.y, u.z, u.w};
+            if (norm_w != nullptr) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float2 w = __ldg(reinterpret_cast<const float2*>(norm_w) + 4 * idx + e);
+                    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
+                    const __half2 h = __floats2half2_rn(f.x * rnorm * w.x, f.y * rnorm * w.y);
+                    v[e] = *reinterpret_cast<const uint32_t*>(&h);
+                }
+            } else if (glu) {
+                const uint4 uu = __ldg(reinterpret_cast<const uint4*>(x + K) + idx);
+                const uint32_t up[4] = {uu.x, uu.y, uu.z, uu.w};
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float2 g = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
+                    const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&up[e]));
+                    const __half2 h = __floats2half2_rn(g.x / (1.0f + __expf(-g.x)) * p.x,
+                                                        g.y / (1.0f + __expf(-g.y)) * p.y);
+                    v[e] = *reinterpret_cast<const uint32_t*>(&h);
+                }
+            }
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int i = 4 * q + e, r = i & 7;
@@ -283,7 +329,7 @@ template __global__ void dequant<4>(const uint32_t*, const uint8_t*, __half*, in
 
 // (warps per block, ring depth) variants, chosen per shape by gemv.py
 #define INST(B, W, D, GS) template __global__ void gemv<B, W, D, GS>(const uint8_t*, const uint8_t*, \
-    const __half*, const __half*, __half*, int, int, int, uint32_t);
+    const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, int);
 #define INST_GS(B, W, D) INST(B, W, D, 0) INST(B, W, D, 1) INST(B, W, D, 2) INST(B, W, D, 3)
 #define INST_BITS(W, D) INST_GS(2, W, D) INST_GS(3, W, D) INST_GS(4, W, D)
 INST_BITS(16, 6)

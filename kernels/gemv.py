@@ -58,11 +58,15 @@ def _sm_count(device: int) -> int:
 
 
 def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-         variant: tuple[int, int] | None = None, blocks_per_sm: int | None = None) -> torch.Tensor:
-    """y = W_hat x (+ residual, added in the epilogue). x, residual, y: fp16 [K], [N], [N] on the GPU.
+         norm: tuple[torch.Tensor, float] | None = None, glu: bool = False, variant: tuple[int, int] | None = None,
+         blocks_per_sm: int | None = None) -> torch.Tensor:
+    """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.
+    f, applied while the kernel stages x: norm = (float32 weight [K], eps) -> ops.rmsnorm(x, weight, eps);
+    glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself.
     variant: one of VARIANTS; it and blocks_per_sm default to pick_variant for the shape."""
     N, K, G = w.out_features, w.in_features, w.meta.shape[1]
-    assert x.dtype == torch.float16 and x.shape == (K,) and w.qweight.shape == (N // 16, K * w.bits // 2)
+    assert x.dtype == torch.float16 and x.shape == ((2 * K,) if glu else (K,)) and not (glu and norm)
+    assert w.qweight.shape == (N // 16, K * w.bits // 2)
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.clone()  # the kernel reads x 16 bytes at a time
     if out is None:
@@ -75,10 +79,12 @@ def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: 
     if smem > 48 * 1024:
         k.max_dynamic_shared_size_bytes = smem
     grid = min(N // 16, _sm_count(x.device.index or 0) * (blocks_per_sm or bps))
+    null = np.uint64(0)
     k((grid,), (32 * warps,), (cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(x),
-                               cuda.ptr(residual) if residual is not None else np.uint64(0), cuda.ptr(out),
-                               np.int32(N), np.int32(K), np.int32(G), np.uint32(0x64006400)), stream=cuda.stream(),
-      shared_mem=smem)
+                               null if residual is None else cuda.ptr(residual), cuda.ptr(out), np.int32(N),
+                               np.int32(K), np.int32(G), np.uint32(0x64006400),
+                               null if norm is None else cuda.ptr(norm[0]), np.float32(norm[1] if norm else 0.0),
+                               np.int32(glu)), stream=cuda.stream(), shared_mem=smem)
     return out
 
 

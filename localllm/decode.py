@@ -31,7 +31,8 @@ class Decoder:
         return self.model(t, 0, self.cache)[0, -1]
 
     def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        """Logits [V] after `token` (a 0-dim device tensor) at position `pos`."""
+        """Logits [V] after `token` (a 0-dim device tensor) at position `pos`. With a CUDA graph they are a view of
+        the graph's output buffer: read them before the next step."""
         if not self.use_graph:
             return self.model(token.view(1, 1), pos, self.cache)[0, -1]
         self.tok.copy_(token.view(1, 1))

@@ -8,7 +8,6 @@ from typing import Iterator
 import torch
 
 from .errors import LocalLLMError
-from .decode import Decoder
 from .runtime import LocalModel, load
 
 
@@ -107,7 +106,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     max_new_tokens = min(max_new_tokens, limit - len(ids))
     gen = torch.Generator(device=dev).manual_seed(seed)
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed + 1)
-    dec = Decoder(model, len(ids) + max_new_tokens)
+    dec = lm.decoder(len(ids) + max_new_tokens)
     seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=dev)
     seen[torch.tensor(ids, device=dev)] = True
     eos = set(lm.eos_ids)

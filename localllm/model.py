@@ -85,36 +85,45 @@ class Linear(nn.Module):
             from .kernels.gemv import Packed
             self.packed, self.quant, self._dequantized = Packed.from_quant(self.quant, device), None, None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [..., K] -> [..., N], plus `residual` (same shape as the output) when given."""
-        if self.packed is not None:
-            y = self._gpu(x, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: "RMSNorm | None" = None,
+                glu: bool = False) -> torch.Tensor:
+        """y = W f(x) (+ residual, same shape as y): f = `norm` (an RMSNorm), silu(gate) * up when `glu` (x =
+        [gate | up]), or nothing. x: [..., K] (or [..., 2K] with glu) -> [..., N]. On a GPU, one token at a time,
+        the GEMV kernel applies f and adds the residual itself."""
+        k = self.settings.k_for(self.kind)
+        compensate = k > 0 and self.residual is not None
+        if self.packed is not None and x.shape[:-1].numel() == 1 and not compensate:
+            return self._gemv(x, residual, norm, glu)
+        x = self.input_of(x, norm, glu)
+        if self.packed is not None:  # a prompt on the GPU: dequantize to fp16, then cuBLAS
+            from .kernels.gemv import dequantize
+            y = F.linear(x, dequantize(self.packed), self.bias)
         else:
             y = F.linear(x, self.dense().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-            if residual is not None:
-                y = y + residual
-        k = self.settings.k_for(self.kind)
-        if k > 0 and self.residual is not None:
+        if residual is not None:
+            y = y + residual
+        if compensate:
             x2 = x.reshape(-1, x.shape[-1])
             idx = select_channels(self, x2, k)
             y = y + qdec.compensate(x2, idx, self.residual).to(y.dtype).reshape(y.shape)
         return y
 
-    def _gpu(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """One token: the low-bit GEMV kernel (adding the residual in its epilogue when there is no bias);
-        several (a prompt): dequantize to fp16 and use cuBLAS."""
+    @staticmethod
+    def input_of(x: torch.Tensor, norm: "RMSNorm | None" = None, glu: bool = False) -> torch.Tensor:
+        """f(x) of forward(): what the weights multiply."""
+        return norm(x) if norm is not None else ops.silu_mul(x) if glu else x
+
+    def _gemv(self, x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm | None",
+              glu: bool) -> torch.Tensor:
+        """One token on the GPU: the low-bit GEMV kernel, with the input transform and (without a bias) the
+        residual add fused."""
         from .kernels import gemv
-        if x.shape[:-1].numel() == 1:
-            fuse = residual is not None and self.bias is None
-            y = gemv.gemv(x.reshape(-1), self.packed,
-                          residual=residual.reshape(-1).contiguous() if fuse else None).view(*x.shape[:-1], -1)
-            if fuse:
-                return y
-            if self.bias is not None:
-                y = y + self.bias
-        else:
-            y = F.linear(x, gemv.dequantize(self.packed), self.bias)
-        return y if residual is None else y + residual
+        fuse = residual is not None and self.bias is None
+        y = gemv.gemv(x.reshape(-1), self.packed, residual=residual.reshape(-1).contiguous() if fuse else None,
+                      norm=None if norm is None else (norm.weight, norm.eps), glu=glu).view(*x.shape[:-1], -1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None or fuse else y + residual
 
 
 def select_channels(lin: Linear, x: torch.Tensor, k_chunk: int) -> torch.Tensor:
@@ -182,7 +191,20 @@ class Block(nn.Module):
         its first mask.shape[1] entries."""
         c = self.cfg
         B, T, _ = h.shape
-        qkv = self.qkv(self.attn_norm(h))  # [B, T, q + k + v]
+        qkv = self.qkv(h, norm=self.attn_norm)  # [B, T, q + k + v]
+        if cache is not None and ops.fused_decode_attention(qkv, cache.k, c.num_heads, c.num_kv_heads, c.head_dim):
+            a = ops.attend_decode(qkv, cos, sin, cache.k[self.layer, 0], cache.v[self.layer, 0], pos, c.num_heads,
+                                  c.num_kv_heads).view(B, T, c.q_size)
+        else:
+            a = self._attend(qkv, cos, sin, pos, cache, mask)
+        h = self.o(a, residual=h)
+        return self.down(self.gate_up(h, norm=self.mlp_norm), residual=h, glu=True)
+
+    def _attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                cache: KVCache | None, mask: torch.Tensor) -> torch.Tensor:
+        """RoPE, cache append and attention with torch ops: qkv [B, T, q + k + v] -> [B, T, q]."""
+        c = self.cfg
+        B, T, _ = qkv.shape
         ops.rope_(qkv.view(B * T, -1), cos, sin, c.num_heads + c.num_kv_heads, c.head_dim)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
@@ -195,8 +217,7 @@ class Block(nn.Module):
             k, v = cache.k[self.layer, :B, :, :kv_len], cache.v[self.layer, :B, :, :kv_len]
         a = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                            enable_gqa=c.num_kv_heads != c.num_heads)
-        h = self.o(a.transpose(1, 2).reshape(B, T, c.q_size), residual=h)
-        return self.down(ops.silu_mul(self.gate_up(self.mlp_norm(h))), residual=h)
+        return a.transpose(1, 2).reshape(B, T, c.q_size)
 
 
 class Transformer(nn.Module):

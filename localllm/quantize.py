@@ -16,7 +16,7 @@ from . import modelfile
 from .errors import LocalLLMError
 from .loader import Checkpoint, open_checkpoint
 from .config import rope_inv_freq
-from .model import KINDS, QdecSettings, attention_mask, build_block, rope_tables
+from .model import KINDS, Linear, QdecSettings, attention_mask, build_block, rope_tables
 from .progress import progress
 from .qdec import ActStats
 from .quant import BASE_BITS, GROUP_SIZES, TILE_K, TILE_N, quantize_residual, quantize_rtn
@@ -89,7 +89,10 @@ def quantize(src: str, out: str, bits: int = 4, group_size: int = 128, residuals
         for kind in KINDS:
             qt[kind]["stats"] = ActStats(modelfile.linear_shape(cfg, kind)[1], kmax)
         blk = build_block(cfg, i, qt, settings)
-        hooks = [lin.register_forward_pre_hook(lambda m, args: m.stats.update(args[0]))
+        # the statistics are of what the weights multiply: the normed or gated input
+        def observe(m, args, kw):
+            m.stats.update(Linear.input_of(args[0], kw.get("norm"), kw.get("glu", False)))
+        hooks = [lin.register_forward_pre_hook(observe, with_kwargs=True)
                  for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)]
         with torch.no_grad():
             h = torch.cat([blk(hb, *rope, pos, None, mask) for hb in h.split(4)])

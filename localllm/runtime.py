@@ -1,7 +1,7 @@
 """A loaded model ready to run: the decoder, its tokenizer, its manifest and QDEC settings."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ class LocalModel:
     manifest: dict | None  # None: a dense source checkpoint, not quantized
     path: str
     eos_ids: list[int]
+    _decoder: object = field(default=None, repr=False)  # decode.Decoder kept between replies (its CUDA graph)
 
     @property
     def settings(self) -> QdecSettings:
@@ -30,10 +31,21 @@ class LocalModel:
     def has_residuals(self) -> bool:
         return any(lin.residual is not None for lin in self.model.linears())
 
+    def decoder(self, max_len: int):
+        """A Decoder whose cache holds max_len tokens: the one kept from an earlier reply when it is long enough (so
+        its captured CUDA graph is replayed, not captured again), else a new one, rounded up to 256 tokens."""
+        from .decode import Decoder
+        if self._decoder is None or self._decoder.max_len < max_len:
+            limit = self.model.cfg.max_position_embeddings
+            self._decoder = None  # free the old cache first
+            self._decoder = Decoder(self.model, min(limit, -(-max_len // 256) * 256))
+        return self._decoder
+
     def set_qdec(self, qdec: str | int | dict = "on") -> None:
         """qdec: "on" (approximate top-k, default k_chunk), "off", a k_chunk for every layer type, or a dict
         {"mode": "exact"|"approx"|"static"|"random", "k_chunk": int | {kind: int}}."""
         s = self.settings
+        self._decoder = None  # a captured graph holds the old settings
         if qdec in ("off", 0, None, False):
             s.mode = "off"
             return

@@ -49,3 +49,21 @@ def test_dequant_kernel_equals_reference(bits, N, K, gs):
     from localllm.kernels.gemv import Packed, dequantize
     q = random_quant(N, K, bits, gs)
     assert torch.equal(dequantize(Packed.from_quant(q)), q.dequantize(torch.float16))
+
+
+@pytest.mark.parametrize("mode", ["norm", "glu"])
+def test_gemv_applies_the_input_transform_while_staging(mode):
+    from localllm import ops
+    from localllm.kernels.gemv import Packed, gemv
+    N, K = 1024, 4096
+    q = random_quant(N, K, 4, 128)
+    if mode == "norm":
+        x, w = torch.randn(K, device="cuda").half() * 3, torch.rand(K, device="cuda") + 0.5
+        xin = ops.rmsnorm(x.cpu().float(), w.cpu(), 1e-5).half()  # the torch reference, on the CPU
+        got = gemv(x, Packed.from_quant(q), norm=(w, 1e-5))
+    else:
+        x = torch.randn(2 * K, device="cuda").half() * 3
+        xin = ops.silu_mul(x.cpu().float()).half()
+        got = gemv(x, Packed.from_quant(q), glu=True)
+    ref = q.dequantize(torch.float64).cpu() @ xin.double()
+    assert ((got.cpu().double() - ref).norm() / ref.norm()).item() < 1e-3
