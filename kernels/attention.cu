@@ -6,6 +6,8 @@
 // to fp16 after rotate-half RoPE, scores and softmax in fp32, output rounded to fp16.
 #include <cuda_fp16.h>
 
+#include "pdl.cuh"
+
 constexpr int CHUNK = 128;  // positions per block: one per thread of the score pass
 constexpr int GQ_MAX = 8;   // query heads per kv head
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no INFINITY
@@ -18,6 +20,8 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
                                                      __half* __restrict__ vc, const long long* __restrict__ pos_p,
                                                      float* __restrict__ ws_o, float* __restrict__ ws_ml, int H,
                                                      int KVH, int max_len, float scale) {
+    wait_previous();
+    start_next();
     const int kvh = blockIdx.x, chunk = blockIdx.y, n_chunks = gridDim.y, GQ = H / KVH;
     const int pos = (int)*pos_p, start = chunk * CHUNK;
     if (start > pos) return;
@@ -151,6 +155,8 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
 // out[head, :] = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c over the chunks up to the position. Block = head.
 __global__ void attend_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
                                const long long* __restrict__ pos_p, __half* __restrict__ out, int n_chunks, int D) {
+    wait_previous();
+    start_next();
     const int head = blockIdx.x, used = (int)(*pos_p) / CHUNK + 1;
     const float* ml = ws_ml + (size_t)head * n_chunks * 2;
     float M = NEG_INF;

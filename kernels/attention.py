@@ -26,11 +26,10 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)
     streams = CHUNK // (D // 2)
     smem = 4 * (GQ_MAX * D + GQ_MAX * CHUNK + (streams - 1) * GQ_MAX * D)
-    cuda.kernel("attention", f"attend_part<{D}>", NAMES)(
-        (kvh, chunks), (CHUNK,), (cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), cuda.ptr(k_cache), cuda.ptr(v_cache),
-                                  cuda.ptr(pos), cuda.ptr(ws_o), cuda.ptr(ws_ml), np.int32(heads), np.int32(kv_heads),
-                                  np.int32(max_len), np.float32(scale)), stream=cuda.stream(), shared_mem=smem)
-    cuda.kernel("attention", "attend_combine", NAMES)(
-        (heads,), (D,), (cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(pos), cuda.ptr(out), np.int32(chunks),
-                         np.int32(D)), stream=cuda.stream())
+    cuda.launch(cuda.kernel("attention", f"attend_part<{D}>", NAMES), (kvh, chunks), (CHUNK,), (
+        cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), cuda.ptr(k_cache), cuda.ptr(v_cache), cuda.ptr(pos),
+        cuda.ptr(ws_o), cuda.ptr(ws_ml), np.int32(heads), np.int32(kv_heads), np.int32(max_len), np.float32(scale)),
+        shared_mem=smem, early=True)
+    cuda.launch(cuda.kernel("attention", "attend_combine", NAMES), (heads,), (D,), (
+        cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(pos), cuda.ptr(out), np.int32(chunks), np.int32(D)), early=True)
     return out

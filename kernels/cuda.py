@@ -5,10 +5,12 @@ LOCALLLM_NO_CUDA_KERNELS=1 turns the kernels off (the torch reference path runs 
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from localllm.errors import LocalLLMError
@@ -46,7 +48,7 @@ def module(name: str, device: int, names: tuple[str, ...]):
     with cupy.cuda.Device(device):
         major, minor = torch.cuda.get_device_capability(device)
         src = (HERE / f"{name}.cu").read_text()
-        mod = cupy.RawModule(code=src, options=("-std=c++17", f"--gpu-architecture=sm_{major}{minor}"),
+        mod = cupy.RawModule(code=src, options=("-std=c++17", f"--gpu-architecture=sm_{major}{minor}", f"-I{HERE}"),
                              name_expressions=list(names))
         mod.compile()
         return mod
@@ -54,6 +56,57 @@ def module(name: str, device: int, names: tuple[str, ...]):
 
 def kernel(name: str, expr: str, names: tuple[str, ...]):
     return module(name, torch.cuda.current_device(), names).get_function(expr)
+
+
+def launch(func, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, early: bool = False) -> None:
+    """Launch a kernel of kernel() on torch's current stream. early=True: programmatic dependent launch (sm_90+),
+    the kernel may start while the previous one in the stream still runs; it must execute griddepcontrol.wait
+    before it reads or writes memory that earlier kernels touch (weights it may prefetch before)."""
+    if not (early and _pdl(torch.cuda.current_device())):
+        func(grid, block, args, stream=stream(), shared_mem=shared_mem)
+        return
+    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+    values = [_CTYPE[type(a)](a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    cfg = _LaunchConfig(*grid, *block, shared_mem, torch.cuda.current_stream().cuda_stream,
+                        ctypes.pointer(attr), 1)
+    err = _libcuda().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(func.kernel.ptr), params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
+
+
+@functools.cache
+def _pdl(device: int) -> bool:
+    """Programmatic dependent launch: Hopper and newer, unless LOCALLLM_NO_PDL=1."""
+    return torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("LOCALLLM_NO_PDL") != "1"
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID in cuda.h
+
+
+def _ctypes():
+    class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8, a 64-byte value union
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+    class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+        _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                    ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                    ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                    ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+    return LaunchAttribute, LaunchConfig
+
+
+@functools.cache
+def _libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    return lib
+
+
+_LaunchAttribute, _LaunchConfig = _ctypes()
 
 
 def stream():
@@ -68,5 +121,8 @@ def _external_stream(handle: int, device: int):
 
 
 def ptr(t: torch.Tensor):
-    import numpy as np
     return np.uint64(t.data_ptr())
+
+
+_CTYPE = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32,
+          np.float32: ctypes.c_float}

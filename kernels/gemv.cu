@@ -16,6 +16,8 @@
 // partial sums of a tile meet in shared memory at the tile's end (one barrier per tile).
 #include <cuda_fp16.h>
 
+#include "pdl.cuh"
+
 // NVRTC has no <stdint.h>
 typedef unsigned int uint32_t;
 typedef unsigned char uint8_t;
@@ -154,6 +156,9 @@ __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS) gemv(const uint8_t* __
     // The first DEPTH - 2 steps go out before the block stages x.
 #pragma unroll
     for (int i = 0; i < DEPTH - 2; i++) issue();
+    // Weights are nobody's output: they were requested before waiting for the kernel that produces x.
+    wait_previous();
+    start_next();
 
     // The input transform: with norm_w, x becomes fp16(x * rsqrt(mean(x^2) + eps) * norm_w) (ops.rmsnorm); with
     // glu, x is [gate | up] (2K halves) and becomes fp16(silu(gate) * up) (ops.silu_mul). Each block redoes it:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,10 @@ class Packed:
         return self.qweight.numel() * 4 + self.meta.numel()
 
 
+# Weights below this size launch early (cuda.launch): their time is mostly fixed latency, which the overlap hides.
+EARLY_BYTES = int(os.environ.get("LOCALLLM_EARLY_BYTES", 16 << 20))
+
+
 def pick_variant(N: int, K: int) -> tuple[tuple[int, int], int]:
     """((warps, depth), blocks per SM) for an N x K GEMV, from `localllm bench gemv-sweep` on the H100: 16 warps of
     6 steps in flight each; two blocks per SM only pay off with many tiles per block."""
@@ -59,7 +64,7 @@ def _sm_count(device: int) -> int:
 
 def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, glu: bool = False, variant: tuple[int, int] | None = None,
-         blocks_per_sm: int | None = None) -> torch.Tensor:
+         blocks_per_sm: int | None = None, early: bool | None = None) -> torch.Tensor:
     """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.
     f, applied while the kernel stages x: norm = (float32 weight [K], eps) -> ops.rmsnorm(x, weight, eps);
     glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself.
@@ -80,11 +85,11 @@ def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: 
         k.max_dynamic_shared_size_bytes = smem
     grid = min(N // 16, _sm_count(x.device.index or 0) * (blocks_per_sm or bps))
     null = np.uint64(0)
-    k((grid,), (32 * warps,), (cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(x),
-                               null if residual is None else cuda.ptr(residual), cuda.ptr(out), np.int32(N),
-                               np.int32(K), np.int32(G), np.uint32(0x64006400),
-                               null if norm is None else cuda.ptr(norm[0]), np.float32(norm[1] if norm else 0.0),
-                               np.int32(glu)), stream=cuda.stream(), shared_mem=smem)
+    cuda.launch(k, (grid,), (32 * warps,), (
+        cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(x), null if residual is None else cuda.ptr(residual),
+        cuda.ptr(out), np.int32(N), np.int32(K), np.int32(G), np.uint32(0x64006400),
+        null if norm is None else cuda.ptr(norm[0]), np.float32(norm[1] if norm else 0.0), np.int32(glu)),
+        shared_mem=smem, early=w.nbytes < EARLY_BYTES if early is None else early)
     return out
 
 

@@ -62,7 +62,7 @@ def gemv_sets(N: int, K: int, bits: int, group_size: int) -> tuple[list, int]:
     return sets, sets[0][0].nbytes + K * 2 + N * 2
 
 
-def gemv_sweep(group_size: int = 128, blocks_per_sm=(1, 2, 3, 4)) -> None:
+def gemv_sweep(group_size: int = 128, blocks_per_sm=(1, 2)) -> None:
     """Time each compiled (warps, depth) variant of the GEMV at several grid sizes on the 8B shapes, W4 and W3."""
     from .kernels.gemv import VARIANTS, gemv
     bw = copy_bandwidth()
