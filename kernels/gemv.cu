@@ -7,7 +7,8 @@
 // half by the layout); the tensor core multiplies them by x (every column of B is x) with fp32 accumulation, and
 // per step and row y += s * (sum_m C_m / f_m - 1024 * sum_m X_m / f_m - z * X), X_m the 16-channel sums of x, in
 // fp32 (the offset costs ~8 of fp32's 24 bits, far below fp16 output rounding). meta holds, per (tile, group), the
-// 16 rows' fp16 scales then their 16 uint8 zeros (48 bytes; gemv.py builds it from QuantWeight's scales, zeros).
+// 16 rows' fp16 scales then their 16 uint8 zeros, rows in the order 0, 8, 1, 9, ... (a lane's two rows side by
+// side; 48 bytes; gemv.py builds it from QuantWeight's scales and zeros).
 //
 // Bandwidth comes from bytes in flight, not from threads: each block owns a contiguous range of tiles (a contiguous
 // byte range of qweight); its WARPS warps split K into contiguous step ranges, and every warp streams its steps
@@ -106,7 +107,7 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 zeros
+constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 zeros; rows 0, 8, 1, 9, ..., 7, 15
 
 // y = W_hat f(x) (+ res), f the input transform below. Dynamic shared memory: x as B fragments (K halves), per step {X, offset of rows g, offset of rows g + 8, 0}
 // (K/64 float4), then the warps' rings (WARPS x DEPTH slots of one step's weights + one meta record). Registers
@@ -241,9 +242,10 @@ __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS) gemv(const uint8_t* __
         c_off = c_off + SLOT == DEPTH * SLOT ? 0 : c_off + SLOT;
         uint32_t w[BITS];
         lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot) + lane * BITS, w);
-        const float s0 = __half2float(reinterpret_cast<const __half*>(slot + STEP_BYTES)[g]);
-        const float s1 = __half2float(reinterpret_cast<const __half*>(slot + STEP_BYTES)[g + 8]);
-        const float z0 = slot[STEP_BYTES + 32 + g], z1 = slot[STEP_BYTES + 40 + g];
+        // rows g and g + 8 sit side by side in the record: one load each for the scales and the zeros
+        const float2 sc = __half22float2(reinterpret_cast<const __half2*>(slot + STEP_BYTES)[g]);
+        const uint32_t zp = reinterpret_cast<const unsigned short*>(slot + STEP_BYTES + 32)[g];
+        const float s0 = sc.x, s1 = sc.y, z0 = (float)(zp & 0xFFu), z1 = (float)(zp >> 8);
         const uint4 b01 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t];
         const uint4 b23 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t + 1];
         uint32_t a[4][4];
@@ -265,19 +267,10 @@ __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS) gemv(const uint8_t* __
     };
     for (int tile = t_begin; tile < t_end; tile++) {
         acc0 = acc1 = 0.0f;
-        int s = lo;
-        for (; s + 1 < hi; s += 2) {  // two steps per iteration: half the bookkeeping, twice the independent work
-            cp_async_wait<DEPTH - 4>();
+        for (int s = lo; s < hi; s++) {
+            cp_async_wait<DEPTH - 3>();  // this step's copies have landed (DEPTH - 3 younger ones may not have)
             __syncwarp();
-            issue();  // the steps DEPTH - 2 ahead, into slots read in the previous iteration
-            issue();
-            compute(s);
-            compute(s + 1);
-        }
-        if (s < hi) {
-            cp_async_wait<DEPTH - 3>();
-            __syncwarp();
-            issue();
+            issue();  // the step DEPTH - 2 ahead, into the slot read two steps ago
             compute(s);
         }
         const int buf = tile & 1;  // double-buffered: one barrier per tile
@@ -314,8 +307,8 @@ __global__ void dequant(const uint32_t* __restrict__ qw, const uint8_t* __restri
 #pragma unroll
     for (int r = 0; r < 2; r++) {  // rows g + 8r: registers j = r and j = r + 2 (columns + 8)
         const int row = tile * 16 + g + 8 * r;
-        const float s = __half2float(reinterpret_cast<const __half*>(rec)[g + 8 * r]);
-        const float z = rec[32 + g + 8 * r];
+        const float s = __half2float(reinterpret_cast<const __half*>(rec)[2 * g + r]);
+        const float z = rec[32 + 2 * g + r];
 #pragma unroll
         for (int m = 0; m < 4; m++)
 #pragma unroll
@@ -337,5 +330,5 @@ template __global__ void dequant<4>(const uint32_t*, const uint8_t*, __half*, in
     const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, int);
 #define INST_GS(B, W, D) INST(B, W, D, 0) INST(B, W, D, 1) INST(B, W, D, 2) INST(B, W, D, 3)
 #define INST_BITS(W, D) INST_GS(2, W, D) INST_GS(3, W, D) INST_GS(4, W, D)
-INST_BITS(16, 6)
-INST_BITS(8, 8)
+INST_BITS(16, 7)
+INST_BITS(8, 9)

@@ -15,7 +15,7 @@ from . import cuda
 META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
 
 # (warps per block, ring depth in steps per warp): the compiled variants of gemv.cu.
-VARIANTS = ((16, 6), (8, 8))
+VARIANTS = ((16, 7), (8, 9))
 NAMES = tuple(f"gemv<{b},{w},{d},{gs}>" for b in (2, 3, 4) for w, d in VARIANTS for gs in range(len(GROUP_SIZES))) \
     + tuple(f"dequant<{b}>" for b in (2, 3, 4))
 
@@ -25,7 +25,7 @@ class Packed:
     """A QuantWeight as the GPU kernels read it: the packed codes as they are, and each 16-row tile's scales and
     zeros of one group side by side (one 48-byte record), so a warp fetches them with its weights."""
     qweight: torch.Tensor  # int32 [N/16, K*bits/2], quant.pack_codes layout
-    meta: torch.Tensor  # uint8 [N/16, G, 48]
+    meta: torch.Tensor  # uint8 [N/16, G, 48]: fp16 scales then zeros of rows 0, 8, 1, 9, ..., 7, 15
     bits: int
     group_size: int
     in_features: int
@@ -33,8 +33,9 @@ class Packed:
     @classmethod
     def from_quant(cls, q: QuantWeight, device: torch.device | str = "cuda") -> "Packed":
         N, G = q.scales.shape
-        sc = q.scales.to(device).view(N // 16, 16, G).transpose(1, 2).contiguous().view(torch.uint8)
-        zr = q.zeros.to(device).view(N // 16, 16, G).transpose(1, 2)
+        rows = torch.arange(16, device=device).view(2, 8).T.reshape(-1)  # 0, 8, 1, 9, ...: a lane's rows g, g + 8
+        sc = q.scales.to(device).view(N // 16, 16, G)[:, rows].transpose(1, 2).contiguous().view(torch.uint8)
+        zr = q.zeros.to(device).view(N // 16, 16, G)[:, rows].transpose(1, 2)
         return cls(q.qweight.to(device), torch.cat([sc, zr], dim=2).contiguous(), q.bits, q.group_size,
                    q.in_features)
 
@@ -52,9 +53,9 @@ EARLY_BYTES = int(os.environ.get("LOCALLLM_EARLY_BYTES", 16 << 20))
 
 
 def pick_variant(N: int, K: int) -> tuple[tuple[int, int], int]:
-    """((warps, depth), blocks per SM) for an N x K GEMV, from `localllm bench gemv-sweep` on the H100: 16 warps of
-    6 steps in flight each; two blocks per SM only pay off with many tiles per block."""
-    return (16, 6), 2 if N >= 16384 else 1
+    """((warps, depth), blocks per SM) for an N x K GEMV, from `localllm bench gemv-sweep` on the H100: one block
+    of 16 warps per SM, each warp with 5 steps in flight, won on every Llama-3-8B shape."""
+    return (16, 7), 1
 
 
 @functools.cache
