@@ -70,9 +70,10 @@ def _check_shape(n: int, k: int) -> None:
 #   e = 2*j + h (register j = 0..3, half h = 0..1): row g + 8*(j % 2), column 2*t + h + 8*(j // 2).
 # Each lane's 32 elements of a tile are packed into `bits` words (exactly `bits` bits per weight). Register j of
 # mma tile m takes its two codes from the same bit field of both 16-bit halves of one word (half h at +16), so one
-# mask-and-or makes a half2 of (1024 + code * f): `_SLOT[bits][m][j]` = (word, bit position of the field) with f =
-# 2^(position mod 8 or 9 or 10, whatever the kernel shifts by). Fields sit where the kernel needs at most one
-# shift per word, and the two registers of one row of an mma tile share f (the kernel divides by it per row):
+# mask-and-or makes a half2 of (1024 + code * f): `_SLOT[bits][m][j]` = (word, bit position of the field), and
+# f = 2^p for p the field's position once the kernel has shifted the word (by 0, or by the amount below). Fields
+# sit where one shift per word suffices, and the two registers of one row of an mma tile share f (the kernel
+# divides it out per row):
 #   4-bit: register j of tile m in word m at 4j (f = 1 for rows g, 16 for rows g + 8; the kernel shifts by 8).
 #   3-bit: five 3-bit fields per half (0, 3, 6, 9, 12; the kernel shifts by 9); register (3, 3) is spread over
 #          bit 15 of words 0, 1, 2 (its code bits 0, 1, 2).
