@@ -79,8 +79,15 @@ def launch(func, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, ea
 
 @functools.cache
 def _pdl(device: int) -> bool:
-    """Programmatic dependent launch: Hopper and newer, unless LOCALLLM_NO_PDL=1."""
-    return torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("LOCALLLM_NO_PDL") != "1"
+    """Programmatic dependent launch: Hopper and newer with a driver that has cuLaunchKernelEx (CUDA 12), unless
+    LOCALLLM_NO_PDL=1."""
+    if torch.cuda.get_device_capability(device)[0] < 9 or os.environ.get("LOCALLLM_NO_PDL") == "1":
+        return False
+    try:
+        _libcuda()
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID in cuda.h
