@@ -16,6 +16,9 @@ tests_rc=0
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.txt"
   tests_rc=${PIPESTATUS[0]}
+  # again with plain launches: what a GPU before Hopper (no programmatic dependent launch) runs
+  LOCALLLM_NO_PDL=1 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests_no_pdl.txt"
+  tests_rc=$(( tests_rc | PIPESTATUS[0] ))
 fi
 python3 -m localllm.bench "$@" 2>&1 | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
