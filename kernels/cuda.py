@@ -124,7 +124,20 @@ def stream():
 @functools.cache
 def _external_stream(handle: int, device: int):
     import cupy
+    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14: the CUDA stream protocol
+        with cupy.cuda.Device(device):
+            return cupy.cuda.Stream.from_external(_StreamRef(handle))
     return cupy.cuda.ExternalStream(handle, device)
+
+
+class _StreamRef:
+    """A raw stream handle under the __cuda_stream__ protocol (version 0)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
 
 
 def ptr(t: torch.Tensor):
