@@ -243,6 +243,32 @@ def bench_e2e(bits_list=(4, 3)) -> list[dict]:
     return rows
 
 
+def bench_breakdown(bits: int = 4) -> None:
+    """Where a decode step's GPU time goes: kernel times (torch.profiler) of one eager step of the 8B shape,
+    summed per kernel name. Eager launches leave gaps between kernels, but each kernel's own time is what it is
+    inside the graph, give or take the overlap of early launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .config import ModelConfig
+    from .decode import Decoder
+    m = random_model(ModelConfig(**LLAMA3_8B_CONFIG), bits)
+    dec = Decoder(m, 256, use_graph=False)
+    with torch.inference_mode():
+        logits = dec.prefill(list(range(1, 17)))
+        dec.step(logits.argmax(), 16)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dec.step(logits.argmax(), 17)
+            torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0),
+                  key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"\nOne eager decode step, Llama-3-8B shape, W{bits}: GPU time per kernel name ({total / 1e3:.2f} ms in all)")
+    print(f"{'kernel':60} {'calls':>5} {'us':>9} {'share':>6}")
+    for name, us, n in rows[:20]:
+        print(f"{name[:60]:60} {n:5d} {us:9.1f} {100 * us / total:5.1f}%")
+
+
 def greedy_tokens(model, ids: list[int], n: int) -> list[int]:
     """n greedy tokens after ids (no stopping), through the same Decoder generate() uses."""
     from .decode import Decoder
@@ -292,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     parts = (sys.argv[1:] if argv is None else argv) or ["gemv", "e2e", "demo"]
     print(f"device: {torch.cuda.get_device_name()}")
     for p in parts:
-        {"gemv": bench_gemv, "gemv-sweep": gemv_sweep, "e2e": bench_e2e, "demo": bench_demo}[p]()
+        {"gemv": bench_gemv, "gemv-sweep": gemv_sweep, "e2e": bench_e2e, "demo": bench_demo,
+         "breakdown": bench_breakdown}[p]()
 
 
 if __name__ == "__main__":
