@@ -71,6 +71,35 @@ def cmd_quantize(a) -> None:
     print(f"wrote {out}")
 
 
+def cmd_eval(a) -> None:
+    from .evaluate import read_text, sweep, tokenize
+    from .model import QDEC_MODES
+    from .runtime import load
+    modes = [m.strip() for m in a.qdec.split(",") if m.strip()]
+    bad = [m for m in modes if m not in QDEC_MODES]
+    if bad or not modes:
+        raise LocalLLMError(f"--qdec takes a comma-separated list of {', '.join(QDEC_MODES)}; got {a.qdec!r}")
+    try:
+        ks = [int(k) for k in a.k_chunk.split(",") if k.strip()]
+    except ValueError:
+        raise LocalLLMError(f"--k-chunk takes comma-separated integers, e.g. 2,4,8; got {a.k_chunk!r}") from None
+    lm = load(a.model, gguf_file=a.gguf_file, qdec="off", device=a.device)
+    if lm.model.device.type == "cuda" and modes != ["off"]:
+        raise LocalLLMError("QDEC is not on the GPU yet: run eval with --device cpu, or --qdec off")
+    if modes != ["off"] and not lm.has_residuals:
+        raise LocalLLMError(f"{lm.path} has no QDEC residuals (a dense checkpoint or quantized with --no-residuals): "
+                            "use --qdec off, or quantize it with residuals")
+    text, name = read_text(a.text)
+    ids = tokenize(lm, text, a.max_tokens)
+    rows = sweep(lm, ids, modes, ks, ctx=a.ctx, seed=a.seed)
+    base = next((r.perplexity for r in rows if r.mode == "off"), None)
+    print(f"perplexity of {name}: {len(ids) - 1} predicted tokens, windows of {a.ctx}, {lm.path}")
+    print(f"{'QDEC':8} {'k_chunk':>7} {'perplexity':>11}" + (f" {'vs off':>8}" if base else ""))
+    for r in rows:
+        print(f"{r.mode:8} {r.k_chunk:7d} {r.perplexity:11.4f}"
+              + (f" {100 * (r.perplexity / base - 1):+7.2f}%" if base else ""))
+
+
 def cmd_bench(a) -> None:
     from .bench import main as bench_main
     bench_main()
@@ -113,6 +142,19 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--calib-tokens", type=int, default=4096)
     q.add_argument("--gguf-file")
     q.set_defaults(func=cmd_quantize)
+
+    e = sub.add_parser("eval", help="perplexity of a text (teacher-forced), for QDEC modes and k_chunk values")
+    e.add_argument("model", nargs="?", help="model folder or checkpoint (default: the demo model)")
+    e.add_argument("--text", help="UTF-8 text file (default: the evaluation text shipped with localllm)")
+    e.add_argument("--qdec", default="off,approx",
+                   help="comma-separated QDEC modes: off, exact, approx, static, random (default off,approx)")
+    e.add_argument("--k-chunk", default="8", help="comma-separated channels per 1024 for the modes other than off")
+    e.add_argument("--ctx", type=int, default=512, help="tokens per window (default 512)")
+    e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
+    e.add_argument("--seed", type=int, default=0, help="seed of the random picks (boundary bucket, random mode)")
+    e.add_argument("--gguf-file", help="the .gguf file inside MODEL when MODEL is a folder of GGUF files")
+    e.add_argument("--device", default="cpu", help="cpu (default; QDEC runs there) or cuda/auto with --qdec off")
+    e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="GPU benchmarks: low-bit GEMV kernels vs memory bandwidth and fp16")
     b.set_defaults(func=cmd_bench)

@@ -1,0 +1,77 @@
+"""`localllm eval`: teacher-forced perplexity of a text, under each QDEC setting asked for.
+
+The text is cut into consecutive windows of `ctx` tokens; each window runs as one forward pass (every position
+selects its own salient channels when QDEC is on, exactly as decoding would for that token) and predicts its own
+next tokens. Perplexity = exp(mean negative log-likelihood) over all predicted tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import LocalLLMError
+from .progress import progress
+from .runtime import LocalModel
+
+
+@dataclass
+class EvalResult:
+    mode: str
+    k_chunk: int
+    perplexity: float
+    tokens: int
+
+
+def read_text(path: str | Path | None) -> tuple[str, str]:
+    """(text, its name): a UTF-8 file, or with no path the evaluation text shipped with localllm."""
+    if path is None:
+        return resources.files("localllm").joinpath("data", "eval.txt").read_text(encoding="utf-8"), "eval.txt (shipped)"
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise LocalLLMError(f"no text file at {p}: give --text a UTF-8 text file")
+    try:
+        return p.read_text(encoding="utf-8"), str(p)
+    except UnicodeDecodeError:
+        raise LocalLLMError(f"{p} is not UTF-8 text: convert it (e.g. iconv -t UTF-8) or pick another file") from None
+
+
+def tokenize(lm: LocalModel, text: str, max_tokens: int | None = None) -> list[int]:
+    ids = list(lm.tokenizer(text)["input_ids"])[:max_tokens]
+    if len(ids) < 2:
+        raise LocalLLMError(f"the text has {len(ids)} token(s); perplexity needs at least 2: give a longer text")
+    return ids
+
+
+def perplexity(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: str = "evaluating") -> float:
+    """Perplexity of the token ids under the model's current QDEC settings (LocalModel.set_qdec)."""
+    limit = lm.model.cfg.max_position_embeddings
+    if not 2 <= ctx <= limit:
+        raise LocalLLMError(f"--ctx must be within 2..{limit} (the model's context); got {ctx}")
+    model, dev = lm.model, lm.model.device
+    lm.settings.generator = torch.Generator(device=dev).manual_seed(seed)  # boundary-bucket and random picks
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for s in progress(range(0, len(ids) - 1, ctx), desc=desc, unit="window"):
+            w = ids[s: s + ctx + 1]
+            logits = model(torch.tensor([w[:-1]], device=dev))[0].float()
+            nll += F.cross_entropy(logits, torch.tensor(w[1:], device=dev), reduction="sum").item()
+            count += len(w) - 1
+    return math.exp(nll / count)
+
+
+def sweep(lm: LocalModel, ids: list[int], modes: list[str], k_chunks: list[int], ctx: int = 512,
+          seed: int = 0) -> list[EvalResult]:
+    """Perplexity for "off" (once) and for every other mode at every k_chunk."""
+    results = []
+    for mode in modes:
+        for k in ([0] if mode == "off" else k_chunks):
+            lm.set_qdec("off" if mode == "off" else {"mode": mode, "k_chunk": k})
+            name = "off" if mode == "off" else f"{mode} k={k}"
+            results.append(EvalResult(mode, k, perplexity(lm, ids, ctx, seed, desc=f"eval {name}"), len(ids) - 1))
+    lm.set_qdec("off")
+    return results

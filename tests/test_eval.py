@@ -1,0 +1,78 @@
+"""`localllm eval`: teacher-forced perplexity, checked against transformers, across QDEC modes."""
+import math
+
+import pytest
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.evaluate import perplexity, read_text, sweep, tokenize
+from localllm.runtime import load
+
+from test_cli import run
+
+
+def test_perplexity_matches_transformers_on_a_dense_checkpoint(tiny_ckpt):
+    from transformers import AutoModelForCausalLM
+    lm = load(tiny_ckpt)
+    ids = tokenize(lm, read_text(None)[0], max_tokens=300)
+    ctx = 128
+    got = perplexity(lm, ids, ctx=ctx)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, len(ids) - 1, ctx):  # the same windows, scored by transformers' own loss
+            w = torch.tensor([ids[s: s + ctx + 1]])
+            out = hf(w, labels=w)  # transformers shifts the labels: it scores tokens 1..len-1 of the window
+            nll += out.loss.item() * (w.shape[1] - 1)
+            n += w.shape[1] - 1
+    assert n == len(ids) - 1
+    assert got == pytest.approx(math.exp(nll / n), rel=1e-4)
+
+
+def test_sweep_reproducible_and_full_compensation_approaches_the_dense_model(tiny_ckpt, tiny_quant):
+    dense = perplexity(load(tiny_ckpt), tokenize(load(tiny_ckpt), read_text(None)[0], max_tokens=400), ctx=128)
+    lm = load(tiny_quant)
+    ids = tokenize(lm, read_text(None)[0], max_tokens=400)
+    modes = ["off", "exact", "approx", "static", "random"]
+    a = sweep(lm, ids, modes, [4, 64], ctx=128, seed=3)
+    b = sweep(lm, ids, modes, [4, 64], ctx=128, seed=3)
+    assert [(r.mode, r.k_chunk) for r in a] == [("off", 0)] + [(m, k) for m in modes[1:] for k in (4, 64)]
+    assert [r.perplexity for r in a] == [r.perplexity for r in b], "same seed, same numbers (random picks included)"
+    assert all(math.isfinite(r.perplexity) and r.perplexity > 1 for r in a)
+    off = a[0].perplexity
+    full = sweep(lm, ids, ["exact"], [1024], ctx=128)[0].perplexity  # every channel compensated
+    assert abs(full - dense) < abs(off - dense), (off, full, dense)
+
+
+def test_eval_command_prints_a_table(tiny_quant):
+    r = run("eval", tiny_quant, "--qdec", "off,exact", "--k-chunk", "8,16", "--max-tokens", "200", "--ctx", "64")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "199 predicted tokens" in lines[0]
+    rows = [ln.split() for ln in lines[2:]]
+    assert [(x[0], x[1]) for x in rows] == [("off", "0"), ("exact", "8"), ("exact", "16")]
+    assert all(float(x[2]) > 1 for x in rows) and rows[0][3] == "+0.00%"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--text", "/no/such/file.txt"], "no text file at"),
+    (["--qdec", "off,bogus"], "--qdec takes a comma-separated list"),
+    (["--k-chunk", "8,x"], "--k-chunk takes comma-separated integers"),
+    (["--ctx", "1"], "--ctx must be within"),
+])
+def test_eval_bad_input_is_one_line(tiny_quant, args, msg):
+    r = run("eval", tiny_quant, "--max-tokens", "50", *args)
+    assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr
+
+
+def test_eval_of_a_model_without_residuals_says_so(tiny_ckpt):
+    r = run("eval", tiny_ckpt, "--qdec", "approx", "--max-tokens", "50")
+    assert r.returncode != 0 and "has no QDEC residuals" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_too_short_text_is_refused(tiny_quant, tmp_path):
+    f = tmp_path / "one.txt"
+    f.write_text("a", encoding="utf-8")
+    lm = load(tiny_quant)
+    with pytest.raises(LocalLLMError, match="at least 2"):
+        tokenize(lm, read_text(f)[0])
