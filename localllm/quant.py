@@ -8,6 +8,7 @@ one selected input channel is one contiguous read (QDEC paper sec. 4.2).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ _SLOT = {
 }
 
 
+@functools.cache
 def _bit_table(bits: int) -> tuple[Tensor, Tensor]:
     """(word, bit position) of code bit b of element e of mma tile m: two int64 tensors [4, 8, bits]."""
     word = torch.empty(4, 8, bits, dtype=torch.int64)
