@@ -84,11 +84,6 @@ def cmd_eval(a) -> None:
     except ValueError:
         raise LocalLLMError(f"--k-chunk takes comma-separated integers, e.g. 2,4,8; got {a.k_chunk!r}") from None
     lm = load(a.model, gguf_file=a.gguf_file, qdec="off", device=a.device)
-    if lm.model.device.type == "cuda" and modes != ["off"]:
-        raise LocalLLMError("QDEC is not on the GPU yet: run eval with --device cpu, or --qdec off")
-    if modes != ["off"] and not lm.has_residuals:
-        raise LocalLLMError(f"{lm.path} has no QDEC residuals (a dense checkpoint or quantized with --no-residuals): "
-                            "use --qdec off, or quantize it with residuals")
     text, name = read_text(a.text)
     ids = tokenize(lm, text, a.max_tokens)
     rows = sweep(lm, ids, modes, ks, ctx=a.ctx, seed=a.seed)

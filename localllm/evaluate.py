@@ -24,7 +24,6 @@ class EvalResult:
     mode: str
     k_chunk: int
     perplexity: float
-    tokens: int
 
 
 def read_text(path: str | Path | None) -> tuple[str, str]:
@@ -66,12 +65,15 @@ def perplexity(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, de
 
 def sweep(lm: LocalModel, ids: list[int], modes: list[str], k_chunks: list[int], ctx: int = 512,
           seed: int = 0) -> list[EvalResult]:
-    """Perplexity for "off" (once) and for every other mode at every k_chunk."""
+    """Perplexity for "off" (once) and for every other mode at every k_chunk. Every setting is checked by
+    LocalModel.set_qdec before the first one is evaluated, so a bad one fails at once, not after minutes."""
+    settings = [(m, k) for m in modes for k in ([0] if m == "off" else k_chunks)]
+    for mode, k in settings:
+        lm.set_qdec("off" if mode == "off" else {"mode": mode, "k_chunk": k})
     results = []
-    for mode in modes:
-        for k in ([0] if mode == "off" else k_chunks):
-            lm.set_qdec("off" if mode == "off" else {"mode": mode, "k_chunk": k})
-            name = "off" if mode == "off" else f"{mode} k={k}"
-            results.append(EvalResult(mode, k, perplexity(lm, ids, ctx, seed, desc=f"eval {name}"), len(ids) - 1))
+    for mode, k in settings:
+        lm.set_qdec("off" if mode == "off" else {"mode": mode, "k_chunk": k})
+        name = "off" if mode == "off" else f"{mode} k={k}"
+        results.append(EvalResult(mode, k, perplexity(lm, ids, ctx, seed, desc=f"eval {name}")))
     lm.set_qdec("off")
     return results

@@ -30,7 +30,8 @@ def test_perplexity_matches_transformers_on_a_dense_checkpoint(tiny_ckpt):
 
 
 def test_sweep_reproducible_and_full_compensation_approaches_the_dense_model(tiny_ckpt, tiny_quant):
-    dense = perplexity(load(tiny_ckpt), tokenize(load(tiny_ckpt), read_text(None)[0], max_tokens=400), ctx=128)
+    dense_lm = load(tiny_ckpt)
+    dense = perplexity(dense_lm, tokenize(dense_lm, read_text(None)[0], max_tokens=400), ctx=128)
     lm = load(tiny_quant)
     ids = tokenize(lm, read_text(None)[0], max_tokens=400)
     modes = ["off", "exact", "approx", "static", "random"]
@@ -59,6 +60,7 @@ def test_eval_command_prints_a_table(tiny_quant):
     (["--qdec", "off,bogus"], "--qdec takes a comma-separated list"),
     (["--k-chunk", "8,x"], "--k-chunk takes comma-separated integers"),
     (["--ctx", "1"], "--ctx must be within"),
+    (["--qdec", "off,approx", "--k-chunk", "8,2000"], "k_chunk must be within"),  # refused before any evaluation
 ])
 def test_eval_bad_input_is_one_line(tiny_quant, args, msg):
     r = run("eval", tiny_quant, "--max-tokens", "50", *args)
