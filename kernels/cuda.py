@@ -74,7 +74,8 @@ def launch(func, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, ea
                         ctypes.pointer(attr), 1)
     err = _libcuda().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(func.kernel.ptr), params, None)
     if err:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {err}")
+        raise LocalLLMError(f"early kernel launch (cuLaunchKernelEx) failed with CUDA error {err}; set "
+                            "LOCALLLM_NO_PDL=1 to launch kernels the plain way")
 
 
 @functools.cache
