@@ -136,8 +136,8 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
                 stats.finish_reason = "stop"
                 break
             end = len(text) - _held_back(text, stops)
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-                end = min(end, len(text) - 1)
+            # an incomplete multi-byte character decodes to one or more U+FFFD: wait for the rest
+            end = min(end, len(text.rstrip("\ufffd")))
             if end > emitted:
                 yield text[emitted:end]
                 emitted = end
