@@ -8,13 +8,13 @@
 
 #include "pdl.cuh"
 
-constexpr int CHUNK = 128;  // positions per block: one per thread of the score pass
+constexpr int CHUNK = 128;  // positions per block (and threads per block)
 constexpr int GQ_MAX = 8;   // query heads per kv head
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no INFINITY
 
 // qkv: [H*D | KVH*D | KVH*D] of the new token; cos/sin: [D/2] at its position; kc/vc: [KVH, max_len, D] of this
 // layer. Shared memory (fp32): q [GQ_MAX][D], p [GQ_MAX][CHUNK], then the output streams' partial sums.
-template <int D>
+template <int D, int GQ>
 __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ qkv, const float* __restrict__ cos,
                                                      const float* __restrict__ sin, __half* __restrict__ kc,
                                                      __half* __restrict__ vc, const long long* __restrict__ pos_p,
@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
                                                      int KVH, int max_len, float scale) {
     wait_previous();
     start_next();
-    const int kvh = blockIdx.x, chunk = blockIdx.y, n_chunks = gridDim.y, GQ = H / KVH;
+    const int kvh = blockIdx.x, chunk = blockIdx.y, n_chunks = gridDim.y;
     const int pos = (int)*pos_p, start = chunk * CHUNK;
     if (start > pos) return;
     const int n = min(CHUNK, pos + 1 - start);
@@ -55,44 +55,52 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
     }
     __syncthreads();  // q staged, and this block's cache writes visible to it
 
-    // scores: thread = position
-    float sc[GQ_MAX];
+    // scores: 4 threads per position (a short context still spreads over the block); thread qd of a position takes
+    // the 8-dim pieces qd, qd + 4, ...: its 4 threads read 64 contiguous bytes of k and q from 4 different banks
+    constexpr int TPP = 4, PIECES = D / 8 / TPP, PER_PASS = CHUNK / TPP;
+    const int qd = tid % TPP;
+    for (int p0 = 0; p0 < n; p0 += PER_PASS) {
+        const int ps = p0 + tid / TPP;
+        float sc[GQ];
 #pragma unroll
-    for (int g = 0; g < GQ_MAX; g++) sc[g] = 0.0f;
-    if (tid < n) {
-        const uint4* kp = reinterpret_cast<const uint4*>(kc + ((size_t)kvh * max_len + start + tid) * D);
-#pragma unroll 8
-        for (int d8 = 0; d8 < D / 8; d8++) {
-            const uint4 u = kp[d8];
-            const __half2* h = reinterpret_cast<const __half2*>(&u);
-            float kf[8];
+        for (int g = 0; g < GQ; g++) sc[g] = 0.0f;
+        if (ps < n) {
+            const uint4* kp = reinterpret_cast<const uint4*>(kc + ((size_t)kvh * max_len + start + ps) * D) + qd;
+            uint4 u[PIECES];
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float2 f = __half22float2(h[e]);
-                kf[2 * e] = f.x;
-                kf[2 * e + 1] = f.y;
+            for (int j = 0; j < PIECES; j++) u[j] = kp[j * TPP];
+#pragma unroll
+            for (int j = 0; j < PIECES; j++) {
+                const __half2* h = reinterpret_cast<const __half2*>(&u[j]);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float2 f = __half22float2(h[e]);
+#pragma unroll
+                    for (int g = 0; g < GQ; g++) {
+                        const float2 qg = reinterpret_cast<const float2*>(q + g * D + (j * TPP + qd) * 8)[e];
+                        sc[g] = fmaf(qg.y, f.y, fmaf(qg.x, f.x, sc[g]));
+                    }
+                }
             }
+        }
 #pragma unroll
-            for (int g = 0; g < GQ_MAX; g++)
-                if (g < GQ)
-#pragma unroll
-                    for (int e = 0; e < 8; e++) sc[g] = fmaf(q[g * D + d8 * 8 + e], kf[e], sc[g]);
+        for (int g = 0; g < GQ; g++) {
+            sc[g] += __shfl_xor_sync(0xffffffffu, sc[g], 1);
+            sc[g] += __shfl_xor_sync(0xffffffffu, sc[g], 2);
+            if (qd == 0 && ps < n) p[g * CHUNK + ps] = sc[g];
         }
     }
-#pragma unroll
-    for (int g = 0; g < GQ_MAX; g++)
-        if (g < GQ) p[g * CHUNK + tid] = tid < n ? sc[g] : NEG_INF;
     __syncthreads();
 
     // softmax statistics per query head: warp w takes heads w, w + 4, ...
     const int warp = tid >> 5, lane = tid & 31;
     for (int g = warp; g < GQ; g += CHUNK / 32) {
         float m = NEG_INF;
-        for (int i = lane; i < CHUNK; i += 32) m = fmaxf(m, p[g * CHUNK + i]);
+        for (int i = lane; i < n; i += 32) m = fmaxf(m, p[g * CHUNK + i]);
         for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         float l = 0.0f;
         for (int i = lane; i < CHUNK; i += 32) {
-            const float e = __expf(p[g * CHUNK + i] - m);  // exp(-inf) = 0 past the position
+            const float e = i < n ? __expf(p[g * CHUNK + i] - m) : 0.0f;  // nothing past the position
             p[g * CHUNK + i] = e;
             l += e;
         }
@@ -104,9 +112,9 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
     // output: thread = (position stream, pair of dims); streams meet in shared memory
     constexpr int PAIRS = D / 2, STREAMS = CHUNK / PAIRS;
     const int dp = tid % PAIRS, st = tid / PAIRS;
-    float2 acc[GQ_MAX];
+    float2 acc[GQ];
 #pragma unroll
-    for (int g = 0; g < GQ_MAX; g++) acc[g] = make_float2(0.0f, 0.0f);
+    for (int g = 0; g < GQ; g++) acc[g] = make_float2(0.0f, 0.0f);
     const __half2* vp = reinterpret_cast<const __half2*>(vc + ((size_t)kvh * max_len + start) * D) + dp;
     constexpr int U = 8;  // positions whose loads are in flight together
     for (int i0 = st; i0 < n; i0 += U * STREAMS) {
@@ -120,22 +128,20 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
         for (int u = 0; u < U; u++) {
             const int i = min(i0 + u * STREAMS, CHUNK - 1);  // past n: v is 0
 #pragma unroll
-            for (int g = 0; g < GQ_MAX; g++)
-                if (g < GQ) {
-                    const float w = p[g * CHUNK + i];
-                    acc[g].x = fmaf(w, v[u].x, acc[g].x);
-                    acc[g].y = fmaf(w, v[u].y, acc[g].y);
-                }
+            for (int g = 0; g < GQ; g++) {
+                const float w = p[g * CHUNK + i];
+                acc[g].x = fmaf(w, v[u].x, acc[g].x);
+                acc[g].y = fmaf(w, v[u].y, acc[g].y);
+            }
         }
     }
 #pragma unroll
-    for (int g = 0; g < GQ_MAX; g++)
-        if (g < GQ && st > 0) red[((st - 1) * GQ + g) * PAIRS + dp] = acc[g];
+    for (int g = 0; g < GQ; g++)
+        if (st > 0) red[((st - 1) * GQ + g) * PAIRS + dp] = acc[g];
     __syncthreads();
     if (st == 0) {
 #pragma unroll
-        for (int g = 0; g < GQ_MAX; g++)
-            if (g < GQ) {
+        for (int g = 0; g < GQ; g++) {
                 float2 a = acc[g];
                 for (int k = 1; k < STREAMS; k++) {
                     const float2 b = red[((k - 1) * GQ + g) * PAIRS + dp];
@@ -170,7 +176,8 @@ __global__ void attend_combine(const float* __restrict__ ws_o, const float* __re
     }
 }
 
-template __global__ void attend_part<64>(const __half*, const float*, const float*, __half*, __half*, const long long*,
-                                         float*, float*, int, int, int, float);
-template __global__ void attend_part<128>(const __half*, const float*, const float*, __half*, __half*,
-                                          const long long*, float*, float*, int, int, int, float);
+#define INST(D, GQ) template __global__ void attend_part<D, GQ>(const __half*, const float*, const float*, __half*, \
+    __half*, const long long*, float*, float*, int, int, int, float);
+#define INST_GQ(D) INST(D, 1) INST(D, 2) INST(D, 3) INST(D, 4) INST(D, 5) INST(D, 6) INST(D, 7) INST(D, 8)
+INST_GQ(64)
+INST_GQ(128)

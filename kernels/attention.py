@@ -7,7 +7,7 @@ import torch
 from . import cuda
 
 CHUNK, GQ_MAX = 128, 8  # as in attention.cu
-NAMES = ("attend_part<64>", "attend_part<128>", "attend_combine")
+NAMES = tuple(f"attend_part<{d},{g}>" for d in (64, 128) for g in range(1, GQ_MAX + 1)) + ("attend_combine",)
 
 
 def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -26,7 +26,7 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)
     streams = CHUNK // (D // 2)
     smem = 4 * (GQ_MAX * D + GQ_MAX * CHUNK + (streams - 1) * GQ_MAX * D)
-    cuda.launch(cuda.kernel("attention", f"attend_part<{D}>", NAMES), (kvh, chunks), (CHUNK,), (
+    cuda.launch(cuda.kernel("attention", f"attend_part<{D},{heads // kv_heads}>", NAMES), (kvh, chunks), (CHUNK,), (
         cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), cuda.ptr(k_cache), cuda.ptr(v_cache), cuda.ptr(pos),
         cuda.ptr(ws_o), cuda.ptr(ws_ml), np.int32(heads), np.int32(kv_heads), np.int32(max_len), np.float32(scale)),
         shared_mem=smem, early=True)

@@ -14,7 +14,8 @@ from . import cuda
 
 META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
 
-# (warps per block, ring depth in steps per warp): the compiled variants of gemv.cu.
+# (warps per block, ring depth in steps per warp): the compiled variants of gemv.cu. The first, at one block per SM,
+# won on every Llama-3-8B shape in `localllm bench gemv-sweep` on the H100; the sweep still times the others.
 VARIANTS = ((16, 7), (8, 9))
 NAMES = tuple(f"gemv<{b},{w},{d},{gs}>" for b in (2, 3, 4) for w, d in VARIANTS for gs in range(len(GROUP_SIZES))) \
     + tuple(f"dequant<{b}>" for b in (2, 3, 4))
@@ -52,12 +53,6 @@ class Packed:
 EARLY_BYTES = int(os.environ.get("LOCALLLM_EARLY_BYTES", 16 << 20))
 
 
-def pick_variant(N: int, K: int) -> tuple[tuple[int, int], int]:
-    """((warps, depth), blocks per SM) for an N x K GEMV, from `localllm bench gemv-sweep` on the H100: one block
-    of 16 warps per SM, each warp with 5 steps in flight, won on every Llama-3-8B shape."""
-    return (16, 7), 1
-
-
 @functools.cache
 def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -69,7 +64,7 @@ def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: 
     """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.
     f, applied while the kernel stages x: norm = (float32 weight [K], eps) -> ops.rmsnorm(x, weight, eps);
     glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself.
-    variant: one of VARIANTS; it and blocks_per_sm default to pick_variant for the shape."""
+    variant: one of VARIANTS (default the first), blocks_per_sm default 1."""
     N, K, G = w.out_features, w.in_features, w.meta.shape[1]
     assert x.dtype == torch.float16 and x.shape == ((2 * K,) if glu else (K,)) and not (glu and norm)
     assert w.qweight.shape == (N // 16, K * w.bits // 2)
@@ -77,14 +72,13 @@ def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: 
         x = x.clone()  # the kernel reads x 16 bytes at a time
     if out is None:
         out = torch.empty(N, dtype=torch.float16, device=x.device)
-    (warps, depth), bps = pick_variant(N, K)
-    warps, depth = variant or (warps, depth)
+    warps, depth = variant or VARIANTS[0]
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{GROUP_SIZES.index(w.group_size)}>", NAMES)
     # x as B fragments, its per-step sums (float4), each warp's ring of steps + meta records
     smem = K * 2 + K // 64 * 16 + warps * depth * (128 * w.bits + META_BYTES)
     if smem + warps * 132 > 48 * 1024:  # + the static arrays (red, part): past 48 KB needs the opt-in
         k.max_dynamic_shared_size_bytes = smem
-    grid = min(N // 16, _sm_count(x.device.index or 0) * (blocks_per_sm or bps))
+    grid = min(N // 16, _sm_count(x.device.index or 0) * (blocks_per_sm or 1))
     null = np.uint64(0)
     cuda.launch(k, (grid,), (32 * warps,), (
         cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(x), null if residual is None else cuda.ptr(residual),
