@@ -23,6 +23,8 @@
 typedef unsigned int uint32_t;
 typedef unsigned char uint8_t;
 
+#include "qdec.cuh"
+
 // A predicated copy (no branch, so no divergence bookkeeping around it).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool on) {
     asm volatile(
@@ -109,27 +111,39 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 
 constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 zeros; rows 0, 8, 1, 9, ..., 7, 15
 
-// y = W_hat f(x) (+ res), f the input transform below. Dynamic shared memory: x as B fragments (K halves), per step {X, offset of rows g, offset of rows g + 8, 0}
-// (K/64 float4), then the warps' rings (WARPS x DEPTH slots of one step's weights + one meta record). Registers
-// are capped at 64 so that 32 warps fit on an SM.
+// y = W_hat f(x) (+ res), f the input transform below; with QW > 0 QDEC warps add R_hat[:, S] f(x)[S] (qdec.cuh).
+// Dynamic shared memory: x as B fragments (K halves), per step {X, offset of rows g, offset of rows g + 8, 0}
+// (K/64 float4), then the warps' rings (WARPS x DEPTH slots of one step's weights + one meta record), then with QDEC
+// the block's fp32 results (16 per tile), the selection (k_chunk ints, k_chunk floats), 1024 bucket bytes and
+// QW * 36 ints. Without QDEC, registers are capped at 64 so that 32 warps fit on an SM.
 // Group size = 64 << GSHIFT.
-template <int BITS, int WARPS, int DEPTH, int GSHIFT>
-__global__ void __launch_bounds__(32 * WARPS, 32 / WARPS) gemv(const uint8_t* __restrict__ qw, const uint8_t* __restrict__ meta,
-                                                   const __half* __restrict__ x, const __half* __restrict__ res,
-                                                   __half* __restrict__ y, int N, int K, int G, uint32_t magic,
-                                                   const float* __restrict__ norm_w, float eps, int glu) {
+template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW>
+__global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
+    gemv(const uint8_t* __restrict__ qw, const uint8_t* __restrict__ meta, const __half* __restrict__ x,
+         const __half* __restrict__ res, __half* __restrict__ y, int N, int K, int G, uint32_t magic,
+         const float* __restrict__ norm_w, float eps, int glu, const uint32_t* __restrict__ rq,
+         const __half* __restrict__ rs, float* __restrict__ part, unsigned long long* __restrict__ state,
+         int* __restrict__ sel_out, int k_chunk, int n_tb, int q, int spg, float b0, float b15, float inv_hi,
+         float inv_lo) {
     constexpr int STEP_BYTES = 128 * BITS, SLOT = STEP_BYTES + META_BYTES;
     extern __shared__ __align__(16) unsigned char smem[];
     const int S = K / 64;
     uint32_t* xs = reinterpret_cast<uint32_t*>(smem);  // [step][t][m][2] half2 words
     float4* xstat = reinterpret_cast<float4*>(smem + K * 2);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const bool streamer = warp < WARPS;  // the others are QDEC warps
     unsigned char* ring = smem + K * 2 + S * 16 + warp * DEPTH * SLOT;
     const int T = N / 16;
     const int t_begin = (int)((long long)blockIdx.x * T / gridDim.x);
     const int t_end = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
     const int lo = warp * S / WARPS, hi = (warp + 1) * S / WARPS;  // this warp's steps of every tile
     const int items = (t_end - t_begin) * (hi - lo);
+    // QDEC: which call of this layer this is. The first QDEC thread takes the ticket and uses it only after its
+    // fetch, so the atomic's round trip (long while the weights stream) stalls nobody.
+    __shared__ uint32_t seq;
+    unsigned long long ticket = 0;
+    if (QW && threadIdx.x == 32 * WARPS) ticket = atomicAdd(state, 1ull);
+    if (QW && threadIdx.x == 0) QDEC_MARK(0);
 
     // The issue cursor: this lane's 16 bytes of the next step to load (src), of the meta records of its tile (mtile),
     // and of the ring slot they go to (in_slot, a shared-memory address); in_step is the step within the tile. Every
@@ -155,8 +169,9 @@ __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS) gemv(const uint8_t* __
     };
 
     // The first DEPTH - 2 steps go out before the block stages x.
+    if (streamer)
 #pragma unroll
-    for (int i = 0; i < DEPTH - 2; i++) issue();
+        for (int i = 0; i < DEPTH - 2; i++) issue();
     // Weights are nobody's output: they were requested before waiting for the kernel that produces x.
     wait_previous();
     start_next();
@@ -164,11 +179,11 @@ __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS) gemv(const uint8_t* __
     // The input transform: with norm_w, x becomes fp16(x * rsqrt(mean(x^2) + eps) * norm_w) (ops.rmsnorm); with
     // glu, x is [gate | up] (2K halves) and becomes fp16(silu(gate) * up) (ops.silu_mul). Each block redoes it:
     // K values from L2 cost less than a kernel launch.
-    __shared__ float part[WARPS];
+    __shared__ float wsum[WARPS];
     float rnorm = 1.0f;
     if (norm_w != nullptr) {
         float ss = 0.0f;
-        for (int i = threadIdx.x; i < K / 8; i += 32 * WARPS) {
+        for (int i = streamer ? threadIdx.x : K; i < K / 8; i += 32 * WARPS) {
             const uint4 u = __ldg(reinterpret_cast<const uint4*>(x) + i);
             const __half2* h = reinterpret_cast<const __half2*>(&u);
 #pragma unroll
@@ -178,17 +193,17 @@ __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS) gemv(const uint8_t* __
             }
         }
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) part[warp] = ss;
+        if (lane == 0 && streamer) wsum[warp] = ss;
         __syncthreads();
         ss = 0.0f;
 #pragma unroll
-        for (int k = 0; k < WARPS; k++) ss += part[k];
+        for (int k = 0; k < WARPS; k++) ss += wsum[k];
         rnorm = rsqrtf(ss / K + eps);
     }
 
     // Stage x: 8 threads per step, each 8 channels (4 words); word i of a step (channels 2i, 2i+1) goes to its
     // B-fragment place: mma tile m = i / 8, r = i % 8 -> column pair t = r % 4, register b0 (r < 4) or b1.
-    for (int base = 0; base < S * 8; base += 32 * WARPS) {
+    for (int base = streamer ? 0 : S * 8; base < S * 8; base += 32 * WARPS) {
         const int idx = base + threadIdx.x, s = idx >> 3, q = idx & 7, m = q >> 1;
         float sum = 0.0f;
         if (s < S) {
@@ -265,29 +280,102 @@ __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS) gemv(const uint8_t* __
         acc0 = fmaf(s0, fmaf(-z0, st.x, v0 - st.y), acc0);
         acc1 = fmaf(s1, fmaf(-z1, st.x, v1 - st.z), acc1);
     };
-    for (int tile = t_begin; tile < t_end; tile++) {
-        acc0 = acc1 = 0.0f;
-        for (int s = lo; s < hi; s++) {
-            cp_async_wait<DEPTH - 3>();  // this step's copies have landed (DEPTH - 3 younger ones may not have)
-            __syncwarp();
-            issue();  // the step DEPTH - 2 ahead, into the slot read two steps ago
-            compute(s);
-        }
-        const int buf = tile & 1;  // double-buffered: one barrier per tile
-        if (t == 0) {
-            red[buf][warp][g] = acc0;
-            red[buf][warp][g + 8] = acc1;
-        }
-        __syncthreads();
-        if (threadIdx.x < 16) {
-            float v = 0.0f;
-#pragma unroll
-            for (int k = 0; k < WARPS; k++) v += red[buf][k][threadIdx.x];
-            if (res != nullptr) v += __half2float(res[tile * 16 + threadIdx.x]);  // fused residual add
-            y[tile * 16 + threadIdx.x] = __float2half_rn(v);
+    // QDEC's shared memory, after the rings: the block's fp32 results and its outputs' residual scales, the
+    // selection, buckets, scratch
+    const int tpb = (T + gridDim.x - 1) / gridDim.x;  // most tiles of a block
+    float* ybuf = reinterpret_cast<float*>(smem + K * 2 + S * 16 + WARPS * DEPTH * SLOT);
+    float* sbuf = ybuf + 16 * tpb;
+    int* sel_idx = reinterpret_cast<int*>(sbuf + 16 * tpb);
+    float* sel_x = reinterpret_cast<float*>(sel_idx + k_chunk);
+    unsigned char* bk = reinterpret_cast<unsigned char*>(sel_x + k_chunk);
+    int* scratch = reinterpret_cast<int*>(bk + QDEC_CHUNK);
+    uint32_t* flags = reinterpret_cast<uint32_t*>(state + 1);
+    const int C = (K + QDEC_CHUNK - 1) / QDEC_CHUNK, n_seg = (N + QDEC_SEG - 1) / QDEC_SEG;
+    const int o0 = t_begin * 16, o1 = t_end * 16;
+    // this block's item (fetching blocks only: n_tb = C * q, one item each)
+    const int item = blockIdx.x, c = item / max(q, 1), g0 = item % max(q, 1) * spg, g1 = min(n_seg, g0 + spg);
+    const int csize = min(QDEC_CHUNK, K - c * QDEC_CHUNK);
+    const int k = min(csize, (k_chunk * csize + QDEC_CHUNK - 1) / QDEC_CHUNK);  // qdec.k_for_chunk
+    if constexpr (QW > 0) {
+        if ((int)blockIdx.x < n_tb) {  // the whole block selects the channels (the ring is already filling)
+            qdec_select<32 * WARPS>(xs, c, csize, k, b0, b15, inv_hi, inv_lo, bk, scratch, sel_idx, sel_x);
+            if (threadIdx.x == 0) QDEC_MARK(2);
+            if (sel_out != nullptr && g0 == 0)  // the chosen channels, for tests and reports
+                for (int i = threadIdx.x; i < k_chunk; i += blockDim.x) {
+                    sel_out[c * k_chunk + i] = i < k ? sel_idx[i] : -1;
+                    sel_out[(C + c) * k_chunk + i] = i < k ? __float_as_int(sel_x[i]) : 0;
+                }
         }
     }
-    cp_async_wait<0>();
+
+    if (QW && threadIdx.x == 0) QDEC_MARK(1);
+    if (streamer) {
+        for (int tile = t_begin; tile < t_end; tile++) {
+            acc0 = acc1 = 0.0f;
+            for (int s = lo; s < hi; s++) {
+                cp_async_wait<DEPTH - 3>();  // this step's copies have landed (DEPTH - 3 younger ones may not have)
+                __syncwarp();
+                issue();  // the step DEPTH - 2 ahead, into the slot read two steps ago
+                compute(s);
+            }
+            const int buf = tile & 1;  // double-buffered: one barrier per tile
+            if (t == 0) {
+                red[buf][warp][g] = acc0;
+                red[buf][warp][g + 8] = acc1;
+            }
+            asm volatile("bar.sync 1, %0;\n" ::"n"(32 * WARPS) : "memory");  // the streaming warps only
+            if (threadIdx.x < 16) {
+                float v = 0.0f;
+#pragma unroll
+                for (int k = 0; k < WARPS; k++) v += red[buf][k][threadIdx.x];
+                if (res != nullptr) v += __half2float(res[tile * 16 + threadIdx.x]);  // fused residual add
+                if (QW)
+                    ybuf[(tile - t_begin) * 16 + threadIdx.x] = v;
+                else
+                    y[tile * 16 + threadIdx.x] = __float2half_rn(v);
+            }
+        }
+        cp_async_wait<0>();
+        if (QW && threadIdx.x == 0) QDEC_MARK(5);
+    } else if constexpr (QW > 0) {  // QDEC warps: this block's residual scales, and its item's partial sums
+        const int u = threadIdx.x - 32 * WARPS;
+        constexpr int SB = 8;  // scales per thread read before the fetch and held across it (covers 64 tiles)
+        float sc[SB];
+#pragma unroll
+        for (int i = 0; i < SB; i++) {
+            const int n = o0 + u + 32 * QW * i;
+            sc[i] = n < o1 ? __half2float(rs[n]) : 0.0f;
+        }
+        if ((int)blockIdx.x < n_tb) {
+            qdec_fetch<QW>(rq, part + (size_t)c * N, N, g0, g1, k, u, sel_idx, sel_x);
+            if (u == 0) QDEC_MARK(3);
+            qdec_sync<QW>();  // every partial stored; the release below publishes them (release is cumulative)
+            if (u == 0) {
+                __threadfence();
+                flag_release(flags + item, (uint32_t)(ticket / gridDim.x) + 1u);
+                QDEC_MARK(4);
+            }
+        }
+        if (u == 0) seq = (uint32_t)(ticket / gridDim.x) + 1u;
+#pragma unroll
+        for (int i = 0; i < SB; i++)
+            if (o0 + u + 32 * QW * i < o1) sbuf[u + 32 * QW * i] = sc[i];
+        for (int n = o0 + u + 32 * QW * SB; n < o1; n += 32 * QW) sbuf[n - o0] = __half2float(rs[n]);  // big blocks
+    }
+    if constexpr (QW > 0) {  // add scale * the partials of every item covering this block's outputs, round once
+        __syncthreads();
+        const int ga = o0 / QDEC_SEG / spg, gb = (o1 - 1) / QDEC_SEG / spg;
+        for (int i = threadIdx.x; i < C * (gb - ga + 1); i += blockDim.x)
+            flag_wait(flags + i / (gb - ga + 1) * q + ga + i % (gb - ga + 1), seq);
+        __syncthreads();
+        if (threadIdx.x == 0) QDEC_MARK(6);
+        for (int n = o0 + threadIdx.x; n < o1; n += blockDim.x) {
+            float v = 0.0f;
+            for (int cc = 0; cc < C; cc++) v += __ldcg(part + (size_t)cc * N + n);
+            y[n] = __float2half_rn(fmaf(sbuf[n - o0], v, ybuf[n - o0]));
+        }
+        if (threadIdx.x == 0) QDEC_MARK(7);
+    }
 }
 
 // W_hat as dense fp16 [N, K] (for prompts: cuBLAS then multiplies). One thread per (step, lane): the same decode
@@ -325,10 +413,12 @@ template __global__ void dequant<2>(const uint32_t*, const uint8_t*, __half*, in
 template __global__ void dequant<3>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 template __global__ void dequant<4>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 
-// (warps per block, ring depth) variants, chosen per shape by gemv.py
-#define INST(B, W, D, GS) template __global__ void gemv<B, W, D, GS>(const uint8_t*, const uint8_t*, \
-    const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, int);
-#define INST_GS(B, W, D) INST(B, W, D, 0) INST(B, W, D, 1) INST(B, W, D, 2) INST(B, W, D, 3)
-#define INST_BITS(W, D) INST_GS(2, W, D) INST_GS(3, W, D) INST_GS(4, W, D)
-INST_BITS(16, 7)
-INST_BITS(8, 9)
+// (warps per block, ring depth) variants, chosen by gemv.py; QDEC (QW = 4) with the first
+#define INST(B, W, D, GS, QW) template __global__ void gemv<B, W, D, GS, QW>(const uint8_t*, const uint8_t*, \
+    const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, int, const uint32_t*, \
+    const __half*, float*, unsigned long long*, int*, int, int, int, int, float, float, float, float);
+#define INST_GS(B, W, D, QW) INST(B, W, D, 0, QW) INST(B, W, D, 1, QW) INST(B, W, D, 2, QW) INST(B, W, D, 3, QW)
+#define INST_BITS(W, D, QW) INST_GS(2, W, D, QW) INST_GS(3, W, D, QW) INST_GS(4, W, D, QW)
+INST_BITS(16, 7, 0)
+INST_BITS(8, 9, 0)
+INST_BITS(16, 7, 4)

@@ -10,15 +10,16 @@ import torch
 
 from localllm.quant import GROUP_SIZES, QuantWeight
 
-from . import cuda
+from . import cuda, qdec
 
 META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
 
 # (warps per block, ring depth in steps per warp): the compiled variants of gemv.cu. The first, at one block per SM,
 # won on every Llama-3-8B shape in `localllm bench gemv-sweep` on the H100; the sweep still times the others.
 VARIANTS = ((16, 7), (8, 9))
-NAMES = tuple(f"gemv<{b},{w},{d},{gs}>" for b in (2, 3, 4) for w, d in VARIANTS for gs in range(len(GROUP_SIZES))) \
-    + tuple(f"dequant<{b}>" for b in (2, 3, 4))
+NAMES = tuple(f"gemv<{b},{w},{d},{gs},0>" for b in (2, 3, 4) for w, d in VARIANTS for gs in range(len(GROUP_SIZES))) \
+    + tuple(f"gemv<{b},{w},{d},{gs},{qdec.QW}>" for b in (2, 3, 4) for w, d in VARIANTS[:1]
+            for gs in range(len(GROUP_SIZES))) + tuple(f"dequant<{b}>" for b in (2, 3, 4))
 
 
 @dataclass
@@ -60,11 +61,13 @@ def _sm_count(device: int) -> int:
 
 def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, glu: bool = False, variant: tuple[int, int] | None = None,
-         blocks_per_sm: int | None = None, early: bool | None = None) -> torch.Tensor:
+         blocks_per_sm: int | None = None, early: bool | None = None, comp: "qdec.Call | None" = None) -> torch.Tensor:
     """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.
     f, applied while the kernel stages x: norm = (float32 weight [K], eps) -> ops.rmsnorm(x, weight, eps);
     glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself.
-    variant: one of VARIANTS (default the first), blocks_per_sm default 1."""
+    variant: one of VARIANTS (default the first), blocks_per_sm default 1.
+    comp: QDEC, y += R_hat[:, S] f(x)[S] (S chosen in the kernel); needs the first variant and the grid that
+    comp.state was numbered with."""
     N, K, G = w.out_features, w.in_features, w.meta.shape[1]
     assert x.dtype == torch.float16 and x.shape == ((2 * K,) if glu else (K,)) and not (glu and norm)
     assert w.qweight.shape == (N // 16, K * w.bits // 2)
@@ -73,19 +76,38 @@ def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: 
     if out is None:
         out = torch.empty(N, dtype=torch.float16, device=x.device)
     warps, depth = variant or VARIANTS[0]
-    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{GROUP_SIZES.index(w.group_size)}>", NAMES)
-    # x as B fragments, its per-step sums (float4), each warp's ring of steps + meta records
-    smem = K * 2 + K // 64 * 16 + warps * depth * (128 * w.bits + META_BYTES)
-    if smem + warps * 132 > 48 * 1024:  # + the static arrays (red, part): past 48 KB needs the opt-in
+    qw = qdec.QW if comp is not None and comp.k_chunk > 0 else 0
+    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{GROUP_SIZES.index(w.group_size)},{qw}>", NAMES)
+    grid = grid_of(N, x.device, blocks_per_sm or 1)
+    smem = shared_bytes(w, warps, depth)
+    if qw:
+        assert (warps, depth) == VARIANTS[0] and comp.grid == grid, "QDEC state numbered for another grid"
+        smem += qdec.shared_bytes(K, N, comp.k_chunk, grid)
+        extra = comp.args(K, N)
+    else:
+        null = np.uint64(0)
+        extra = (null, null, null, null, null, *(np.int32(0),) * 4, *(np.float32(0),) * 4)
+    if smem + warps * 132 + 64 > 48 * 1024:  # + the static arrays (red, wsum, seq): past 48 KB needs the opt-in
         k.max_dynamic_shared_size_bytes = smem
-    grid = min(N // 16, _sm_count(x.device.index or 0) * (blocks_per_sm or 1))
     null = np.uint64(0)
-    cuda.launch(k, (grid,), (32 * warps,), (
+    cuda.launch(k, (grid,), (32 * (warps + qw),), (
         cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(x), null if residual is None else cuda.ptr(residual),
         cuda.ptr(out), np.int32(N), np.int32(K), np.int32(G), np.uint32(0x64006400),
-        null if norm is None else cuda.ptr(norm[0]), np.float32(norm[1] if norm else 0.0), np.int32(glu)),
+        null if norm is None else cuda.ptr(norm[0]), np.float32(norm[1] if norm else 0.0), np.int32(glu), *extra),
         shared_mem=smem, early=w.nbytes < EARLY_BYTES if early is None else early)
     return out
+
+
+def shared_bytes(w: Packed, warps: int, depth: int) -> int:
+    """Dynamic shared memory of the GEMV without QDEC: x as B fragments, its per-step sums (float4), each warp's
+    ring of steps + meta records."""
+    K = w.in_features
+    return K * 2 + K // 64 * 16 + warps * depth * (128 * w.bits + META_BYTES)
+
+
+def grid_of(N: int, device: torch.device, blocks_per_sm: int = 1) -> int:
+    """The GEMV's grid for N outputs (QDEC numbers its calls per grid)."""
+    return min(N // 16, _sm_count(device.index or 0) * blocks_per_sm)
 
 
 def dequantize(w: Packed) -> torch.Tensor:

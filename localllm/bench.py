@@ -109,6 +109,60 @@ def bench_gemv(bits_list=(4, 3, 2), group_size: int = 128) -> list[dict]:
     return rows
 
 
+def pcie_bandwidth(nbytes: int = 64 << 20) -> float:
+    """Pinned host -> device memcpy bandwidth, bytes/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return nbytes / time_graph([lambda: dst.copy_(src, non_blocking=True)] * 4)
+
+
+QDEC_K = (0, 2, 4, 8, 16, 32, 64)
+
+
+def bench_qdec(bits: int = 3, group_size: int = 128) -> list[dict]:
+    """Base GEMV alone vs with QDEC (the paper's Figure 17 as a table) on the 8B shapes, for k_chunk in QDEC_K and
+    a few n_tb; the zero-copy bandwidth at the largest k vs a pinned memcpy."""
+    from .kernels import qdec
+    from .kernels.gemv import gemv, grid_of
+    from .quant import QuantResidual
+    pcie = pcie_bandwidth()
+    rows = []
+    for name, (N, K) in LLAMA3_8B.items():
+        sets, nbytes = gemv_sets(N, K, bits, group_size)
+        C, grid = qdec.chunks(K), grid_of(N, torch.device("cuda"))
+        xs = [torch.randn(K, device="cuda").half() * torch.where(torch.rand(K, device="cuda") < 0.02, 8.0, 1.0).half()
+              for _ in sets]
+        # one residual per weight copy, so no call finds its rows in L2
+        res = [qdec.HostResidual.pin(QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32),
+                                                   (torch.rand(N) * 0.01).half())) for _ in sets]
+        part = torch.empty(C * N, device="cuda")
+        base = time_graph([lambda s=s, x=x: gemv(x, s[0], out=s[1]) for s, x in zip(sets, xs)])
+        ok = qdec.viable_n_tb(K, N, grid)
+        for n_tb in sorted({C, qdec.default_n_tb(K, N, grid), ok[-1]}):
+            row = {"layer": name, "N": N, "K": K, "n_tb": n_tb, "base_us": base * 1e6, "us": {}}
+            for k in QDEC_K[1:]:
+                a = xs[0].float().abs()
+                b0, b15 = float(a.max()), float(a[:1024].topk(k).values[-1])
+                comps = [qdec.Call(r, qdec.new_state(K, N, "cuda"), part, k, n_tb, b0, b15, grid) for r in res]
+                t = time_graph([lambda s=s, x=x, c=c: gemv(x, s[0], out=s[1], comp=c)
+                                for s, x, c in zip(sets, xs, comps)])
+                row["us"][k] = t * 1e6
+            kmax = QDEC_K[-1]
+            fetched = C * kmax * (N // 2) + N * 2  # residual rows and the scales
+            row["zero_copy_GBs"] = fetched / (row["us"][kmax] * 1e-6) / 1e9
+            rows.append(row)
+        del sets, res
+    print(f"\nQDEC: base W{bits} GEMV vs GEMV + dynamic error compensation, inside CUDA graphs; time in us and "
+          f"slowdown over the base (pinned memcpy {pcie / 1e9:.1f} GB/s)")
+    print(f"{'layer':8} {'n_tb':>4} {'base':>6} " + " ".join(f"{f'k={k}':>13}" for k in QDEC_K[1:])
+          + f" {'zero-copy GB/s at k=' + str(QDEC_K[-1]):>22}")
+    for r in rows:
+        cells = " ".join(f"{r['us'][k]:6.2f} {100 * (r['us'][k] / r['base_us'] - 1):+5.0f}%" for k in QDEC_K[1:])
+        print(f"{r['layer']:8} {r['n_tb']:>4} {r['base_us']:6.2f} {cells} "
+              f"{r['zero_copy_GBs']:8.1f} ({100 * r['zero_copy_GBs'] * 1e9 / pcie:3.0f}% of memcpy)")
+    return rows
+
+
 LLAMA3_8B_CONFIG = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                         num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
 
@@ -269,6 +323,38 @@ def bench_breakdown(bits: int = 4) -> None:
         print(f"{name[:60]:60} {n:5d} {us:9.1f} {100 * us / total:5.1f}%")
 
 
+def bench_e2e_qdec(bits: int = 3, k_chunk: int = 8) -> None:
+    """8B-shaped decode with QDEC on every layer (k_chunk each, default n_tb; residuals pinned, one per layer kind)
+    vs the same model without it."""
+    from .config import ModelConfig
+    from .kernels import qdec
+    from .kernels.gemv import grid_of
+    from .model import KINDS
+    from .modelfile import linear_shape
+    from .quant import QuantResidual
+    cfg = ModelConfig(**LLAMA3_8B_CONFIG)
+    m = random_model(cfg, bits)
+    t_off = decode_time(m)
+    res, host = {}, {}
+    for kind in KINDS:
+        N, K = linear_shape(cfg, kind)
+        res[kind] = QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32),
+                                  (torch.rand(N) * 0.01).half())
+        host[kind] = qdec.HostResidual.pin(res[kind])
+    part = torch.empty(max(qdec.chunks(lin.in_features) * lin.out_features for lin in m.linears()), device="cuda")
+    for lin in m.linears():
+        K, N = lin.in_features, lin.out_features
+        lin.residual, grid = res[lin.kind], grid_of(N, torch.device("cuda"))
+        lin.comp = qdec.Call(host[lin.kind], qdec.new_state(K, N, "cuda"), part, k_chunk,
+                             qdec.default_n_tb(K, N, grid), 6.0, 1.5, grid)
+    m.settings.mode, m.settings.k_chunk = "approx", {k: k_chunk for k in KINDS}
+    t_on = decode_time(m)
+    print(f"\nDecode with QDEC, Llama-3-8B shapes W{bits}, k_chunk={k_chunk} on every layer (default n_tb): "
+          f"{1 / t_on:.1f} tok/s vs {1 / t_off:.1f} without ({100 * (t_on / t_off - 1):+.1f}% per token); "
+          f"GPU memory for QDEC: {part.numel() * 4 / 1e6:.2f} MB partials + "
+          f"{sum(lin.comp.state.numel() * 8 for lin in m.linears()) / 1e3:.0f} KB flags")
+
+
 def greedy_tokens(model, ids: list[int], n: int) -> list[int]:
     """n greedy tokens after ids (no stopping), through the same Decoder generate() uses."""
     from .decode import Decoder
@@ -319,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device: {torch.cuda.get_device_name()}")
     for p in parts:
         {"gemv": bench_gemv, "gemv-sweep": gemv_sweep, "e2e": bench_e2e, "demo": bench_demo,
-         "breakdown": bench_breakdown}[p]()
+         "breakdown": bench_breakdown, "qdec": bench_qdec, "e2e-qdec": bench_e2e_qdec}[p]()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ class Linear(nn.Module):
         self.quant = quant  # on the CPU; on a GPU it becomes `packed` (place())
         self.packed = None
         self.residual = residual
+        self.host_residual = None  # on a GPU with QDEC on: the residual pinned in host memory (kernels.qdec)
+        self.comp = None  # on a GPU with QDEC on: the QDEC GEMV's launch (kernels.qdec.Call)
         self.stats = stats
         self.settings = settings or QdecSettings()
         # dense source weights [N, K]; a quantized Linear dequantizes on the CPU when first run there
@@ -92,8 +94,10 @@ class Linear(nn.Module):
         the GEMV kernel applies f and adds the residual itself."""
         k = self.settings.k_for(self.kind)
         compensate = k > 0 and self.residual is not None
-        if self.packed is not None and x.shape[:-1].numel() == 1 and not compensate:
-            return self._gemv(x, residual, norm, glu)
+        if self.packed is not None:
+            if x.shape[:-1].numel() == 1:  # decode: the GEMV kernel, with QDEC inside when it is on
+                return self._gemv(x, residual, norm, glu, self.comp if compensate else None)
+            compensate = False  # prompts on the GPU run uncompensated (as in the paper)
         x = self.input_of(x, norm, glu)
         if self.packed is not None:  # a prompt on the GPU: dequantize to fp16, then cuBLAS
             from .kernels.gemv import dequantize
@@ -113,14 +117,18 @@ class Linear(nn.Module):
         """f(x) of forward(): what the weights multiply."""
         return norm(x) if norm is not None else ops.silu_mul(x) if glu else x
 
-    def _gemv(self, x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm | None",
-              glu: bool) -> torch.Tensor:
-        """One token on the GPU: the low-bit GEMV kernel, with the input transform and (without a bias) the
-        residual add fused."""
+    def _gemv(self, x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm | None", glu: bool,
+              comp=None) -> torch.Tensor:
+        """One token on the GPU: the low-bit GEMV kernel, with the input transform, (without a bias) the residual
+        add and QDEC (comp: kernels.qdec.Call) fused."""
         from .kernels import gemv
         fuse = residual is not None and self.bias is None
+        if comp is None and self.settings.mode != "off" and self.residual is not None \
+                and self.settings.k_for(self.kind) > 0:
+            raise RuntimeError("QDEC is on but this layer has no GPU launch; turn it on with LocalModel.set_qdec")
         y = gemv.gemv(x.reshape(-1), self.packed, residual=residual.reshape(-1).contiguous() if fuse else None,
-                      norm=None if norm is None else (norm.weight, norm.eps), glu=glu).view(*x.shape[:-1], -1)
+                      norm=None if norm is None else (norm.weight, norm.eps), glu=glu,
+                      comp=comp).view(*x.shape[:-1], -1)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None or fuse else y + residual
@@ -137,7 +145,7 @@ def select_channels(lin: Linear, x: torch.Tensor, k_chunk: int) -> torch.Tensor:
         raise RuntimeError(f"QDEC mode '{s.mode}' needs calibration statistics, which this model lacks")
     if s.mode == "static":
         return qdec.select_static(lin.stats.sq_mean, k_chunk, x.shape[0])
-    return qdec.select_approx(x, k_chunk, lin.stats.b0, float(lin.stats.kth[k_chunk - 1]), s.generator)
+    return qdec.select_approx(x, k_chunk, lin.stats.b0, float(lin.stats.kth[k_chunk - 1]))
 
 
 class RMSNorm(nn.Module):

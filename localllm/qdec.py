@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -46,25 +47,60 @@ def k_total(k_chunk: int, in_features: int) -> int:
     return sum(k_for_chunk(k_chunk, e - s) for s, e in chunk_bounds(in_features))
 
 
+def bucket_widths(b0: float, b15: float) -> tuple[float, float]:
+    """1 / bucket width above and below b15, in float32: d_hi = max((b0 - b15) / 16, 1e-12),
+    d_lo = max(b15 / 16, 1e-12). The kernel takes these two numbers as arguments (with b0 and b15)."""
+    f = np.float32
+    d_hi = max(f(f(b0) - f(b15)) / f(_HALF), f(_MIN_WIDTH))
+    d_lo = max(f(b15) / f(_HALF), f(_MIN_WIDTH))
+    return float(f(1) / f(d_hi)), float(f(1) / f(d_lo))
+
+
 def bucket_index(a: Tensor, b0: float, b15: float) -> Tensor:
     """Bucket of each magnitude a = |x| (float32): 0 holds the largest values, 31 the smallest.
 
     Buckets 0..15 split [b15, b0] uniformly (bucket 0 is open above, so values > b0 land
-    there); buckets 16..31 split [0, b15) uniformly. In float32, exactly as the CUDA kernel
-    (which must use IEEE division, i.e. no fast-math):
-        d_hi = max((b0 - b15) / 16, 1e-12),  d_lo = max(b15 / 16, 1e-12)
-        a >= b15: clamp(floor((b0 - a) / d_hi), 0, 15)
-        a <  b15: 16 + clamp(floor((b15 - a) / d_lo), 0, 15)
+    there); buckets 16..31 split [0, b15) uniformly. In float32 with round-to-nearest, exactly as
+    the CUDA kernel computes it (inv_hi, inv_lo from bucket_widths):
+        a >= b15: clamp(floor((b0 - a) * inv_hi), 0, 15)
+        a <  b15: 16 + clamp(floor((b15 - a) * inv_lo), 0, 15)
     Returns uint8 of a's shape.
     """
     a = a.float()
-    b0_t = torch.tensor(b0, dtype=torch.float32)
-    b15_t = torch.tensor(b15, dtype=torch.float32)
-    d_hi = torch.clamp((b0_t - b15_t) / _HALF, min=_MIN_WIDTH)
-    d_lo = torch.clamp(b15_t / _HALF, min=_MIN_WIDTH)
-    upper = torch.floor((b0_t - a) / d_hi).clamp(0, _HALF - 1)
-    lower = _HALF + torch.floor((b15_t - a) / d_lo).clamp(0, _HALF - 1)
+    inv_hi, inv_lo = bucket_widths(b0, b15)
+    b0_t, b15_t = torch.tensor(b0, dtype=torch.float32), torch.tensor(b15, dtype=torch.float32)
+    upper = torch.floor((b0_t - a) * inv_hi).clamp(0, _HALF - 1)
+    lower = _HALF + torch.floor((b15_t - a) * inv_lo).clamp(0, _HALF - 1)
     return torch.where(a >= b15_t, upper, lower).to(torch.uint8)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(a: Tensor, c: int) -> Tensor:
+    """a * c mod 2^32 for int64 a in [0, 2^32), without overflowing int64."""
+    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 values in [0, 2^32)."""
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def boundary_order(x: Tensor) -> tuple[Tensor, Tensor]:
+    """The pseudo-random order in which a chunk's boundary-bucket channels are taken, as the kernel computes it.
+
+    x [T, c] (one chunk, c <= 1024) -> (A, off) int64 [T, 1]: channel i of the chunk has priority
+    p(i) = (i * A + off) mod 1024 (A odd, so p is a permutation) and lower p goes first. A and off come from
+    seed = fmix32(sum_i fmix32(i * 65536 + u_i) mod 2^32), u_i the fp16 bits of x_i, so the choice is a fixed
+    function of the input (the same on CPU and GPU, in eager and graph replay) that changes with it.
+    """
+    u = x.half().view(torch.int16).long() & 0xFFFF
+    i = torch.arange(x.shape[-1], dtype=torch.int64, device=x.device)
+    h = _fmix32(_fmix32(i * 65536 + u).sum(-1, keepdim=True) & _M32)
+    return 2 * (h & 511) + 1, (h >> 9) & 1023
 
 
 def _per_chunk(in_features: int, k_chunk: int, pick: Callable[[int, int, int], Tensor]) -> Tensor:
@@ -79,14 +115,12 @@ def select_exact(x: Tensor, k_chunk: int) -> Tensor:
     return _per_chunk(x.shape[-1], k_chunk, lambda s, e, k: a[:, s:e].topk(k, dim=-1).indices)
 
 
-def select_approx(
-    x: Tensor, k_chunk: int, b0: float, b15: float, generator: torch.Generator | None = None
-) -> Tensor:
+def select_approx(x: Tensor, k_chunk: int, b0: float, b15: float) -> Tensor:
     """Approximate top-k per chunk by the 32-bucket rule: x [T, K] -> idx [T, k_total].
 
     Buckets (bucket_index) are taken whole, from bucket 0 on, while the running count stays
     <= k; from the first bucket that would overflow (the boundary bucket) the remaining
-    k - count channels are drawn uniformly at random with `generator`.
+    k - count channels are taken in the pseudo-random order of boundary_order.
     """
     a = x.float().abs()
     t = a.shape[0]
@@ -97,10 +131,12 @@ def select_approx(
         counts.scatter_add_(1, bucket, torch.ones_like(bucket))
         # Boundary bucket: the first whose cumulative count exceeds k (N_BUCKETS if k == c).
         boundary = (counts.cumsum(1) <= k).sum(1, keepdim=True)  # [T, 1]
-        # Whole buckets score 2, the boundary bucket a random priority in [0, 1), the rest -1:
-        # top-k then takes every whole bucket plus a uniform random subset of the boundary.
-        rand = torch.rand(bucket.shape, generator=generator, device=a.device)
-        score = torch.where(bucket < boundary, 2.0, torch.where(bucket == boundary, rand, -1.0))
+        # Whole buckets score 2, the boundary bucket 1 - (p + 1) / 1025 in (0, 1) (lower priority p first),
+        # the rest -1: top-k then takes every whole bucket plus the first boundary channels in p order.
+        A, off = boundary_order(x[:, s:e])
+        p = (torch.arange(e - s, dtype=torch.int64, device=a.device) * A + off) & (CHUNK - 1)
+        order = 1.0 - (p + 1).double() / (CHUNK + 1)
+        score = torch.where(bucket < boundary, 2.0, torch.where(bucket == boundary, order, -1.0))
         return score.topk(k, dim=-1).indices
 
     return _per_chunk(x.shape[-1], k_chunk, pick)

@@ -51,9 +51,6 @@ class LocalModel:
             return
         if not self.has_residuals:
             raise LocalLLMError(f"{self.path} has no QDEC residuals; re-quantize it with residuals or use qdec='off'")
-        if self.model.device.type == "cuda":
-            raise LocalLLMError("QDEC on the GPU needs its fused kernel, which is not built yet; use qdec='off' "
-                                "on the GPU, or device='cpu' for compensated output")
         if qdec in ("on", True):
             mode, k = "approx", DEFAULT_K_CHUNK
         elif isinstance(qdec, int):
@@ -69,7 +66,47 @@ class LocalModel:
         kmax = self.manifest["calibration"]["kmax"] if mode == "approx" else 1024
         if any(not 0 <= v <= kmax for v in ks.values()):
             raise LocalLLMError(f"k_chunk must be within 0..{kmax} for QDEC mode '{mode}'; got {ks}")
+        if self.model.device.type == "cuda":
+            if mode != "approx":
+                raise LocalLLMError(f"on the GPU QDEC selects by approximate top-k only, not '{mode}'; use "
+                                    "mode 'approx', or device='cpu' for the other selection modes")
+            try:
+                self._place_qdec(ks)
+            except LocalLLMError as e:  # compensation is an improvement, not a requirement: run without it
+                import sys
+                print(f"localllm: {e}; running without QDEC", file=sys.stderr)
+                s.mode = "off"
+                return
         s.mode, s.k_chunk = mode, ks
+
+    def _place_qdec(self, ks: dict) -> None:
+        """Give every compensated GPU layer its QDEC launch: residuals pinned in host memory (once), its flags, the
+        model's shared buffer of partial corrections, and k_chunk / n_tb."""
+        from .kernels import qdec
+        from .kernels.gemv import grid_of
+        dev = self.model.device
+        lins = [lin for lin in self.model.linears() if lin.residual is not None and ks[lin.kind] > 0]
+        smem_max = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
+        for lin in lins:
+            K, N, k = lin.in_features, lin.out_features, ks[lin.kind]
+            if qdec.shared_bytes_total(lin.packed, k, grid_of(N, dev)) > smem_max:
+                raise LocalLLMError(f"k_chunk={k} for the {lin.kind} layers needs more shared memory than this GPU "
+                                    f"has per block ({smem_max} bytes); use a smaller k_chunk")
+        need = sum(lin.residual.packed.numel() * 4 + lin.residual.scales.numel() * 2 for lin in lins
+                   if lin.host_residual is None)
+        if need:
+            from .progress import progress
+            for lin in progress([x for x in lins if x.host_residual is None], "pinning residuals", unit="layer"):
+                lin.host_residual = qdec.HostResidual.pin(lin.residual)
+        part = torch.empty(max((qdec.chunks(lin.in_features) * lin.out_features for lin in lins), default=0),
+                           device=dev)
+        for lin in self.model.linears():
+            lin.comp = None
+        for lin in lins:
+            K, N, k = lin.in_features, lin.out_features, ks[lin.kind]
+            grid = grid_of(N, dev)
+            lin.comp = qdec.Call(lin.host_residual, qdec.new_state(K, N, dev), part, k, qdec.default_n_tb(K, N, grid),
+                                 lin.stats.b0, float(lin.stats.kth[k - 1]), grid)
 
     def sizes(self) -> dict:
         """Bytes the model needs: on the GPU (packed weights, fp16 embeddings) and pinned on the host."""
@@ -80,7 +117,7 @@ class LocalModel:
         for lin in self.model.linears():
             gpu += lin.nbytes if lin.weight is None else lin.nbytes // lin.weight.element_size() * 2  # fp16
             if lin.residual is not None:
-                host += lin.residual.packed.numel() * 4 + lin.residual.scales.numel() * 2
+                host += lin.residual.packed.numel() * 4 + lin.residual.scales.numel() * 2  # pinned when QDEC is on
         return {"gpu_bytes": gpu, "pinned_host_bytes": host}
 
     def _norms(self):

@@ -1,0 +1,235 @@
+// QDEC dynamic error compensation inside the GEMV (gemv.cu, QW > 0): y = W_hat x + R_hat[:, S] x[S].
+//
+// Work items are (1024-channel chunk, group of 256-output segments); block i < n_tb takes item i. Right after
+// staging x, such a block selects its chunk's k channels with all its threads (approximate top-k,
+// qdec.select_approx: 32 buckets from b0 and b15, whole buckets from the top, the boundary bucket in the
+// pseudo-random order of qdec.boundary_order); then its QW QDEC warps, while the other warps stream the weights,
+// read those channels' residual rows of the item's segments straight from pinned host memory (zero-copy: a warp
+// reads 128 contiguous bytes, 256 codes, per row and segment, all of a warp's reads in flight together), multiply
+// by x[S], store the item's partial sums (fp32, one thread per output, rows in a fixed order) to a global buffer and
+// raise the item's flag. Every block's QDEC warps also fetch the residual scales of the block's own outputs. When
+// its tiles are done, a block waits for the flags of the items covering its outputs and adds scale * the partials
+// to its fp32 results before the one rounding to fp16. So: no grid-wide sync, no atomics on y, the same bits on
+// every run, and nothing but the partials and flags in GPU memory.
+//
+// Flags carry a sequence number: each block takes a ticket from the layer's arrival counter when it starts; with a
+// fixed grid, ticket / grid + 1 numbers the calls of this layer, so flags never need resetting.
+#pragma once
+
+// Profiling aid (scripts/qdec_timeline.py compiles with -DQDEC_MARKS): globaltimer stamps of a block's phases.
+#ifdef QDEC_MARKS
+__device__ unsigned long long qdec_marks[1024 * 8];
+#define QDEC_MARK(i)                                                                              \
+    do {                                                                                          \
+        unsigned long long t;                                                                     \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                                     \
+        qdec_marks[blockIdx.x * 8 + (i)] = t;                                                     \
+    } while (0)
+#else
+#define QDEC_MARK(i)
+#endif
+
+constexpr int QDEC_CHUNK = 1024;
+constexpr int QDEC_SEG = 256;  // outputs per segment: 32 lanes x one word of 8 codes
+
+__device__ __forceinline__ uint32_t fmix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    return h ^ (h >> 16);
+}
+
+// The fp16 bits of channel ch of x as the GEMV stages it (B-fragment order, see the staging loop in gemv.cu).
+__device__ __forceinline__ uint32_t staged_x(const uint32_t* xs, int ch) {
+    const int s = ch >> 6, w = (ch & 63) >> 1, m = w >> 3, r = w & 7;
+    const uint32_t word = xs[s * 32 + 8 * (r & 3) + 4 * (m >> 1) + 2 * (m & 1) + (r >> 2)];
+    return (ch & 1) ? word >> 16 : word & 0xFFFFu;
+}
+
+// qdec.bucket_index, in the same float32 operations (no contraction into fma).
+__device__ __forceinline__ int bucket_of(float a, float b0, float b15, float inv_hi, float inv_lo) {
+    if (a >= b15) return (int)fminf(fmaxf(floorf(__fmul_rn(__fsub_rn(b0, a), inv_hi)), 0.0f), 15.0f);
+    return 16 + (int)fminf(fmaxf(floorf(__fmul_rn(__fsub_rn(b15, a), inv_lo)), 0.0f), 15.0f);
+}
+
+template <int QW>
+__device__ __forceinline__ void qdec_sync() {
+    asm volatile("bar.sync 2, %0;\n" ::"n"(32 * QW) : "memory");
+}
+
+// Exclusive prefix sum of v over the block's first NT threads (u = threadIdx.x); every thread of the block calls it.
+// tmp: NT / 32 ints.
+template <int NT>
+__device__ __forceinline__ int block_scan(int v, int u, int* tmp) {
+    const int lane = u & 31, w = u >> 5;
+    int inc = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int t = __shfl_up_sync(0xffffffffu, inc, d);
+        if (lane >= d) inc += t;
+    }
+    if (lane == 31 && u < NT) tmp[w] = inc;
+    __syncthreads();
+    int before = 0;
+#pragma unroll
+    for (int k = 0; k < NT / 32; k++) before += k < w ? tmp[k] : 0;
+    return before + inc - v;
+}
+
+// Select chunk c's k channels with the block's first NT threads (every thread of the block calls it: it holds
+// __syncthreads): sel_idx[0..k) (global channel index) and sel_x[0..k) (x as float), in boundary order.
+// bk: 1024 bytes; scratch: NT + 3 * NT / 32 ints.
+template <int NT>
+__device__ void qdec_select(const uint32_t* xs, int c, int size, int k, float b0, float b15, float inv_hi,
+                            float inv_lo, unsigned char* bk, int* scratch, int* sel_idx, float* sel_x) {
+    constexpr int PP = QDEC_CHUNK / NT, W = NT / 32;
+    const int u = threadIdx.x, lane = u & 31, w = u >> 5;
+    const bool on = u < NT;
+    int* cnt = scratch;   // [W][32] bucket counts per warp
+    int* hs = cnt + NT;   // [W] hash sums
+    int* tmp1 = hs + W;   // [W] scan scratch
+    int* tmp2 = tmp1 + W; // [W]
+    uint32_t h = 0;
+    int count = 0;  // lane l counts bucket l
+#pragma unroll
+    for (int j = 0; j < PP; j++) {
+        const int i = j * NT + u;
+        const bool valid = on && i < size;
+        const uint32_t bits = valid ? staged_x(xs, c * QDEC_CHUNK + i) : 0u;
+        const int b = bucket_of(fabsf(__half2float(__ushort_as_half((unsigned short)bits))), b0, b15, inv_hi, inv_lo);
+        if (on) bk[i] = (unsigned char)b;
+        h += valid ? fmix32(((uint32_t)i << 16) | bits) : 0u;
+        // histogram from bit planes: lane l counts the lanes whose bucket's 5 bits spell l
+        uint32_t m = __ballot_sync(0xffffffffu, valid);
+#pragma unroll
+        for (int bit = 0; bit < 5; bit++) {
+            const uint32_t plane = __ballot_sync(0xffffffffu, (b >> bit) & 1);
+            m &= (lane >> bit) & 1 ? plane : ~plane;
+        }
+        count += __popc(m);
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) h += __shfl_xor_sync(0xffffffffu, h, d);
+    if (on) {
+        cnt[w * 32 + lane] = count;
+        if (lane == 0) hs[w] = (int)h;
+    }
+    __syncthreads();
+
+    // every warp derives the boundary bucket B, how many of it to take, and the boundary order
+    int total = 0;
+    uint32_t hsum = 0;
+#pragma unroll
+    for (int k2 = 0; k2 < W; k2++) {
+        total += cnt[k2 * 32 + lane];
+        hsum += (uint32_t)hs[k2];
+    }
+    int cum = total;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int t = __shfl_up_sync(0xffffffffu, cum, d);
+        if (lane >= d) cum += t;
+    }
+    const int B = __popc(__ballot_sync(0xffffffffu, cum <= k));
+    const int taken = __shfl_sync(0xffffffffu, cum, max(B - 1, 0));
+    const int need = k - (B > 0 ? taken : 0);
+    const uint32_t seed = fmix32(hsum);
+    const uint32_t A = 2u * (seed & 511u) + 1u, off = (seed >> 9) & 1023u;
+    uint32_t Ainv = A;  // A * Ainv = 1 mod 2^32, so mod 1024 too (Newton: each step doubles the correct bits)
+#pragma unroll
+    for (int it = 0; it < 4; it++) Ainv *= 2u - A * Ainv;
+
+    // thread u walks priorities p in [u * PP, u * PP + PP): channel i = (p - off) / A mod 1024
+    int ib[PP];
+    int nB = 0;
+#pragma unroll
+    for (int e = 0; e < PP; e++) {
+        const int i = (int)(((uint32_t)(u * PP + e) - off) * Ainv & 1023u);
+        ib[e] = on && i < size ? (i << 8) | bk[i] : 255;  // channel and bucket; 255: no channel
+        nB += (ib[e] & 255) == B;
+    }
+    int rB = block_scan<NT>(nB, u, tmp1);  // boundary channels of lower priority held by earlier threads
+    uint32_t chosen = 0;
+    int nS = 0;
+#pragma unroll
+    for (int e = 0; e < PP; e++) {
+        const int b = ib[e] & 255;
+        const bool s = b < B || (b == B && rB < need);
+        rB += b == B;
+        chosen |= (uint32_t)s << e;
+        nS += s;
+    }
+    int pos = block_scan<NT>(nS, u, tmp2);
+#pragma unroll
+    for (int e = 0; e < PP; e++)
+        if ((chosen >> e) & 1) {
+            const int ch = c * QDEC_CHUNK + (ib[e] >> 8);
+            sel_idx[pos] = ch;
+            sel_x[pos] = __half2float(__ushort_as_half((unsigned short)staged_x(xs, ch)));
+            pos++;
+        }
+    __syncthreads();
+}
+
+// part[n] = sum_r q[sel_r, n] * x[sel_r] (unscaled) for the outputs n of segments [g0, g1), by the QW QDEC warps
+// (u: thread index among them); rq: the residual codes in pinned host memory, row = input channel, N / 8 words.
+template <int QW>
+__device__ void qdec_fetch(const uint32_t* rq, float* part, int N, int g0, int g1, int k, int u, const int* sel_idx,
+                           const float* sel_x) {
+    const int lane = u & 31, w = u >> 5, words = N / 8;
+    constexpr int U = 16;  // reads in flight per thread
+    const int nseg = g1 - g0 > w ? (g1 - g0 - w + QW - 1) / QW : 0;  // this warp's segments: g0 + w + QW j
+    const int P = nseg * k;  // (segment, row) pairs, row fastest
+    float acc[8] = {};
+    int j = 0, r = 0;  // the pair being accumulated
+    for (int m0 = 0; m0 < P; m0 += U) {
+        uint32_t v[U];
+        int jj = j, rr = r;
+#pragma unroll
+        for (int e = 0; e < U; e++) {
+            const int word = (g0 + w + QW * jj) * 32 + lane;
+            v[e] = m0 + e < P && word < words ? rq[(size_t)sel_idx[rr] * words + word] : 0x88888888u;  // 8: code 0
+            if (++rr == k) { rr = 0; jj++; }
+        }
+#pragma unroll
+        for (int e = 0; e < U; e++) {
+            if (m0 + e < P) {
+                const float xv = sel_x[r];
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[i] = fmaf((float)((int)((v[e] >> (4 * i)) & 15u) - 8), xv, acc[i]);
+                if (++r == k) {  // the segment's rows are done: store its partial sums
+                    const int word = (g0 + w + QW * j) * 32 + lane;
+                    if (word < words) {
+                        float4* dst = reinterpret_cast<float4*>(part + (size_t)word * 8);
+                        __stcg(dst, make_float4(acc[0], acc[1], acc[2], acc[3]));
+                        __stcg(dst + 1, make_float4(acc[4], acc[5], acc[6], acc[7]));
+                    }
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[i] = 0.0f;
+                    r = 0;
+                    j++;
+                }
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void flag_release(uint32_t* f, uint32_t v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(f), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t flag_acquire(const uint32_t* f) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(f) : "memory");
+    return v;
+}
+
+// Wait until flag f holds seq (or later). A flag that never comes (a bug, not a load) traps after ~10 s instead of
+// hanging the GPU.
+__device__ __forceinline__ void flag_wait(const uint32_t* f, uint32_t seq) {
+    long long spins = 0;
+    while ((int)(flag_acquire(f) - seq) < 0) {
+        __nanosleep(32);
+        if (++spins > 100000000LL) __trap();
+    }
+}

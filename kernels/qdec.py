@@ -1,0 +1,127 @@
+"""QDEC on the GPU: the pinned residuals, the layer's flags, and the parameters of the compensating GEMV (gemv.cu
+with QDEC warps, see qdec.cuh). localllm/qdec.py is the reference these compute."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.qdec import CHUNK, bucket_widths, k_for_chunk
+from localllm.quant import QuantResidual
+
+SEG = 256  # outputs per segment (a warp reads 32 words of 8 codes of one residual row)
+QW = 4  # QDEC warps per block, as compiled in gemv.cu
+SELECT_THREADS = 512  # the streaming warps of gemv.cu's QDEC variant (16 x 32), who select
+SCRATCH_BYTES = CHUNK + (SELECT_THREADS + 3 * SELECT_THREADS // 32) * 4  # bucket bytes + scratch ints (qdec_select)
+
+
+@dataclass
+class HostResidual:
+    """A layer's 4-bit residual in pinned host memory, read by the kernel through its host pointer (zero-copy)."""
+    codes: torch.Tensor  # int32 [K, N / 8], quant.QuantResidual.packed
+    scales: torch.Tensor  # fp16 [N]
+
+    @classmethod
+    def pin(cls, r: QuantResidual) -> "HostResidual":
+        try:
+            return cls(r.packed.contiguous().pin_memory(), r.scales.contiguous().pin_memory())
+        except RuntimeError as e:
+            need = r.packed.numel() * 4 + r.scales.numel() * 2
+            raise LocalLLMError(f"could not pin {need / 2**20:.0f} MiB of host memory for QDEC residuals ({e}); "
+                                "free host RAM, or run with qdec='off'") from None
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * 4 + self.scales.numel() * 2
+
+
+def chunks(K: int) -> int:
+    return -(-K // CHUNK)
+
+
+def segments(N: int) -> int:
+    return -(-N // SEG)
+
+
+def viable_groups(s: int) -> list[int]:
+    """Appendix A's rule: q groups of ceil(s / q) segments are viable when no group is left empty, i.e. fewer
+    groups could not do with the same largest group."""
+    return [q for q in range(1, s + 1) if -(-s // -(-s // q)) == q]
+
+
+def viable_n_tb(K: int, N: int, grid: int) -> list[int]:
+    """The n_tb (fetching blocks) worth trying for a K -> N layer under a GEMV grid of `grid` blocks: the chunks times
+    a viable number of segment groups per chunk (each fetching block takes one chunk's group)."""
+    C = chunks(K)
+    return [C * q for q in viable_groups(segments(N)) if C * q <= grid]
+
+
+def default_n_tb(K: int, N: int, grid: int) -> int:
+    """Without a tuned profile: the largest viable n_tb within half the grid."""
+    ok = viable_n_tb(K, N, grid)
+    small = [n for n in ok if n <= max(1, grid // 2)]
+    return (small or ok)[-1]
+
+
+def split(K: int, N: int, n_tb: int) -> tuple[int, int]:
+    """(q, spg): segment groups per chunk and segments per group for n_tb fetching blocks."""
+    C, s = chunks(K), segments(N)
+    if n_tb % C or n_tb // C not in viable_groups(s):
+        raise ValueError(f"n_tb={n_tb} is not viable for a {K} -> {N} layer; use one of qdec.viable_n_tb")
+    q = n_tb // C
+    return q, -(-s // q)
+
+
+@dataclass
+class Call:
+    """Everything one QDEC GEMV launch needs besides the weights and x."""
+    residual: HostResidual
+    state: torch.Tensor  # int64 [1 + flags]: arrival counter, then the items' uint32 flags
+    part: torch.Tensor  # fp32 [C * N] or larger, the partial corrections (may be shared by layers run in turn)
+    k_chunk: int
+    n_tb: int
+    b0: float
+    b15: float
+    grid: int  # the GEMV grid this state was numbered with
+    sel_out: torch.Tensor | None = None  # int32 [2 * C * k_chunk]: chosen channels, then x bits, per chunk
+
+    def args(self, K: int, N: int) -> tuple:
+        q, spg = split(K, N, self.n_tb)
+        inv_hi, inv_lo = bucket_widths(self.b0, self.b15)
+        p = lambda t: np.uint64(0 if t is None else t.data_ptr())  # noqa: E731
+        return (p(self.residual.codes), p(self.residual.scales), p(self.part), p(self.state), p(self.sel_out),
+                np.int32(self.k_chunk), np.int32(self.n_tb), np.int32(q), np.int32(spg), np.float32(self.b0),
+                np.float32(self.b15), np.float32(inv_hi), np.float32(inv_lo))
+
+
+def new_state(K: int, N: int, device) -> torch.Tensor:
+    """Zeroed arrival counter and flags, enough for any n_tb of this layer."""
+    items = chunks(K) * segments(N)
+    return torch.zeros(1 + (items + 1) // 2, dtype=torch.int64, device=device)
+
+
+def shared_bytes(K: int, N: int, k_chunk: int, grid: int) -> int:
+    """Dynamic shared memory QDEC adds to the GEMV: fp32 results and residual scales of the block's outputs, the
+    selection, buckets and scratch."""
+    return 2 * 64 * math.ceil(N / 16 / grid) + 8 * k_chunk + SCRATCH_BYTES
+
+
+def shared_bytes_total(w, k_chunk: int, grid: int) -> int:
+    """All dynamic shared memory of the QDEC GEMV for a kernels.gemv.Packed weight w."""
+    from .gemv import VARIANTS
+    from .gemv import shared_bytes as base
+    return base(w, *VARIANTS[0]) + shared_bytes(w.in_features, w.out_features, k_chunk, grid)
+
+
+def selection(sel_out: torch.Tensor, K: int, k_chunk: int) -> list[tuple[list[int], list[float]]]:
+    """Per chunk, the channels the kernel chose and x at them, from a Call's sel_out."""
+    C = chunks(K)
+    v = sel_out.view(2, C, k_chunk).cpu()
+    out = []
+    for c in range(C):
+        k = k_for_chunk(k_chunk, min(CHUNK, K - c * CHUNK))
+        out.append((v[0, c, :k].tolist(), v[1, c, :k].view(torch.float32).tolist()))
+    return out

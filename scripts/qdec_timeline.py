@@ -1,0 +1,63 @@
+"""Where a QDEC GEMV's time goes: globaltimer stamps of each block's phases (kernels/qdec.cuh, QDEC_MARKS build).
+
+python scripts/qdec_timeline.py [layer] [bits] [k_chunk,...]   e.g.  qkv 3 2,8,32
+"""
+import functools
+import sys
+
+import numpy as np
+import torch
+
+from localllm.kernels import cuda, qdec
+from localllm.kernels.gemv import NAMES, gemv, grid_of
+from localllm.bench import LLAMA3_8B, gemv_sets
+from localllm.quant import QuantResidual
+
+_plain = cuda.module
+
+
+@functools.cache
+def _marked(name, device, names):  # the same module, compiled with the phase stamps
+    import cupy
+    if name != "gemv":
+        return _plain(name, device, names)
+    major, minor = torch.cuda.get_device_capability(device)
+    mod = cupy.RawModule(code=(cuda.HERE / "gemv.cu").read_text(), name_expressions=list(names),
+                         options=("-std=c++17", f"--gpu-architecture=sm_{major}{minor}", f"-I{cuda.HERE}",
+                                  "-DQDEC_MARKS"))
+    mod.compile()
+    return mod
+
+
+cuda.module = _marked
+layer = sys.argv[1] if len(sys.argv) > 1 else "qkv"
+bits = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+ks = [int(k) for k in (sys.argv[3] if len(sys.argv) > 3 else "2,8,32").split(",")]
+N, K = LLAMA3_8B[layer]
+sets, _ = gemv_sets(N, K, bits, 128)
+w, out = sets[0]
+x = torch.randn(K, device="cuda").half()
+grid = grid_of(N, torch.device("cuda"))
+res = qdec.HostResidual.pin(QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32),
+                                          (torch.rand(N) * 0.01).half()))
+part = torch.empty(qdec.chunks(K) * N, device="cuda")
+names = ["start", "staged", "selected", "fetched", "flagged", "streamed", "flags seen", "end"]
+for k in ks:
+    for n_tb in sorted({qdec.default_n_tb(K, N, grid), qdec.viable_n_tb(K, N, grid)[-1]}):
+        a = x.float().abs()
+        comp = qdec.Call(res, qdec.new_state(K, N, "cuda"), part, k, n_tb, float(a.max()),
+                         float(a[:1024].topk(k).values[-1]), grid)
+        for _ in range(5):
+            gemv(x, w, out=out, comp=comp)
+        torch.cuda.synchronize()
+        mod = cuda.module("gemv", torch.cuda.current_device(), NAMES)
+        import cupy
+        ptr = mod.get_global("qdec_marks")
+        m = cupy.ndarray((1024 * 8,), dtype=cupy.uint64, memptr=ptr)[: grid * 8].get().reshape(grid, 8)
+        m = m.astype(np.int64)
+        t0 = m[:, 0].min()
+        rel = (m - t0) / 1e3  # us since the first block started
+        print(f"\n{layer} W{bits} k_chunk={k} n_tb={n_tb}: us since the first block's start (median / max over blocks)")
+        for i, nm in enumerate(names):
+            rows = rel[:n_tb, i] if i in (2, 3, 4) else rel[:, i]
+            print(f"  {nm:11} {np.median(rows):7.2f} {rows.max():7.2f}")

@@ -1,0 +1,181 @@
+"""The QDEC GEMV (gemv.cu with QDEC warps): the channels it selects obey the bucket rule and equal the CPU
+reference's, its output is W_hat x + R_hat[:, S] x[S], and it is the same bits in eager runs, graph replays and for
+every n_tb."""
+import pytest
+import torch
+
+from localllm import qdec as ref
+from localllm.quant import QuantResidual, _pack_words
+
+from test_gpu_gemv import random_quant
+
+pytestmark = pytest.mark.gpu
+
+
+def random_residual(N: int, K: int) -> QuantResidual:
+    q = torch.randint(-7, 8, (K, N))
+    return QuantResidual(_pack_words(q + 8, 4), (torch.rand(N) * 0.01 + 1e-4).half())
+
+
+def activations(K: int) -> torch.Tensor:
+    x = torch.randn(K)
+    x[torch.randint(0, K, (K // 64,))] *= 8  # outliers, as in real inputs
+    return x.half()
+
+
+def boundaries(x: torch.Tensor, k_chunk: int) -> tuple[float, float]:
+    """b0 below the largest |x| (some values land above it) and b15 near the k-th largest of the first chunk."""
+    a = x.float().abs()
+    kth = a[:1024].topk(min(k_chunk, a[:1024].numel())).values[-1]
+    return float(a.max()) * 0.9, float(kth) * 0.8
+
+
+def setup(N, K, bits, k_chunk, n_tb=None, x=None):
+    from localllm.kernels import gemv as G
+    from localllm.kernels import qdec
+    q, r = random_quant(N, K, bits, 128, device="cpu"), random_residual(N, K)
+    w = G.Packed.from_quant(q, "cuda")
+    x = activations(K) if x is None else x
+    grid = G.grid_of(N, torch.device("cuda"))
+    b0, b15 = boundaries(x, k_chunk)
+    comp = qdec.Call(qdec.HostResidual.pin(r), qdec.new_state(K, N, "cuda"),
+                     torch.empty(qdec.chunks(K) * N, device="cuda"), k_chunk,
+                     n_tb or qdec.default_n_tb(K, N, grid), b0, b15, grid,
+                     torch.empty(2 * qdec.chunks(K) * k_chunk, dtype=torch.int32, device="cuda"))
+    return q, r, w, x, comp
+
+
+def check_selection(x, comp, K, k_chunk):
+    """Per chunk: the CPU reference's channels (as a set), x at them, and the bucket rule."""
+    from localllm.kernels import qdec
+    got = qdec.selection(comp.sel_out, K, k_chunk)
+    want = ref.select_approx(x[None].float(), k_chunk, comp.b0, comp.b15)[0].tolist()
+    col = 0
+    for c, (idx, xs) in enumerate(got):
+        k = len(idx)
+        assert sorted(idx) == want[col:col + k], f"chunk {c}"
+        assert xs == x.float()[idx].tolist()
+        col += k
+    ref_idx = torch.tensor(sorted(sum((i for i, _ in got), [])))[None]
+    from test_qdec import check_bucket_rule
+    check_bucket_rule(x[None].float(), ref_idx, k_chunk, comp.b0, comp.b15, seed=0)
+    return torch.tensor(sum((i for i, _ in got), []))
+
+
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (1728, 576), (576, 1536), (512, 2560)])
+@pytest.mark.parametrize("bits,k_chunk", [(3, 8), (4, 32), (2, 1)])
+def test_qdec_gemv_selects_by_the_bucket_rule_and_compensates(N, K, bits, k_chunk):
+    from localllm.kernels.gemv import gemv
+    q, r, w, x, comp = setup(N, K, bits, k_chunk)
+    xg = x.cuda()
+    out = torch.full((N,), float("nan"), device="cuda", dtype=torch.float16)
+    gemv(xg, w, out=out, comp=comp)
+    base = gemv(xg, w)
+    torch.cuda.synchronize()
+    S = check_selection(x, comp, K, k_chunk)
+    want = q.dequantize(torch.float64) @ x.double() + r.rows(S).double().T @ x.double()[S]
+    assert not out.isnan().any()
+    rel = ((out.cpu().double() - want).norm() / want.norm()).item()
+    assert rel < 1e-3, f"{N}x{K} W{bits} k={k_chunk}: rel err {rel}"
+    # the correction is there: the output moved from the base GEMV's by about R_hat[:, S] x[S]
+    corr = r.rows(S).double().T @ x.double()[S]
+    moved = (out.cpu().double() - base.cpu().double())
+    assert ((moved - corr).norm() / corr.norm()).item() < 0.05
+
+
+def test_qdec_gemv_same_bits_for_every_n_tb_eager_and_graph():
+    from localllm.kernels import qdec
+    from localllm.kernels.gemv import gemv
+    N, K = 6144, 4096
+    q, r, w, x, comp = setup(N, K, 3, 16)
+    xg = x.cuda()
+    first = gemv(xg, w, comp=comp).clone()
+    for n_tb in qdec.viable_n_tb(K, N, comp.grid):
+        comp.n_tb = n_tb
+        assert torch.equal(gemv(xg, w, comp=comp), first), f"n_tb={n_tb}"
+    # graph replay: one capture, new inputs each replay, the same bits as eager calls
+    xin, out = xg.clone(), torch.empty(N, device="cuda", dtype=torch.float16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        gemv(xin, w, out=out, comp=comp)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gemv(xin, w, out=out, comp=comp)
+    for _ in range(3):
+        xn = activations(K).cuda()
+        xin.copy_(xn)
+        g.replay()
+        got = out.clone()
+        assert torch.equal(got, gemv(xn, w, comp=comp))
+
+
+@pytest.mark.parametrize("mode", ["norm", "glu", "residual"])
+def test_qdec_gemv_with_input_transform_and_residual(mode):
+    from localllm import ops
+    from localllm.kernels.gemv import gemv
+    N, K = 2048, 3072
+    if mode == "glu":
+        xx = activations(2 * K)
+        xin = ops.silu_mul(xx.float()).half()
+    elif mode == "norm":
+        xx, nw = activations(K), torch.rand(K) + 0.5
+        xin = ops.rmsnorm(xx.float(), nw, 1e-5).half()
+    else:
+        xx = xin = activations(K)
+    q, r, w, _, comp = setup(N, K, 4, 8, x=xin)
+    res = torch.randn(N).half()
+    got = gemv(xx.cuda(), w, residual=res.cuda() if mode == "residual" else None, comp=comp,
+               norm=(nw.cuda(), 1e-5) if mode == "norm" else None, glu=mode == "glu").cpu()
+    S = check_selection(xin, comp, K, 8)
+    want = q.dequantize(torch.float64) @ xin.double() + r.rows(S).double().T @ xin.double()[S]
+    if mode == "residual":
+        want = want + res.double()
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-3
+
+
+def test_qdec_recall_of_exact_top_k():
+    """Approximate vs exact top-k on the kernel's own selection (reported; the bar is loose)."""
+    from localllm.kernels import qdec
+    from localllm.kernels.gemv import gemv
+    N, K, k_chunk = 4096, 4096, 16
+    recalls = []
+    for _ in range(8):
+        q, r, w, x, comp = setup(N, K, 3, k_chunk)
+        gemv(x.cuda(), w, comp=comp)
+        S = set(sum((i for i, _ in qdec.selection(comp.sel_out, K, k_chunk)), []))
+        exact = set(ref.select_exact(x[None].float(), k_chunk)[0].tolist())
+        recalls.append(len(S & exact) / len(exact))
+    print(f"recall of approximate vs exact top-{k_chunk} per chunk: {sum(recalls) / len(recalls):.3f}")
+    assert sum(recalls) / len(recalls) > 0.5
+
+
+def test_decode_with_qdec_follows_the_cpu_compensated_path(tiny_quant):
+    """Decoding from one token (so every step is a single-token GEMV with QDEC), teacher-forced: the GPU logits
+    with QDEC are close to the CPU's with QDEC, much closer than the GPU's without; eager steps equal graph
+    replays; and selection modes other than approx are refused on the GPU."""
+    from localllm.decode import Decoder
+    from localllm.errors import LocalLLMError
+    from localllm.runtime import load
+    cpu, gpu = load(tiny_quant, qdec="off"), load(tiny_quant, device="cuda", qdec="off")
+    k = min(64, cpu.manifest["calibration"]["kmax"])
+    ids = torch.randint(0, cpu.model.cfg.vocab_size, (16,)).tolist()
+
+    def run(lm, use_graph=None):
+        dec = Decoder(lm.model, 32, use_graph=use_graph)
+        out = [dec.prefill(ids[:1]).float().cpu()]
+        with torch.no_grad():
+            for pos in range(1, len(ids)):
+                out.append(dec.step(torch.tensor(ids[pos], device=lm.model.device), pos).float().cpu())
+        return torch.stack(out)
+
+    off = run(gpu)
+    for lm in (cpu, gpu):
+        lm.set_qdec({"mode": "approx", "k_chunk": k})
+    want, got = run(cpu), run(gpu, use_graph=False)
+    assert torch.equal(run(gpu, use_graph=True), got)
+    err = lambda a: ((a - want).norm() / want.norm()).item()  # noqa: E731
+    assert err(got) < 2e-2 and err(got) < 0.5 * err(off), (err(got), err(off))
+    with pytest.raises(LocalLLMError, match="approximate top-k only"):
+        gpu.set_qdec({"mode": "exact", "k_chunk": k})
