@@ -80,16 +80,15 @@ def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: 
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{GROUP_SIZES.index(w.group_size)},{qw}>", NAMES)
     grid = grid_of(N, x.device, blocks_per_sm or 1)
     smem = shared_bytes(w, warps, depth)
+    null = np.uint64(0)
     if qw:
         assert (warps, depth) == VARIANTS[0] and comp.grid == grid, "QDEC state numbered for another grid"
         smem += qdec.shared_bytes(K, N, comp.k_chunk, grid)
         extra = comp.args(K, N)
     else:
-        null = np.uint64(0)
         extra = (null, null, null, null, null, *(np.int32(0),) * 4, *(np.float32(0),) * 4)
     if smem + warps * 132 + 64 > 48 * 1024:  # + the static arrays (red, wsum, seq): past 48 KB needs the opt-in
         k.max_dynamic_shared_size_bytes = smem
-    null = np.uint64(0)
     cuda.launch(k, (grid,), (32 * (warps + qw),), (
         cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(x), null if residual is None else cuda.ptr(residual),
         cuda.ptr(out), np.int32(N), np.int32(K), np.int32(G), np.uint32(0x64006400),

@@ -29,13 +29,8 @@ class HostResidual:
         try:
             return cls(r.packed.contiguous().pin_memory(), r.scales.contiguous().pin_memory())
         except RuntimeError as e:
-            need = r.packed.numel() * 4 + r.scales.numel() * 2
-            raise LocalLLMError(f"could not pin {need / 2**20:.0f} MiB of host memory for QDEC residuals ({e}); "
+            raise LocalLLMError(f"could not pin {r.nbytes / 2**20:.0f} MiB of host memory for QDEC residuals ({e}); "
                                 "free host RAM, or run with qdec='off'") from None
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.numel() * 4 + self.scales.numel() * 2
 
 
 def chunks(K: int) -> int:
@@ -95,6 +90,12 @@ class Call:
         return (p(self.residual.codes), p(self.residual.scales), p(self.part), p(self.state), p(self.sel_out),
                 np.int32(self.k_chunk), np.int32(self.n_tb), np.int32(q), np.int32(spg), np.float32(self.b0),
                 np.float32(self.b15), np.float32(inv_hi), np.float32(inv_lo))
+
+
+def new_part(shapes, device) -> torch.Tensor:
+    """The partial-correction buffer layers run in turn can share: fp32, chunks(K) * N for the largest of the
+    (K, N) shapes."""
+    return torch.empty(max((chunks(K) * N for K, N in shapes), default=0), device=device)
 
 
 def new_state(K: int, N: int, device) -> torch.Tensor:

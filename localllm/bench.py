@@ -341,7 +341,7 @@ def bench_e2e_qdec(bits: int = 3, k_chunk: int = 8) -> None:
         res[kind] = QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32),
                                   (torch.rand(N) * 0.01).half())
         host[kind] = qdec.HostResidual.pin(res[kind])
-    part = torch.empty(max(qdec.chunks(lin.in_features) * lin.out_features for lin in m.linears()), device="cuda")
+    part = qdec.new_part([(lin.in_features, lin.out_features) for lin in m.linears()], "cuda")
     for lin in m.linears():
         K, N = lin.in_features, lin.out_features
         lin.residual, grid = res[lin.kind], grid_of(N, torch.device("cuda"))

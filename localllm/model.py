@@ -96,6 +96,9 @@ class Linear(nn.Module):
         compensate = k > 0 and self.residual is not None
         if self.packed is not None:
             if x.shape[:-1].numel() == 1:  # decode: the GEMV kernel, with QDEC inside when it is on
+                if compensate and self.comp is None:
+                    raise RuntimeError("QDEC is on but this layer has no GPU launch; turn it on with "
+                                       "LocalModel.set_qdec")
                 return self._gemv(x, residual, norm, glu, self.comp if compensate else None)
             compensate = False  # prompts on the GPU run uncompensated (as in the paper)
         x = self.input_of(x, norm, glu)
@@ -123,9 +126,6 @@ class Linear(nn.Module):
         add and QDEC (comp: kernels.qdec.Call) fused."""
         from .kernels import gemv
         fuse = residual is not None and self.bias is None
-        if comp is None and self.settings.mode != "off" and self.residual is not None \
-                and self.settings.k_for(self.kind) > 0:
-            raise RuntimeError("QDEC is on but this layer has no GPU launch; turn it on with LocalModel.set_qdec")
         y = gemv.gemv(x.reshape(-1), self.packed, residual=residual.reshape(-1).contiguous() if fuse else None,
                       norm=None if norm is None else (norm.weight, norm.eps), glu=glu,
                       comp=comp).view(*x.shape[:-1], -1)

@@ -231,6 +231,11 @@ class QuantResidual:
     packed: Tensor  # int32 [K, N // 8]
     scales: Tensor  # fp16 [N]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes it occupies (in pinned host memory when QDEC runs on a GPU)."""
+        return self.packed.numel() * 4 + self.scales.numel() * 2
+
     def rows(self, idx: Tensor) -> Tensor:
         """idx long [...] of input channels -> float32 [..., N], i.e. R_hat[:, idx] moved to the last dim."""
         q = _unpack_words(self.packed[idx], RESIDUAL_BITS)  # [..., N], nibbles q + 8

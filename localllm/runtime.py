@@ -88,18 +88,16 @@ class LocalModel:
         lins = [lin for lin in self.model.linears() if lin.residual is not None and ks[lin.kind] > 0]
         smem_max = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
         for lin in lins:
-            K, N, k = lin.in_features, lin.out_features, ks[lin.kind]
-            if qdec.shared_bytes_total(lin.packed, k, grid_of(N, dev)) > smem_max:
+            k = ks[lin.kind]
+            if qdec.shared_bytes_total(lin.packed, k, grid_of(lin.out_features, dev)) > smem_max:
                 raise LocalLLMError(f"k_chunk={k} for the {lin.kind} layers needs more shared memory than this GPU "
                                     f"has per block ({smem_max} bytes); use a smaller k_chunk")
-        need = sum(lin.residual.packed.numel() * 4 + lin.residual.scales.numel() * 2 for lin in lins
-                   if lin.host_residual is None)
-        if need:
+        todo = [lin for lin in lins if lin.host_residual is None]
+        if todo:
             from .progress import progress
-            for lin in progress([x for x in lins if x.host_residual is None], "pinning residuals", unit="layer"):
+            for lin in progress(todo, "pinning residuals", unit="layer"):
                 lin.host_residual = qdec.HostResidual.pin(lin.residual)
-        part = torch.empty(max((qdec.chunks(lin.in_features) * lin.out_features for lin in lins), default=0),
-                           device=dev)
+        part = qdec.new_part([(lin.in_features, lin.out_features) for lin in lins], dev)
         for lin in self.model.linears():
             lin.comp = None
         for lin in lins:
@@ -117,7 +115,7 @@ class LocalModel:
         for lin in self.model.linears():
             gpu += lin.nbytes if lin.weight is None else lin.nbytes // lin.weight.element_size() * 2  # fp16
             if lin.residual is not None:
-                host += lin.residual.packed.numel() * 4 + lin.residual.scales.numel() * 2  # pinned when QDEC is on
+                host += lin.residual.nbytes  # pinned when QDEC is on
         return {"gpu_bytes": gpu, "pinned_host_bytes": host}
 
     def _norms(self):
