@@ -70,6 +70,7 @@ class LocalModel:
             if mode != "approx":
                 raise LocalLLMError(f"on the GPU QDEC selects by approximate top-k only, not '{mode}'; use "
                                     "mode 'approx', or device='cpu' for the other selection modes")
+            self._check_shared_memory(ks)  # a k_chunk this GPU cannot run is the caller's error, not a fallback
             try:
                 self._place_qdec(ks)
             except LocalLLMError as e:  # compensation is an improvement, not a requirement: run without it
@@ -79,19 +80,28 @@ class LocalModel:
                 return
         s.mode, s.k_chunk = mode, ks
 
+    def _compensated(self, ks: dict) -> list:
+        return [lin for lin in self.model.linears() if lin.residual is not None and ks[lin.kind] > 0]
+
+    def _check_shared_memory(self, ks: dict) -> None:
+        """Refuse a k_chunk whose QDEC GEMV needs more shared memory per block than this GPU has."""
+        from .kernels import qdec
+        from .kernels.gemv import grid_of
+        dev = self.model.device
+        smem_max = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
+        for lin in self._compensated(ks):
+            k = ks[lin.kind]
+            if qdec.shared_bytes_total(lin.packed, k, grid_of(lin.out_features, dev)) > smem_max:
+                raise LocalLLMError(f"k_chunk={k} for the {lin.kind} layers needs more shared memory than this GPU "
+                                    f"has per block ({smem_max} bytes); use a smaller k_chunk")
+
     def _place_qdec(self, ks: dict) -> None:
         """Give every compensated GPU layer its QDEC launch: residuals pinned in host memory (once), its flags, the
         model's shared buffer of partial corrections, and k_chunk / n_tb."""
         from .kernels import qdec
         from .kernels.gemv import grid_of
         dev = self.model.device
-        lins = [lin for lin in self.model.linears() if lin.residual is not None and ks[lin.kind] > 0]
-        smem_max = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
-        for lin in lins:
-            k = ks[lin.kind]
-            if qdec.shared_bytes_total(lin.packed, k, grid_of(lin.out_features, dev)) > smem_max:
-                raise LocalLLMError(f"k_chunk={k} for the {lin.kind} layers needs more shared memory than this GPU "
-                                    f"has per block ({smem_max} bytes); use a smaller k_chunk")
+        lins = self._compensated(ks)
         todo = [lin for lin in lins if lin.host_residual is None]
         if todo:
             from .progress import progress

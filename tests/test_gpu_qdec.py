@@ -181,3 +181,19 @@ def test_decode_with_qdec_follows_the_cpu_compensated_path(tiny_quant):
     assert err(got) < 0.5 * err(off), (err(got), err(off))
     with pytest.raises(LocalLLMError, match="approximate top-k only"):
         gpu.set_qdec({"mode": "exact", "k_chunk": k})
+
+
+def test_k_chunk_beyond_shared_memory_is_an_error_not_a_fallback(tiny_quant, monkeypatch):
+    from localllm.errors import LocalLLMError
+    from localllm.runtime import load
+    gpu = load(tiny_quant, device="cuda", qdec="off")
+    props = torch.cuda.get_device_properties(0)
+
+    class Small:  # a GPU with 1 KB of shared memory per block
+        shared_memory_per_block_optin = 1024
+        multi_processor_count = props.multi_processor_count
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Small())
+    with pytest.raises(LocalLLMError, match="needs more shared memory than this GPU has per block"):
+        gpu.set_qdec({"mode": "approx", "k_chunk": 1})
+    assert gpu.settings.mode == "off"
