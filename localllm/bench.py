@@ -383,7 +383,7 @@ def bench_demo(new_tokens: int = 32) -> None:
         print(f"\ndemo model: {cache_dir() / 'demo' / GGUF} is not here (no network on this machine); skipped")
         return
     path = demo_model()
-    cpu, gpu = load(path, qdec="off"), load(path, device="cuda")
+    cpu, gpu = load(path, qdec="off"), load(path, device="cuda", qdec="off")
     print(f"\nDemo model {path.name} on {torch.cuda.get_device_name()}: greedy tokens, GPU (fp16, CUDA graph) "
           f"vs CPU reference (fp32), QDEC off")
     for p in DEMO_PROMPTS:

@@ -22,12 +22,9 @@ def cmd_generate(a) -> None:
     from .generate import generate
     from .runtime import load
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else a.args
-    lm = load(model, gguf_file=a.gguf_file, device=a.device)
-    if lm.model.device.type == "cuda":
-        if a.qdec != "off" and lm.has_residuals:
-            print("localllm: QDEC is not on the GPU yet; generating without compensation", file=sys.stderr)
-    elif a.qdec != "on" or lm.has_residuals:
-        lm.set_qdec(a.qdec)
+    lm = load(model, gguf_file=a.gguf_file, device=a.device, qdec=a.qdec)
+    if a.qdec != "off" and not lm.has_residuals:
+        print(f"localllm: {lm.path} has no QDEC residuals; generating without compensation", file=sys.stderr)
     use_chat = not a.raw and getattr(lm.tokenizer, "chat_template", None)
     msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
     s = generate(lm, msgs if use_chat else prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,

@@ -151,7 +151,8 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
          verify: bool = True, device: str | torch.device = "cpu") -> LocalModel:
     """Load a quantized model folder, a source checkpoint (dense, no QDEC), or, with no src, the demo model.
 
-    device: "cpu", "cuda" or "auto". On the GPU, QDEC is off until its fused kernel exists."""
+    device: "cpu", "cuda" or "auto". qdec applies when the model has residuals (see LocalModel.set_qdec); on a GPU
+    the residuals are pinned in host memory once the weights are placed."""
     dev = resolve_device(device)
     if src is None:
         from .demo import demo_model
@@ -162,14 +163,14 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         from transformers import AutoTokenizer
         lm = LocalModel(model, AutoTokenizer.from_pretrained(str(path)), manifest, str(path),
                         manifest.get("eos_token_ids", []))
-        if dev.type == "cpu":
-            lm.set_qdec(qdec if lm.has_residuals else "off")
     else:
         ckpt = open_checkpoint(src, gguf_file)
         lm = LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids)
     if dev.type != "cpu":
         check_gpu_memory(lm, dev)
         lm.model.place(dev)
+    if lm.manifest:
+        lm.set_qdec(qdec if lm.has_residuals else "off")
     return lm
 
 

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_gpu_logits_match_cpu(tiny_quant):
-    cpu, gpu = load(tiny_quant, qdec="off"), load(tiny_quant, device="cuda")
+    cpu, gpu = load(tiny_quant, qdec="off"), load(tiny_quant, device="cuda", qdec="off")
     toks = torch.randint(0, cpu.model.cfg.vocab_size, (1, 24))
     with torch.no_grad():
         want = cpu.model(toks)
@@ -21,7 +21,7 @@ def test_gpu_logits_match_cpu(tiny_quant):
 
 
 def test_graph_replay_equals_eager(tiny_quant):
-    lm = load(tiny_quant, device="cuda")
+    lm = load(tiny_quant, device="cuda", qdec="off")
     ids = torch.randint(0, lm.model.cfg.vocab_size, (12,)).tolist()
     eager, graph = Decoder(lm.model, 40, use_graph=False), Decoder(lm.model, 40, use_graph=True)
     with torch.no_grad():
