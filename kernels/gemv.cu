@@ -138,12 +138,30 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
     const int t_end = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
     const int lo = warp * S / WARPS, hi = (warp + 1) * S / WARPS;  // this warp's steps of every tile
     const int items = (t_end - t_begin) * (hi - lo);
+    // QDEC's shared memory, after the rings: the block's fp32 results and its outputs' residual scales (fp16), the
+    // selection's scratch, buckets, and the selection itself
+    const int tpb = (T + gridDim.x - 1) / gridDim.x;  // most tiles of a block
+    float* ybuf = reinterpret_cast<float*>(smem + K * 2 + S * 16 + WARPS * DEPTH * SLOT);
+    __half* sscale = reinterpret_cast<__half*>(ybuf + 16 * tpb);
+    QdecScratch* scr = reinterpret_cast<QdecScratch*>(sscale + 16 * tpb);
+    unsigned char* bk = reinterpret_cast<unsigned char*>(scr + 1);
+    int* sel_idx = reinterpret_cast<int*>(bk + QDEC_CHUNK);
+    float* sel_x = reinterpret_cast<float*>(sel_idx + k_chunk);
+    const int o0 = t_begin * 16, o1 = t_end * 16;
     // QDEC: which call of this layer this is. The first QDEC thread takes the ticket and uses it only after its
     // fetch, so the atomic's round trip (long while the weights stream) stalls nobody.
     __shared__ uint32_t seq;
     unsigned long long ticket = 0;
     if (QW && threadIdx.x == 32 * WARPS) ticket = atomicAdd(state, 1ull);
     if (QW && threadIdx.x == 0) QDEC_MARK(0);
+    if (QW && !streamer) {  // the residual scales of this block's outputs (no kernel writes them): asynchronously now
+        const int u = threadIdx.x - 32 * WARPS;
+        const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(sscale));
+        for (int i = u; i < (o1 - o0) / 8; i += 32 * QW) cp_async16(dst + 16 * i, rs + o0 + 8 * i, true);
+        cp_async_commit();
+        if (u < 32) scr->hist[u] = 0;  // the selection's counters; the staging barrier orders these stores
+        if (u == 0) scr->hsum = 0;
+    }
 
     // The issue cursor: this lane's 16 bytes of the next step to load (src), of the meta records of its tile (mtile),
     // and of the ring slot they go to (in_slot, a shared-memory address); in_step is the step within the tile. Every
@@ -175,6 +193,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
     // Weights are nobody's output: they were requested before waiting for the kernel that produces x.
     wait_previous();
     start_next();
+    if (QW && threadIdx.x == 0) QDEC_MARK(1);
 
     // The input transform: with norm_w, x becomes fp16(x * rsqrt(mean(x^2) + eps) * norm_w) (ops.rmsnorm); with
     // glu, x is [gate | up] (2K halves) and becomes fp16(silu(gate) * up) (ops.silu_mul). Each block redoes it:
@@ -247,6 +266,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
         if (s < S && q == 0) xstat[s] = make_float4(sum, off0, off1, 0.0f);
     }
     __syncthreads();
+    if (QW && threadIdx.x == 0) QDEC_MARK(2);
 
     __shared__ float red[2][WARPS][16];
     const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: rows g and g + 8, columns 2t, 2t + 1
@@ -280,26 +300,18 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
         acc0 = fmaf(s0, fmaf(-z0, st.x, v0 - st.y), acc0);
         acc1 = fmaf(s1, fmaf(-z1, st.x, v1 - st.z), acc1);
     };
-    // QDEC's shared memory, after the rings: the block's fp32 results and its outputs' residual scales, the
-    // selection, buckets, scratch
-    const int tpb = (T + gridDim.x - 1) / gridDim.x;  // most tiles of a block
-    float* ybuf = reinterpret_cast<float*>(smem + K * 2 + S * 16 + WARPS * DEPTH * SLOT);
-    float* sbuf = ybuf + 16 * tpb;
-    int* sel_idx = reinterpret_cast<int*>(sbuf + 16 * tpb);
-    float* sel_x = reinterpret_cast<float*>(sel_idx + k_chunk);
-    unsigned char* bk = reinterpret_cast<unsigned char*>(sel_x + k_chunk);
-    int* scratch = reinterpret_cast<int*>(bk + QDEC_CHUNK);
     uint32_t* flags = reinterpret_cast<uint32_t*>(state + 1);
     const int C = (K + QDEC_CHUNK - 1) / QDEC_CHUNK, n_seg = (N + QDEC_SEG - 1) / QDEC_SEG;
-    const int o0 = t_begin * 16, o1 = t_end * 16;
     // this block's item (fetching blocks only: n_tb = C * q, one item each)
     const int item = blockIdx.x, c = item / max(q, 1), g0 = item % max(q, 1) * spg, g1 = min(n_seg, g0 + spg);
     const int csize = min(QDEC_CHUNK, K - c * QDEC_CHUNK);
     const int k = min(csize, (k_chunk * csize + QDEC_CHUNK - 1) / QDEC_CHUNK);  // qdec.k_for_chunk
     if constexpr (QW > 0) {
-        if ((int)blockIdx.x < n_tb) {  // the whole block selects the channels (the ring is already filling)
-            qdec_select<32 * WARPS>(xs, c, csize, k, b0, b15, inv_hi, inv_lo, bk, scratch, sel_idx, sel_x);
-            if (threadIdx.x == 0) QDEC_MARK(2);
+        if ((int)blockIdx.x < n_tb) {  // the streaming warps select the channels (the ring is already filling)
+            if (streamer) qdec_select<32 * WARPS>(xs, c, csize, k, b0, b15, inv_hi, inv_lo, bk, scr, sel_idx, sel_x);
+            __syncthreads();
+            if (threadIdx.x == 0) QDEC_MARK(3);
+
             if (sel_out != nullptr && g0 == 0)  // the chosen channels, for tests and reports
                 for (int i = threadIdx.x; i < k_chunk; i += blockDim.x) {
                     sel_out[c * k_chunk + i] = i < k ? sel_idx[i] : -1;
@@ -308,7 +320,6 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
         }
     }
 
-    if (QW && threadIdx.x == 0) QDEC_MARK(1);
     if (streamer) {
         for (int tile = t_begin; tile < t_end; tile++) {
             acc0 = acc1 = 0.0f;
@@ -324,6 +335,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
                 red[buf][warp][g + 8] = acc1;
             }
             asm volatile("bar.sync 1, %0;\n" ::"n"(32 * WARPS) : "memory");  // the streaming warps only
+            if (QW && threadIdx.x == 0 && tile == t_begin) QDEC_MARK(9);
             if (threadIdx.x < 16) {
                 float v = 0.0f;
 #pragma unroll
@@ -336,31 +348,20 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
             }
         }
         cp_async_wait<0>();
-        if (QW && threadIdx.x == 0) QDEC_MARK(5);
-    } else if constexpr (QW > 0) {  // QDEC warps: this block's residual scales, and its item's partial sums
+        if (QW && threadIdx.x == 0) QDEC_MARK(6);
+    } else if constexpr (QW > 0) {  // QDEC warps: the item's partial sums
         const int u = threadIdx.x - 32 * WARPS;
-        constexpr int SB = 8;  // scales per thread read before the fetch and held across it (covers 64 tiles)
-        float sc[SB];
-#pragma unroll
-        for (int i = 0; i < SB; i++) {
-            const int n = o0 + u + 32 * QW * i;
-            sc[i] = n < o1 ? __half2float(rs[n]) : 0.0f;
-        }
         if ((int)blockIdx.x < n_tb) {
             qdec_fetch<QW>(rq, part + (size_t)c * N, N, g0, g1, k, u, sel_idx, sel_x);
-            if (u == 0) QDEC_MARK(3);
+            if (u == 0) QDEC_MARK(4);
             qdec_sync<QW>();  // every partial stored; the release below publishes them (release is cumulative)
             if (u == 0) {
-                __threadfence();
                 flag_release(flags + item, (uint32_t)(ticket / gridDim.x) + 1u);
-                QDEC_MARK(4);
+                QDEC_MARK(5);
             }
         }
         if (u == 0) seq = (uint32_t)(ticket / gridDim.x) + 1u;
-#pragma unroll
-        for (int i = 0; i < SB; i++)
-            if (o0 + u + 32 * QW * i < o1) sbuf[u + 32 * QW * i] = sc[i];
-        for (int n = o0 + u + 32 * QW * SB; n < o1; n += 32 * QW) sbuf[n - o0] = __half2float(rs[n]);  // big blocks
+        cp_async_wait<0>();  // the scales
     }
     if constexpr (QW > 0) {  // add scale * the partials of every item covering this block's outputs, round once
         __syncthreads();
@@ -368,13 +369,13 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
         for (int i = threadIdx.x; i < C * (gb - ga + 1); i += blockDim.x)
             flag_wait(flags + i / (gb - ga + 1) * q + ga + i % (gb - ga + 1), seq);
         __syncthreads();
-        if (threadIdx.x == 0) QDEC_MARK(6);
+        if (threadIdx.x == 0) QDEC_MARK(7);
         for (int n = o0 + threadIdx.x; n < o1; n += blockDim.x) {
             float v = 0.0f;
             for (int cc = 0; cc < C; cc++) v += __ldcg(part + (size_t)cc * N + n);
-            y[n] = __float2half_rn(fmaf(sbuf[n - o0], v, ybuf[n - o0]));
+            y[n] = __float2half_rn(fmaf(__half2float(sscale[n - o0]), v, ybuf[n - o0]));
         }
-        if (threadIdx.x == 0) QDEC_MARK(7);
+        if (threadIdx.x == 0) QDEC_MARK(8);
     }
 }
 

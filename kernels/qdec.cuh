@@ -18,12 +18,12 @@
 
 // Profiling aid (scripts/qdec_timeline.py compiles with -DQDEC_MARKS): globaltimer stamps of a block's phases.
 #ifdef QDEC_MARKS
-__device__ unsigned long long qdec_marks[1024 * 8];
+__device__ unsigned long long qdec_marks[1024 * 16];
 #define QDEC_MARK(i)                                                                              \
     do {                                                                                          \
         unsigned long long t;                                                                     \
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                                     \
-        qdec_marks[blockIdx.x * 8 + (i)] = t;                                                     \
+        qdec_marks[blockIdx.x * 16 + (i)] = t;                                                     \
     } while (0)
 #else
 #define QDEC_MARK(i)
@@ -58,47 +58,37 @@ __device__ __forceinline__ void qdec_sync() {
     asm volatile("bar.sync 2, %0;\n" ::"n"(32 * QW) : "memory");
 }
 
-// Exclusive prefix sum of v over the block's first NT threads (u = threadIdx.x); every thread of the block calls it.
-// tmp: NT / 32 ints.
-template <int NT>
-__device__ __forceinline__ int block_scan(int v, int u, int* tmp) {
-    const int lane = u & 31, w = u >> 5;
-    int inc = v;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int t = __shfl_up_sync(0xffffffffu, inc, d);
-        if (lane >= d) inc += t;
-    }
-    if (lane == 31 && u < NT) tmp[w] = inc;
-    __syncthreads();
-    int before = 0;
-#pragma unroll
-    for (int k = 0; k < NT / 32; k++) before += k < w ? tmp[k] : 0;
-    return before + inc - v;
-}
+// Shared scratch of the selection: zeroed by the QDEC warps before the block's staging barrier.
+struct QdecScratch {
+    int hist[32];     // channels per bucket
+    uint32_t hsum;    // sum of the channels' hashes
+    int wtot[31];     // per selecting warp: (whole-bucket channels << 16) + boundary-bucket channels
+};
 
-// Select chunk c's k channels with the block's first NT threads (every thread of the block calls it: it holds
-// __syncthreads): sel_idx[0..k) (global channel index) and sel_x[0..k) (x as float), in boundary order.
-// bk: 1024 bytes; scratch: NT + 3 * NT / 32 ints.
+// Select chunk c's k channels with the block's first NT threads (the streaming warps; they sync on named barrier
+// 3, so the QDEC warps are free): sel_idx[0..k) (global channel index) and sel_x[0..k) (x as float), in priority
+// order. The caller syncs the block before reading them. bk: 1024 bytes.
+//   1. every channel's bucket (qdec.bucket_index), a histogram (bit-plane ballots, one shared atomic per warp and
+//      bucket) and the chunk's hash (qdec.boundary_order's seed);
+//   2. every warp derives the boundary bucket B, how many of it to take (need) and the priority permutation
+//      p(i) = (i * A + off) mod 1024; thread u walks priorities [u * PP, u * PP + PP) and one packed prefix sum in
+//      priority order counts, for each channel, the whole-bucket and boundary channels before it: a whole-bucket
+//      channel lands at lt + min(eq, need), a boundary one is taken while eq < need, at lt + eq.
 template <int NT>
 __device__ void qdec_select(const uint32_t* xs, int c, int size, int k, float b0, float b15, float inv_hi,
-                            float inv_lo, unsigned char* bk, int* scratch, int* sel_idx, float* sel_x) {
-    constexpr int PP = QDEC_CHUNK / NT, W = NT / 32;
+                            float inv_lo, unsigned char* bk, QdecScratch* sc, int* sel_idx, float* sel_x) {
+    static_assert(NT / 32 <= 31, "wtot holds 31 warps");
+    constexpr int PP = QDEC_CHUNK / NT;
     const int u = threadIdx.x, lane = u & 31, w = u >> 5;
-    const bool on = u < NT;
-    int* cnt = scratch;   // [W][32] bucket counts per warp
-    int* hs = cnt + NT;   // [W] hash sums
-    int* tmp1 = hs + W;   // [W] scan scratch
-    int* tmp2 = tmp1 + W; // [W]
     uint32_t h = 0;
     int count = 0;  // lane l counts bucket l
 #pragma unroll
     for (int j = 0; j < PP; j++) {
         const int i = j * NT + u;
-        const bool valid = on && i < size;
+        const bool valid = i < size;
         const uint32_t bits = valid ? staged_x(xs, c * QDEC_CHUNK + i) : 0u;
         const int b = bucket_of(fabsf(__half2float(__ushort_as_half((unsigned short)bits))), b0, b15, inv_hi, inv_lo);
-        if (on) bk[i] = (unsigned char)b;
+        bk[i] = (unsigned char)b;
         h += valid ? fmix32(((uint32_t)i << 16) | bits) : 0u;
         // histogram from bit planes: lane l counts the lanes whose bucket's 5 bits spell l
         uint32_t m = __ballot_sync(0xffffffffu, valid);
@@ -111,65 +101,58 @@ __device__ void qdec_select(const uint32_t* xs, int c, int size, int k, float b0
     }
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) h += __shfl_xor_sync(0xffffffffu, h, d);
-    if (on) {
-        cnt[w * 32 + lane] = count;
-        if (lane == 0) hs[w] = (int)h;
-    }
-    __syncthreads();
+    if (count) atomicAdd(&sc->hist[lane], count);
+    if (lane == 0) atomicAdd(&sc->hsum, h);
+    asm volatile("bar.sync 3, %0;\n" ::"n"(NT) : "memory");
+    if (u == 0) QDEC_MARK(10);
 
-    // every warp derives the boundary bucket B, how many of it to take, and the boundary order
-    int total = 0;
-    uint32_t hsum = 0;
-#pragma unroll
-    for (int k2 = 0; k2 < W; k2++) {
-        total += cnt[k2 * 32 + lane];
-        hsum += (uint32_t)hs[k2];
-    }
-    int cum = total;
+    int cum = sc->hist[lane];
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
         const int t = __shfl_up_sync(0xffffffffu, cum, d);
         if (lane >= d) cum += t;
     }
     const int B = __popc(__ballot_sync(0xffffffffu, cum <= k));
-    const int taken = __shfl_sync(0xffffffffu, cum, max(B - 1, 0));
-    const int need = k - (B > 0 ? taken : 0);
-    const uint32_t seed = fmix32(hsum);
+    const int need = k - (B > 0 ? __shfl_sync(0xffffffffu, cum, max(B - 1, 0)) : 0);
+    const uint32_t seed = fmix32(sc->hsum);
     const uint32_t A = 2u * (seed & 511u) + 1u, off = (seed >> 9) & 1023u;
     uint32_t Ainv = A;  // A * Ainv = 1 mod 2^32, so mod 1024 too (Newton: each step doubles the correct bits)
 #pragma unroll
     for (int it = 0; it < 4; it++) Ainv *= 2u - A * Ainv;
 
-    // thread u walks priorities p in [u * PP, u * PP + PP): channel i = (p - off) / A mod 1024
-    int ib[PP];
-    int nB = 0;
+    int ib[PP];  // (channel << 8) | bucket, in priority order; bucket 255: no channel
+    int v = 0;
 #pragma unroll
     for (int e = 0; e < PP; e++) {
         const int i = (int)(((uint32_t)(u * PP + e) - off) * Ainv & 1023u);
-        ib[e] = on && i < size ? (i << 8) | bk[i] : 255;  // channel and bucket; 255: no channel
-        nB += (ib[e] & 255) == B;
+        ib[e] = i < size ? (i << 8) | bk[i] : 255;
+        v += (((ib[e] & 255) < B) << 16) + ((ib[e] & 255) == B);
     }
-    int rB = block_scan<NT>(nB, u, tmp1);  // boundary channels of lower priority held by earlier threads
-    uint32_t chosen = 0;
-    int nS = 0;
+    int inc = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int t = __shfl_up_sync(0xffffffffu, inc, d);
+        if (lane >= d) inc += t;
+    }
+    if (lane == 31) sc->wtot[w] = inc;
+    asm volatile("bar.sync 3, %0;\n" ::"n"(NT) : "memory");
+    if (u == 0) QDEC_MARK(11);
+    int before = lane < w ? sc->wtot[lane] : 0;
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) before += __shfl_xor_sync(0xffffffffu, before, d);
+    int lt = (before + inc - v) >> 16, eq = (before + inc - v) & 0xFFFF;
 #pragma unroll
     for (int e = 0; e < PP; e++) {
         const int b = ib[e] & 255;
-        const bool s = b < B || (b == B && rB < need);
-        rB += b == B;
-        chosen |= (uint32_t)s << e;
-        nS += s;
-    }
-    int pos = block_scan<NT>(nS, u, tmp2);
-#pragma unroll
-    for (int e = 0; e < PP; e++)
-        if ((chosen >> e) & 1) {
+        const int pos = b < B ? lt + min(eq, need) : b == B && eq < need ? lt + eq : -1;
+        if (pos >= 0) {
             const int ch = c * QDEC_CHUNK + (ib[e] >> 8);
             sel_idx[pos] = ch;
             sel_x[pos] = __half2float(__ushort_as_half((unsigned short)staged_x(xs, ch)));
-            pos++;
         }
-    __syncthreads();
+        lt += b < B;
+        eq += b == B;
+    }
 }
 
 // part[n] = sum_r q[sel_r, n] * x[sel_r] (unscaled) for the outputs n of segments [g0, g1), by the QW QDEC warps

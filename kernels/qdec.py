@@ -14,8 +14,7 @@ from localllm.quant import QuantResidual
 
 SEG = 256  # outputs per segment (a warp reads 32 words of 8 codes of one residual row)
 QW = 4  # QDEC warps per block, as compiled in gemv.cu
-SELECT_THREADS = 512  # the streaming warps of gemv.cu's QDEC variant (16 x 32), who select
-SCRATCH_BYTES = CHUNK + (SELECT_THREADS + 3 * SELECT_THREADS // 32) * 4  # bucket bytes + scratch ints (qdec_select)
+SCRATCH_BYTES = 256 + CHUNK  # qdec_select's counters (QdecScratch) and bucket bytes
 
 
 @dataclass
@@ -105,9 +104,9 @@ def new_state(K: int, N: int, device) -> torch.Tensor:
 
 
 def shared_bytes(K: int, N: int, k_chunk: int, grid: int) -> int:
-    """Dynamic shared memory QDEC adds to the GEMV: fp32 results and residual scales of the block's outputs, the
-    selection, buckets and scratch."""
-    return 2 * 64 * math.ceil(N / 16 / grid) + 8 * k_chunk + SCRATCH_BYTES
+    """Dynamic shared memory QDEC adds to the GEMV: fp32 results and fp16 residual scales of the block's outputs
+    (16 per tile), the selection's scratch and buckets, the selection."""
+    return (64 + 32) * math.ceil(N / 16 / grid) + SCRATCH_BYTES + 8 * k_chunk
 
 
 def shared_bytes_total(w, k_chunk: int, grid: int) -> int:

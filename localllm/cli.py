@@ -145,7 +145,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     e.add_argument("--seed", type=int, default=0, help="seed of the random picks (boundary bucket, random mode)")
     e.add_argument("--gguf-file", help="the .gguf file inside MODEL when MODEL is a folder of GGUF files")
-    e.add_argument("--device", default="cpu", help="cpu (default; QDEC runs there) or cuda/auto with --qdec off")
+    e.add_argument("--device", default="cpu",
+                   help="cpu (default; every QDEC mode), or cuda/auto (QDEC modes off and approx; token by token)")
     e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="GPU benchmarks: low-bit GEMV kernels vs memory bandwidth and fp16")

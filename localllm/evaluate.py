@@ -1,8 +1,10 @@
 """`localllm eval`: teacher-forced perplexity of a text, under each QDEC setting asked for.
 
-The text is cut into consecutive windows of `ctx` tokens; each window runs as one forward pass (every position
-selects its own salient channels when QDEC is on, exactly as decoding would for that token) and predicts its own
-next tokens. Perplexity = exp(mean negative log-likelihood) over all predicted tokens.
+The text is cut into consecutive windows of `ctx` tokens, each predicting its own next tokens. Perplexity =
+exp(mean negative log-likelihood) over all predicted tokens. On the CPU a window runs as one forward pass (every
+position selects its own salient channels when QDEC is on, exactly as decoding would for that token). On a GPU
+with QDEC on it runs token by token through the decode step's CUDA graph, because there the compensation lives
+in the decode GEMV (prompts run uncompensated); with QDEC off a window is one prompt-style forward pass.
 """
 from __future__ import annotations
 
@@ -53,14 +55,26 @@ def perplexity(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, de
         raise LocalLLMError(f"--ctx must be within 2..{limit} (the model's context); got {ctx}")
     model, dev = lm.model, lm.model.device
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed)  # boundary-bucket and random picks
-    nll, count = 0.0, 0
+    stepwise = dev.type == "cuda" and lm.settings.mode != "off"
+    nll, count = torch.zeros((), dtype=torch.float64, device=dev), 0
     with torch.inference_mode():
         for s in progress(range(0, len(ids) - 1, ctx), desc=desc, unit="window"):
-            w = ids[s: s + ctx + 1]
-            logits = model(torch.tensor([w[:-1]], device=dev))[0].float()
-            nll += F.cross_entropy(logits, torch.tensor(w[1:], device=dev), reduction="sum").item()
+            w = torch.tensor(ids[s: s + ctx + 1], device=dev)
+            if stepwise:
+                nll += _decoded_nll(lm, w)
+            else:
+                nll += F.cross_entropy(model(w[None, :-1])[0].float(), w[1:], reduction="sum")
             count += len(w) - 1
-    return math.exp(nll / count)
+    return math.exp(nll.item() / count)
+
+
+def _decoded_nll(lm: LocalModel, w: torch.Tensor) -> torch.Tensor:
+    """Summed negative log-likelihood of w[1:] given the tokens before, one decode step (graph replay) per token."""
+    dec = lm.decoder(len(w))
+    nll = F.cross_entropy(dec.prefill(w[:1].tolist())[None].float(), w[1:2], reduction="sum")
+    for pos in range(1, len(w) - 1):
+        nll += F.cross_entropy(dec.step(w[pos], pos)[None].float(), w[pos + 1: pos + 2], reduction="sum")
+    return nll
 
 
 def sweep(lm: LocalModel, ids: list[int], modes: list[str], k_chunks: list[int], ctx: int = 512,

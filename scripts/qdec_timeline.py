@@ -3,6 +3,7 @@
 python scripts/qdec_timeline.py [layer] [bits] [k_chunk,...]   e.g.  qkv 3 2,8,32
 """
 import functools
+import os
 import sys
 
 import numpy as np
@@ -24,7 +25,7 @@ def _marked(name, device, names):  # the same module, compiled with the phase st
     major, minor = torch.cuda.get_device_capability(device)
     mod = cupy.RawModule(code=(cuda.HERE / "gemv.cu").read_text(), name_expressions=list(names),
                          options=("-std=c++17", f"--gpu-architecture=sm_{major}{minor}", f"-I{cuda.HERE}",
-                                  "-DQDEC_MARKS"))
+                                  "-DQDEC_MARKS", *os.environ.get("QDEC_FLAGS", "").split()))
     mod.compile()
     return mod
 
@@ -41,7 +42,9 @@ grid = grid_of(N, torch.device("cuda"))
 res = qdec.HostResidual.pin(QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32),
                                           (torch.rand(N) * 0.01).half()))
 part = torch.empty(qdec.chunks(K) * N, device="cuda")
-names = ["start", "staged", "selected", "fetched", "flagged", "streamed", "flags seen", "end"]
+names = ["start", "x ready", "staged", "selected", "fetched", "flagged", "streamed", "flags seen", "end",
+         "tile 1 done", "select: A", "select: B"]
+FETCH_ONLY = (3, 4, 5, 10, 11)
 for k in ks:
     for n_tb in sorted({qdec.default_n_tb(K, N, grid), qdec.viable_n_tb(K, N, grid)[-1]}):
         a = x.float().abs()
@@ -53,11 +56,13 @@ for k in ks:
         mod = cuda.module("gemv", torch.cuda.current_device(), NAMES)
         import cupy
         ptr = mod.get_global("qdec_marks")
-        m = cupy.ndarray((1024 * 8,), dtype=cupy.uint64, memptr=ptr)[: grid * 8].get().reshape(grid, 8)
+        m = cupy.ndarray((1024 * 16,), dtype=cupy.uint64, memptr=ptr)[: grid * 16].get().reshape(grid, 16)
         m = m.astype(np.int64)
         t0 = m[:, 0].min()
         rel = (m - t0) / 1e3  # us since the first block started
-        print(f"\n{layer} W{bits} k_chunk={k} n_tb={n_tb}: us since the first block's start (median / max over blocks)")
+        print(f"\n{layer} W{bits} k_chunk={k} n_tb={n_tb}: us since the first block's start, median / max over "
+              "the fetching blocks | the others")
         for i, nm in enumerate(names):
-            rows = rel[:n_tb, i] if i in (2, 3, 4) else rel[:, i]
-            print(f"  {nm:11} {np.median(rows):7.2f} {rows.max():7.2f}")
+            f, o = rel[:n_tb, i], rel[n_tb:, i]
+            other = "" if i in FETCH_ONLY or not len(o) else f" | {np.median(o):7.2f} {o.max():7.2f}"
+            print(f"  {nm:11} {np.median(f):7.2f} {f.max():7.2f}{other}")

@@ -197,3 +197,25 @@ def test_k_chunk_beyond_shared_memory_is_an_error_not_a_fallback(tiny_quant, mon
     with pytest.raises(LocalLLMError, match="needs more shared memory than this GPU has per block"):
         gpu.set_qdec({"mode": "approx", "k_chunk": 1})
     assert gpu.settings.mode == "off"
+
+
+def test_eval_on_the_gpu_compensates_token_by_token(tiny_ckpt, tmp_path):
+    """`localllm eval` on the GPU with QDEC runs every position through the decode graph: its perplexity matches
+    the CPU's compensated one up to rounding, much closer than the GPU's uncompensated one (2-bit weights, so that
+    QDEC moves the perplexity by percents even on a random model)."""
+    from localllm.evaluate import perplexity
+    from localllm.quantize import quantize
+    from localllm.runtime import load
+    path = quantize(str(tiny_ckpt), str(tmp_path / "w2"), bits=2, group_size=64, calib_tokens=1024, seq_len=128)
+    cpu, gpu = load(path, qdec="off"), load(path, device="cuda", qdec="off")
+    ids = torch.randint(0, cpu.model.cfg.vocab_size, (160,)).tolist()
+    k = min(64, cpu.manifest["calibration"]["kmax"])
+    res = {}
+    for name, lm in (("cpu", cpu), ("gpu", gpu)):
+        for mode in ("off", "approx"):
+            lm.set_qdec("off" if mode == "off" else {"mode": mode, "k_chunk": k})
+            res[name, mode] = perplexity(lm, ids, ctx=40)
+    rel = lambda a, b: abs(res[a] / res[b] - 1)  # noqa: E731
+    assert rel(("gpu", "off"), ("cpu", "off")) < 1e-2, res
+    assert rel(("gpu", "approx"), ("cpu", "approx")) < 1e-2, res
+    assert rel(("gpu", "approx"), ("cpu", "approx")) < 0.5 * rel(("gpu", "off"), ("cpu", "approx")), res
