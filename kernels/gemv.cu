@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
          const __half* __restrict__ res, __half* __restrict__ y, int N, int K, int G, uint32_t magic,
          const float* __restrict__ norm_w, float eps, int glu, const uint32_t* __restrict__ rq,
          const __half* __restrict__ rs, float* __restrict__ part, unsigned long long* __restrict__ state,
-         int* __restrict__ sel_out, int k_chunk, int n_tb, int q, int spg, float b0, float b15, float inv_hi,
+         int* __restrict__ sel_out, int k_chunk, int n_tb, float b0, float b15, float inv_hi,
          float inv_lo) {
     constexpr int STEP_BYTES = 128 * BITS, SLOT = STEP_BYTES + META_BYTES;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -134,13 +134,17 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
     const bool streamer = warp < WARPS;  // the others are QDEC warps
     unsigned char* ring = smem + K * 2 + S * 16 + warp * DEPTH * SLOT;
     const int T = N / 16;
-    const int t_begin = (int)((long long)blockIdx.x * T / gridDim.x);
-    const int t_end = (int)((long long)(blockIdx.x + 1) * T / gridDim.x);
+    // With QDEC the first n_tb blocks only compensate (select, fetch and publish whole chunks' partial sums, see
+    // qdec.cuh); the others stream the weights, each a contiguous range of tiles.
+    const int nf = QW ? n_tb : 0, ns = gridDim.x - nf, sb = blockIdx.x - nf;
+    const bool fetcher = sb < 0;
+    const int t_begin = fetcher ? 0 : (int)((long long)sb * T / ns);
+    const int t_end = fetcher ? 0 : (int)((long long)(sb + 1) * T / ns);
     const int lo = warp * S / WARPS, hi = (warp + 1) * S / WARPS;  // this warp's steps of every tile
     const int items = (t_end - t_begin) * (hi - lo);
     // QDEC's shared memory, after the rings: the block's fp32 results and its outputs' residual scales (fp16), the
     // selection's scratch, buckets, and the selection itself
-    const int tpb = (T + gridDim.x - 1) / gridDim.x;  // most tiles of a block
+    const int tpb = (T + ns - 1) / ns;  // most tiles of a block
     float* ybuf = reinterpret_cast<float*>(smem + K * 2 + S * 16 + WARPS * DEPTH * SLOT);
     __half* sscale = reinterpret_cast<__half*>(ybuf + 16 * tpb);
     QdecScratch* scr = reinterpret_cast<QdecScratch*>(sscale + 16 * tpb);
@@ -302,22 +306,27 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
     };
     uint32_t* flags = reinterpret_cast<uint32_t*>(state + 1);
     const int C = (K + QDEC_CHUNK - 1) / QDEC_CHUNK, n_seg = (N + QDEC_SEG - 1) / QDEC_SEG;
-    // this block's item (fetching blocks only: n_tb = C * q, one item each)
-    const int item = blockIdx.x, c = item / max(q, 1), g0 = item % max(q, 1) * spg, g1 = min(n_seg, g0 + spg);
-    const int csize = min(QDEC_CHUNK, K - c * QDEC_CHUNK);
-    const int k = min(csize, (k_chunk * csize + QDEC_CHUNK - 1) / QDEC_CHUNK);  // qdec.k_for_chunk
     if constexpr (QW > 0) {
-        if ((int)blockIdx.x < n_tb) {  // the streaming warps select the channels (the ring is already filling)
-            if (streamer) qdec_select<32 * WARPS>(xs, c, csize, k, b0, b15, inv_hi, inv_lo, bk, scr, sel_idx, sel_x);
-            __syncthreads();
-            if (threadIdx.x == 0) QDEC_MARK(3);
-
-            if (sel_out != nullptr && g0 == 0)  // the chosen channels, for tests and reports
-                for (int i = threadIdx.x; i < k_chunk; i += blockDim.x) {
-                    sel_out[c * k_chunk + i] = i < k ? sel_idx[i] : -1;
-                    sel_out[(C + c) * k_chunk + i] = i < k ? __float_as_int(sel_x[i]) : 0;
+        if (fetcher)  // chunks blockIdx.x, + n_tb, ...: the streaming warps select, every warp fetches
+            for (int c = blockIdx.x; c < C; c += nf) {
+                const int csize = min(QDEC_CHUNK, K - c * QDEC_CHUNK);
+                const int k = min(csize, (k_chunk * csize + QDEC_CHUNK - 1) / QDEC_CHUNK);  // qdec.k_for_chunk
+                if (streamer) qdec_select<32 * WARPS>(xs, c, csize, k, b0, b15, inv_hi, inv_lo, bk, scr, sel_idx, sel_x);
+                __syncthreads();
+                if (threadIdx.x == 0) QDEC_MARK(3);
+                if (sel_out != nullptr)  // the chosen channels, for tests and reports
+                    for (int i = threadIdx.x; i < k_chunk; i += blockDim.x) {
+                        sel_out[c * k_chunk + i] = i < k ? sel_idx[i] : -1;
+                        sel_out[(C + c) * k_chunk + i] = i < k ? __float_as_int(sel_x[i]) : 0;
+                    }
+                qdec_fetch<WARPS + QW>(rq, part + (size_t)c * N, N, 0, n_seg, k, threadIdx.x, sel_idx, sel_x);
+                if (threadIdx.x == 0) QDEC_MARK(4);
+                __syncthreads();  // every partial stored (the release below is cumulative), sel_* free again
+                if (threadIdx.x == 32 * WARPS) {
+                    flag_release(flags + c, (uint32_t)(ticket / gridDim.x) + 1u);
+                    QDEC_MARK(5);
                 }
-        }
+            }
     }
 
     if (streamer) {
@@ -349,25 +358,13 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
         }
         cp_async_wait<0>();
         if (QW && threadIdx.x == 0) QDEC_MARK(6);
-    } else if constexpr (QW > 0) {  // QDEC warps: the item's partial sums
-        const int u = threadIdx.x - 32 * WARPS;
-        if ((int)blockIdx.x < n_tb) {
-            qdec_fetch<QW>(rq, part + (size_t)c * N, N, g0, g1, k, u, sel_idx, sel_x);
-            if (u == 0) QDEC_MARK(4);
-            qdec_sync<QW>();  // every partial stored; the release below publishes them (release is cumulative)
-            if (u == 0) {
-                flag_release(flags + item, (uint32_t)(ticket / gridDim.x) + 1u);
-                QDEC_MARK(5);
-            }
-        }
-        if (u == 0) seq = (uint32_t)(ticket / gridDim.x) + 1u;
+    } else if constexpr (QW > 0) {  // QDEC warps
+        if (threadIdx.x == 32 * WARPS) seq = (uint32_t)(ticket / gridDim.x) + 1u;
         cp_async_wait<0>();  // the scales
     }
     if constexpr (QW > 0) {  // add scale * the partials of every item covering this block's outputs, round once
         __syncthreads();
-        const int ga = o0 / QDEC_SEG / spg, gb = (o1 - 1) / QDEC_SEG / spg;
-        for (int i = threadIdx.x; i < C * (gb - ga + 1); i += blockDim.x)
-            flag_wait(flags + i / (gb - ga + 1) * q + ga + i % (gb - ga + 1), seq);
+        for (int c = threadIdx.x; c < (o1 > o0 ? C : 0); c += blockDim.x) flag_wait(flags + c, seq);
         __syncthreads();
         if (threadIdx.x == 0) QDEC_MARK(7);
         for (int n = o0 + threadIdx.x; n < o1; n += blockDim.x) {
@@ -417,7 +414,7 @@ template __global__ void dequant<4>(const uint32_t*, const uint8_t*, __half*, in
 // (warps per block, ring depth) variants, chosen by gemv.py; QDEC (QW = 4) with the first
 #define INST(B, W, D, GS, QW) template __global__ void gemv<B, W, D, GS, QW>(const uint8_t*, const uint8_t*, \
     const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, int, const uint32_t*, \
-    const __half*, float*, unsigned long long*, int*, int, int, int, int, float, float, float, float);
+    const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
 #define INST_GS(B, W, D, QW) INST(B, W, D, 0, QW) INST(B, W, D, 1, QW) INST(B, W, D, 2, QW) INST(B, W, D, 3, QW)
 #define INST_BITS(W, D, QW) INST_GS(2, W, D, QW) INST_GS(3, W, D, QW) INST_GS(4, W, D, QW)
 INST_BITS(16, 7, 0)

@@ -83,7 +83,7 @@ def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: 
     null = np.uint64(0)
     if qw:
         assert (warps, depth) == VARIANTS[0] and comp.grid == grid, "QDEC state numbered for another grid"
-        smem += qdec.shared_bytes(K, N, comp.k_chunk, grid)
+        smem += qdec.shared_bytes(K, N, comp.k_chunk, grid, comp.n_tb)
         extra = comp.args(K, N)
     else:
         extra = (null, null, null, null, null, *(np.int32(0),) * 4, *(np.float32(0),) * 4)

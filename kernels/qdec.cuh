@@ -1,16 +1,18 @@
 // QDEC dynamic error compensation inside the GEMV (gemv.cu, QW > 0): y = W_hat x + R_hat[:, S] x[S].
 //
-// Work items are (1024-channel chunk, group of 256-output segments); block i < n_tb takes item i. Right after
-// staging x, such a block selects its chunk's k channels with all its threads (approximate top-k,
-// qdec.select_approx: 32 buckets from b0 and b15, whole buckets from the top, the boundary bucket in the
-// pseudo-random order of qdec.boundary_order); then its QW QDEC warps, while the other warps stream the weights,
-// read those channels' residual rows of the item's segments straight from pinned host memory (zero-copy: a warp
-// reads 128 contiguous bytes, 256 codes, per row and segment, all of a warp's reads in flight together), multiply
-// by x[S], store the item's partial sums (fp32, one thread per output, rows in a fixed order) to a global buffer and
-// raise the item's flag. Every block's QDEC warps also fetch the residual scales of the block's own outputs. When
-// its tiles are done, a block waits for the flags of the items covering its outputs and adds scale * the partials
-// to its fp32 results before the one rounding to fp16. So: no grid-wide sync, no atomics on y, the same bits on
-// every run, and nothing but the partials and flags in GPU memory.
+// The first n_tb blocks of the grid compensate; the others stream the weights. A compensating block takes whole
+// 1024-channel chunks (blockIdx.x, + n_tb, ...). For each, right after staging x, its streaming warps select the
+// chunk's k channels (approximate top-k, qdec.select_approx: 32 buckets from b0 and b15, whole buckets from the
+// top, the boundary bucket in the pseudo-random order of qdec.boundary_order); then all its warps read those
+// channels' residual rows straight from pinned host memory (zero-copy: a warp reads 128 contiguous bytes, 256
+// codes, per row and segment, all of a warp's reads in flight together), multiply by x[S], store the chunk's
+// partial sums (fp32, one thread per output, rows in a fixed order) to a global buffer and raise the chunk's flag.
+// Why separate blocks: zero-copy reads and the selection slow down a block that also streams weights (its reads
+// wait behind the PCIe ones, its warps lose issue slots), and the grid's time is its slowest block's.
+// Every streaming block's QDEC warps fetch the residual scales of the block's outputs (cp.async at kernel start).
+// When its tiles are done, a block waits for every chunk's flag and adds scale * the partials to its fp32 results
+// before the one rounding to fp16. So: no grid-wide sync, no atomics on y, the same bits on every run and for
+// every n_tb, and nothing but the partials and flags in GPU memory.
 //
 // Flags carry a sequence number: each block takes a ticket from the layer's arrival counter when it starts; with a
 // fixed grid, ticket / grid + 1 numbers the calls of this layer, so flags never need resetting.
@@ -51,11 +53,6 @@ __device__ __forceinline__ uint32_t staged_x(const uint32_t* xs, int ch) {
 __device__ __forceinline__ int bucket_of(float a, float b0, float b15, float inv_hi, float inv_lo) {
     if (a >= b15) return (int)fminf(fmaxf(floorf(__fmul_rn(__fsub_rn(b0, a), inv_hi)), 0.0f), 15.0f);
     return 16 + (int)fminf(fmaxf(floorf(__fmul_rn(__fsub_rn(b15, a), inv_lo)), 0.0f), 15.0f);
-}
-
-template <int QW>
-__device__ __forceinline__ void qdec_sync() {
-    asm volatile("bar.sync 2, %0;\n" ::"n"(32 * QW) : "memory");
 }
 
 // Shared scratch of the selection: zeroed by the QDEC warps before the block's staging barrier.
@@ -137,6 +134,8 @@ __device__ void qdec_select(const uint32_t* xs, int c, int size, int k, float b0
     if (lane == 31) sc->wtot[w] = inc;
     asm volatile("bar.sync 3, %0;\n" ::"n"(NT) : "memory");
     if (u == 0) QDEC_MARK(11);
+    if (u < 32) sc->hist[u] = 0;  // every warp has read the counters: clear them for the block's next chunk
+    if (u == 0) sc->hsum = 0;
     int before = lane < w ? sc->wtot[lane] : 0;
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) before += __shfl_xor_sync(0xffffffffu, before, d);
@@ -155,8 +154,8 @@ __device__ void qdec_select(const uint32_t* xs, int c, int size, int k, float b0
     }
 }
 
-// part[n] = sum_r q[sel_r, n] * x[sel_r] (unscaled) for the outputs n of segments [g0, g1), by the QW QDEC warps
-// (u: thread index among them); rq: the residual codes in pinned host memory, row = input channel, N / 8 words.
+// part[n] = sum_r q[sel_r, n] * x[sel_r] (unscaled) for the outputs n of segments [g0, g1), by QW warps (u: thread
+// index among them); rq: the residual codes in pinned host memory, row = input channel, N / 8 words.
 template <int QW>
 __device__ void qdec_fetch(const uint32_t* rq, float* part, int N, int g0, int g1, int k, int u, const int* sel_idx,
                            const float* sel_x) {

@@ -12,7 +12,6 @@ from localllm.errors import LocalLLMError
 from localllm.qdec import CHUNK, bucket_widths, k_for_chunk
 from localllm.quant import QuantResidual
 
-SEG = 256  # outputs per segment (a warp reads 32 words of 8 codes of one residual row)
 QW = 4  # QDEC warps per block, as compiled in gemv.cu
 SCRATCH_BYTES = 256 + CHUNK  # qdec_select's counters (QdecScratch) and bucket bytes
 
@@ -36,37 +35,23 @@ def chunks(K: int) -> int:
     return -(-K // CHUNK)
 
 
-def segments(N: int) -> int:
-    return -(-N // SEG)
-
-
 def viable_groups(s: int) -> list[int]:
-    """Appendix A's rule: q groups of ceil(s / q) segments are viable when no group is left empty, i.e. fewer
+    """Appendix A's rule: q groups of ceil(s / q) items are viable when no group is left empty, i.e. fewer
     groups could not do with the same largest group."""
     return [q for q in range(1, s + 1) if -(-s // -(-s // q)) == q]
 
 
 def viable_n_tb(K: int, N: int, grid: int) -> list[int]:
-    """The n_tb (fetching blocks) worth trying for a K -> N layer under a GEMV grid of `grid` blocks: the chunks times
-    a viable number of segment groups per chunk (each fetching block takes one chunk's group)."""
-    C = chunks(K)
-    return [C * q for q in viable_groups(segments(N)) if C * q <= grid]
+    """The n_tb (compensating blocks) worth trying for a K -> N layer under a GEMV grid of `grid` blocks: each takes
+    ceil(chunks / n_tb) whole chunks, so Appendix A's rule applies to the chunks; at least one block must stream."""
+    return [n for n in viable_groups(chunks(K)) if n < grid]
 
 
 def default_n_tb(K: int, N: int, grid: int) -> int:
-    """Without a tuned profile: the largest viable n_tb within half the grid."""
+    """Without a tuned profile: one chunk per compensating block, as long as they take at most an eighth of the
+    grid (each is an SM taken from the weight stream; on the H100 this is the fastest setting of every 8B layer)."""
     ok = viable_n_tb(K, N, grid)
-    small = [n for n in ok if n <= max(1, grid // 2)]
-    return (small or ok)[-1]
-
-
-def split(K: int, N: int, n_tb: int) -> tuple[int, int]:
-    """(q, spg): segment groups per chunk and segments per group for n_tb fetching blocks."""
-    C, s = chunks(K), segments(N)
-    if n_tb % C or n_tb // C not in viable_groups(s):
-        raise ValueError(f"n_tb={n_tb} is not viable for a {K} -> {N} layer; use one of qdec.viable_n_tb")
-    q = n_tb // C
-    return q, -(-s // q)
+    return [n for n in ok if n <= max(1, grid // 8)][-1]
 
 
 @dataclass
@@ -83,12 +68,13 @@ class Call:
     sel_out: torch.Tensor | None = None  # int32 [2 * C * k_chunk]: chosen channels, then x bits, per chunk
 
     def args(self, K: int, N: int) -> tuple:
-        q, spg = split(K, N, self.n_tb)
+        if self.n_tb not in viable_n_tb(K, N, self.grid):
+            raise ValueError(f"n_tb={self.n_tb} is not viable for a {K} -> {N} layer; use one of qdec.viable_n_tb")
         inv_hi, inv_lo = bucket_widths(self.b0, self.b15)
         p = lambda t: np.uint64(0 if t is None else t.data_ptr())  # noqa: E731
         return (p(self.residual.codes), p(self.residual.scales), p(self.part), p(self.state), p(self.sel_out),
-                np.int32(self.k_chunk), np.int32(self.n_tb), np.int32(q), np.int32(spg), np.float32(self.b0),
-                np.float32(self.b15), np.float32(inv_hi), np.float32(inv_lo))
+                np.int32(self.k_chunk), np.int32(self.n_tb), np.float32(self.b0), np.float32(self.b15),
+                np.float32(inv_hi), np.float32(inv_lo))
 
 
 def new_part(shapes, device) -> torch.Tensor:
@@ -98,22 +84,22 @@ def new_part(shapes, device) -> torch.Tensor:
 
 
 def new_state(K: int, N: int, device) -> torch.Tensor:
-    """Zeroed arrival counter and flags, enough for any n_tb of this layer."""
-    items = chunks(K) * segments(N)
-    return torch.zeros(1 + (items + 1) // 2, dtype=torch.int64, device=device)
+    """Zeroed arrival counter, then one uint32 flag per chunk."""
+    return torch.zeros(1 + (chunks(K) + 1) // 2, dtype=torch.int64, device=device)
 
 
-def shared_bytes(K: int, N: int, k_chunk: int, grid: int) -> int:
-    """Dynamic shared memory QDEC adds to the GEMV: fp32 results and fp16 residual scales of the block's outputs
-    (16 per tile), the selection's scratch and buckets, the selection."""
-    return (64 + 32) * math.ceil(N / 16 / grid) + SCRATCH_BYTES + 8 * k_chunk
+def shared_bytes(K: int, N: int, k_chunk: int, grid: int, n_tb: int) -> int:
+    """Dynamic shared memory QDEC adds to the GEMV: fp32 results and fp16 residual scales of a streaming block's
+    outputs (16 per tile), the selection's scratch and buckets, the selection."""
+    return (64 + 32) * math.ceil(N / 16 / (grid - n_tb)) + SCRATCH_BYTES + 8 * k_chunk
 
 
 def shared_bytes_total(w, k_chunk: int, grid: int) -> int:
-    """All dynamic shared memory of the QDEC GEMV for a kernels.gemv.Packed weight w."""
+    """All dynamic shared memory of the QDEC GEMV for a kernels.gemv.Packed weight w, at its largest viable n_tb."""
     from .gemv import VARIANTS
     from .gemv import shared_bytes as base
-    return base(w, *VARIANTS[0]) + shared_bytes(w.in_features, w.out_features, k_chunk, grid)
+    K, N = w.in_features, w.out_features
+    return base(w, *VARIANTS[0]) + shared_bytes(K, N, k_chunk, grid, viable_n_tb(K, N, grid)[-1])
 
 
 def selection(sel_out: torch.Tensor, K: int, k_chunk: int) -> list[tuple[list[int], list[float]]]:

@@ -138,7 +138,7 @@ def bench_qdec(bits: int = 3, group_size: int = 128) -> list[dict]:
         part = torch.empty(C * N, device="cuda")
         base = time_graph([lambda s=s, x=x: gemv(x, s[0], out=s[1]) for s, x in zip(sets, xs)])
         ok = qdec.viable_n_tb(K, N, grid)
-        for n_tb in sorted({C, qdec.default_n_tb(K, N, grid), ok[-1]}):
+        for n_tb in sorted({ok[0], ok[len(ok) // 2], qdec.default_n_tb(K, N, grid), ok[-1]}):
             row = {"layer": name, "N": N, "K": K, "n_tb": n_tb, "base_us": base * 1e6, "us": {}}
             for k in QDEC_K[1:]:
                 a = xs[0].float().abs()
