@@ -90,6 +90,7 @@ def test_table_and_profiles():
         assert d["layers"]["qkv"] == {"k_chunk": r.choice.k_chunk["qkv"], "n_tb": r.choice.n_tb["qkv"]}
         assert d["slowdown"] == r.slowdown <= d["budget"] and d["perplexity"]["tokens"] == 512
         assert d["decode_ms"]["off"] == pytest.approx(1e3 * p.step_time)
+        assert d["slowdown"] == pytest.approx(d["decode_ms"]["qdec"] / d["decode_ms"]["off"] - 1)
         json.dumps(d)
 
 

@@ -35,27 +35,21 @@ def fetch(lay: Layer, n_tb: int, k: int) -> float:
     return 1e-6 + rows * lay.N / 2 / (25e9 * min(1.0, n_tb / 24))
 
 
-def monotone(layers):
+def timing_model(layers, qdec_time):
+    """oracle(kind, n_tb, k): base(layer) for k = 0, else qdec_time(layer, n_tb, k)."""
     by = {lay.kind: lay for lay in layers}
+    return lambda kind, n_tb, k: qdec_time(by[kind], n_tb, k) if k else base(by[kind])
 
-    def t(kind, n_tb, k):
-        lay = by[kind]
-        if k == 0:
-            return base(lay)
-        return base(lay) * (1 + 0.0005 * n_tb) + 0.1 * fetch(lay, n_tb, k)  # never hidden, grows with k
-    return t
+
+def monotone(layers):
+    """Never hidden: grows with k from the start (and a little with n_tb)."""
+    return timing_model(layers, lambda lay, n_tb, k: base(lay) * (1 + 0.0005 * n_tb) + 0.1 * fetch(lay, n_tb, k))
 
 
 def knee(layers):
     """Flat while the fetch hides under the GEMV (which more blocks slow down), then linear in k."""
-    by = {lay.kind: lay for lay in layers}
-
-    def t(kind, n_tb, k):
-        lay = by[kind]
-        if k == 0:
-            return base(lay)
-        return max(base(lay) * (1 + 0.001 * n_tb), fetch(lay, n_tb, k)) + 1e-9 * k
-    return t
+    return timing_model(layers, lambda lay, n_tb, k: max(base(lay) * (1 + 0.001 * n_tb), fetch(lay, n_tb, k))
+                        + 1e-9 * k)
 
 
 def noisy(layers, seed):

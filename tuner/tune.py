@@ -1,7 +1,8 @@
 """`localllm tune`: search (tuner.search) over GEMV timings, then check each budget's setting end to end.
 
 For each budget, ascending: the search picks a setting on the GEMV timings; the decode step is then timed with it
-(a captured graph, as generation runs) and compared with the step without QDEC. When the measured slowdown is over
+(a captured graph, as generation runs) and compared with the step without QDEC timed just before (a pair, so
+clock drift over the tune does not enter the ratio). When the measured slowdown is over
 the budget (the GEMV timings miss something: overlap, launch order, the QDEC variant's own cost), the search runs
 again with its target cut by the measured overshoot, and the step is timed again, up to MAX_TRIES times; a budget
 still over after that gets no compensation. So every reported setting was measured to fit its budget. A larger
@@ -38,7 +39,8 @@ class Bench(Protocol):
 class Row:
     choice: Choice  # choice.budget is the budget asked for; choice.predicted is on the GEMV timings
     decode: float  # measured seconds per decode step at this setting
-    slowdown: float  # measured, vs the step without QDEC
+    decode_off: float  # the step without QDEC, timed just before it (so clock drift does not enter the ratio)
+    slowdown: float  # measured: decode / decode_off - 1
     tries: int  # searches it took
     perplexity: float | None = None
 
@@ -66,6 +68,14 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
     base = bench.decode_time(None)
     problem = replace(problem, step_time=base)
     memo = Memo(bench.gemv_time, tick)
+
+    def measure(c: Choice) -> tuple[float, float]:
+        off, on = bench.decode_time(None), bench.decode_time(c)
+        if tick:
+            tick()
+            tick()
+        return on, off
+
     rows: list[Row] = []
     for budget in sorted(set(budgets)):
         target, row = budget, None
@@ -73,25 +83,23 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
             say(f"tuning {profiles.percent(budget)}%: search" + (f" (try {tries})" if tries > 1 else ""))
             c = replace(search(problem, memo, target), budget=budget)
             if not c.compensates:
-                row = Row(c, base, 0.0, tries)
+                row = Row(c, base, base, 0.0, tries)
                 break
             say(f"tuning {profiles.percent(budget)}%: decode step")
-            t = bench.decode_time(c)
-            if tick:
-                tick()
-            slow = t / base - 1
+            on, off = measure(c)
+            slow = on / off - 1
             if slow <= budget:
-                row = Row(c, t, slow, tries)
+                row = Row(c, on, off, slow, tries)
                 break
             target = target * budget / slow * SHRINK
         if row is None:  # still over after MAX_TRIES: no compensation for this budget
-            row = Row(nothing(problem, budget), base, 0.0, MAX_TRIES)
+            row = Row(nothing(problem, budget), base, base, 0.0, MAX_TRIES)
         rows.append(row)
     by_budget = {r.budget: r for r in rows}
     final = []
     for c in carry_forward(problem, [r.choice for r in rows]):
         src = by_budget[c.budget if c.carried_from is None else c.carried_from]
-        final.append(Row(c, src.decode, src.slowdown, by_budget[c.budget].tries))
+        final.append(Row(c, src.decode, src.decode_off, src.slowdown, by_budget[c.budget].tries))
     ppl_off = None
     if evaluate:
         say("tuning: perplexity without QDEC")
@@ -123,7 +131,7 @@ def profile_of(row: Row, result: Result, gpu: dict, model_id: str, bits: int | N
         "layers": {k: {"k_chunk": c.k_chunk[k], "n_tb": c.n_tb[k]} for k in KINDS},
         "slowdown": row.slowdown,
         "predicted_slowdown": c.predicted,
-        "decode_ms": {"off": 1e3 * result.problem.step_time, "qdec": 1e3 * row.decode},
+        "decode_ms": {"off": 1e3 * row.decode_off, "qdec": 1e3 * row.decode},
         "perplexity": None if row.perplexity is None else
         {"off": result.perplexity_off, "qdec": row.perplexity, "tokens": tokens},
         "search": {"phase1_steps": c.steps, "fallback": list(c.fallback), "tries": row.tries,
