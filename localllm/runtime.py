@@ -69,7 +69,7 @@ class LocalModel:
             return
         if not self.has_residuals:
             raise LocalLLMError(f"{self.path} has no QDEC residuals; re-quantize it with residuals or use qdec='off'")
-        if qdec in ("on", True):
+        if qdec is True or qdec == "on":  # (not `in ("on", True)`: 1 == True would make k_chunk 1 "on")
             self._set_on()
             return
         if isinstance(qdec, int) and not isinstance(qdec, bool):

@@ -292,3 +292,60 @@ def test_cli_tune_without_a_gpu_is_one_line(tiny_quant):
     r = subprocess.run([sys.executable, "-m", "localllm.cli", "generate", "--budget", "abc", "hi"],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "budget" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_problem_of_a_model_with_this_gpus_numbers(tiny_quant):
+    from localllm.kernels import qdec
+    from localllm.runtime import load
+    from localllm.tuner.timing import problem_of
+    lm = load(tiny_quant, qdec="off")
+    grid_of = lambda N: min(N // 16, 132)  # noqa: E731 - kernels.gemv.grid_of on an H100
+    p = problem_of(lm, sm_count=132, smem=232448, grid_of=grid_of)
+    assert p.n_tb_limit == 66 and [lay.kind for lay in p.layers] == list(KINDS)
+    for lay in p.layers:
+        assert lay.count == lm.model.cfg.num_layers and lay.k_max == lm.manifest["calibration"]["kmax"]
+        assert list(lay.n_tb) == qdec.viable_n_tb(lay.K, lay.N, grid_of(lay.N))
+    # a GPU with little shared memory per block bounds k_chunk by it
+    lin = lm.model.blocks[0].down
+    need = qdec.shared_bytes_total(lin.quant, 10, grid_of(lin.out_features))
+    small = problem_of(lm, sm_count=132, smem=need, grid_of=grid_of)
+    assert {lay.kind: lay.k_max for lay in small.layers}["down"] == 10
+
+
+def test_timing_inputs_have_the_calibration_spread_after_the_fused_transform(tiny_quant):
+    """The GEMV timer's inputs, as the kernel transforms them (RMSNorm, SwiGLU gate), have the per-channel spread
+    the calibration recorded (up to one scale for the RMSNorm kinds)."""
+    from localllm import ops
+    from localllm.runtime import load
+    from localllm.tuner.timing import GemvTimer
+    lm = load(tiny_quant, qdec="off")
+    blk = lm.model.blocks[0]
+    gen = torch.Generator().manual_seed(0)
+    for kind in KINDS:
+        lin = getattr(blk, kind)
+        s = GemvTimer._inputs(kind, blk, lin, "cpu", gen)
+        x = s["x"].float()
+        assert torch.isfinite(x).all() and s["out"].shape == (lin.out_features,)
+        f = ops.rmsnorm(x, s["norm"][0], s["norm"][1]) if s["norm"] else ops.silu_mul(x) if s["glu"] else x
+        assert f.shape == (lin.in_features,)
+        g = f / lin.stats.sq_mean.sqrt().clamp(min=1e-6)  # standard normal times one scale
+        scale = g.square().mean().sqrt()
+        assert torch.isfinite(g).all() and scale > 0
+        if kind in ("o", "down"):  # no norm in front: the calibration's own scale
+            assert 0.6 < scale < 1.6, (kind, scale)
+        assert (s["residual"] is not None) == (kind in ("o", "down")) and s["glu"] == (kind == "down")
+
+
+def test_tune_needs_the_model_on_a_gpu(tiny_quant):
+    from localllm.runtime import load
+    from localllm.tuner.tune import tune
+    with pytest.raises(LocalLLMError, match="measures the GPU"):
+        tune(load(tiny_quant, qdec="off"), [0.05])
+
+
+def test_qdec_1_is_k_chunk_1_not_on(tiny_quant):
+    from localllm.runtime import load
+    lm = load(tiny_quant, qdec=1)
+    assert lm.settings.k_chunk == {k: 1 for k in KINDS} and lm.qdec_source == "k_chunk 1 (set by hand)"
+    lm.set_qdec(True)
+    assert lm.settings.k_chunk["o"] == 8
