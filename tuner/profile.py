@@ -135,10 +135,34 @@ def read(path: str | Path) -> dict:
     return d
 
 
-def same_target(a: dict, b: dict) -> bool:
-    """Made for the same (GPU, model, budget)."""
-    return (a["gpu"]["name"], a["gpu"]["sm_count"], a["model_id"], percent(a["budget"])) == \
-        (b["gpu"]["name"], b["gpu"]["sm_count"], b["model_id"], percent(b["budget"]))
+def _target(gpu_name: str, sm_count: int, model_id: str, budget: float) -> tuple:
+    return gpu_name, sm_count, model_id, percent(budget)
+
+
+def target_of(d: dict) -> tuple:
+    """(GPU name, SM count, model_id, budget): what a profile was made for."""
+    return _target(d["gpu"]["name"], d["gpu"]["sm_count"], d["model_id"], d["budget"])
+
+
+def check_free(model_dir: str | Path, gpu_name: str, sm_count: int, model_id: str, budget: float,
+               force: bool = False) -> tuple[Path, dict | None]:
+    """(path, the profile there to be replaced or None) for this target's profile; raises when the file at that
+    path is something else (unreadable, or another GPU or model with the same file name) and not force."""
+    path = path_for(model_dir, gpu_name, budget)
+    if not path.exists():
+        return path, None
+    try:
+        old = read(path)
+    except ProfileError as e:
+        if force:
+            return path, None
+        raise LocalLLMError(f"{e.args[0].split(';')[0]}; it was left as it is: move it away or run `localllm tune` "
+                            "with --force to replace it") from None
+    if target_of(old) != _target(gpu_name, sm_count, model_id, budget) and not force:
+        raise LocalLLMError(f"{path} holds the profile of {old['gpu']['name']} / model {old['model_id']}, not "
+                            f"{gpu_name} / model {model_id}; it was left as it is: move it away or run "
+                            "`localllm tune` with --force to replace it")
+    return path, old
 
 
 def write(model_dir: str | Path, profile: dict, force: bool = False) -> tuple[Path, dict | None]:
@@ -146,19 +170,7 @@ def write(model_dir: str | Path, profile: dict, force: bool = False) -> tuple[Pa
     why = problems(profile)
     if why:
         raise ValueError(f"not a profile: {why}")
-    path = path_for(model_dir, profile["gpu"]["name"], profile["budget"])
-    old = None
-    if path.exists():
-        try:
-            old = read(path)
-        except ProfileError as e:
-            if not force:
-                raise LocalLLMError(f"{e.args[0].split(';')[0]}; it was left as it is: move it away or run "
-                                    "`localllm tune` with --force to replace it") from None
-        if old is not None and not same_target(old, profile) and not force:
-            raise LocalLLMError(f"{path} holds the profile of {old['gpu']['name']} / model {old['model_id']}, not "
-                                f"{profile['gpu']['name']} / model {profile['model_id']}; it was left as it is: "
-                                "move it away or run `localllm tune` with --force to replace it")
+    path, old = check_free(model_dir, *target_of(profile)[:3], profile["budget"], force=force)
     atomic.write_text(path, json.dumps(profile, indent=2) + "\n")
     return path, old
 

@@ -5,7 +5,8 @@ For each budget, ascending: the search picks a setting on the GEMV timings; the 
 clock drift over the tune does not enter the ratio). When the measured slowdown is over
 the budget (the GEMV timings miss something: overlap, launch order, the QDEC variant's own cost), the search runs
 again with its target cut by the measured overshoot, and the step is timed again, up to MAX_TRIES times; a budget
-still over after that gets no compensation. So every reported setting was measured to fit its budget. A larger
+still over after that gets no compensation. So every reported setting was measured to fit its budget. Each
+setting's pair is timed once per tune (another budget or try that lands on it reuses the pair). A larger
 budget then never ends with fewer compensated rows than a smaller one (search.carry_forward, on measured settings).
 
 run() is the procedure over a Bench (three timing/quality functions), so it is tested on the CPU with fakes;
@@ -77,6 +78,7 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
         return on, off
 
     rows: list[Row] = []
+    measured: dict[tuple, tuple[float, float]] = {}  # setting -> (decode, decode without QDEC), each timed once
     for budget in sorted(set(budgets)):
         target, row = budget, None
         for tries in range(1, MAX_TRIES + 1):
@@ -85,8 +87,11 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
             if not c.compensates:
                 row = Row(c, base, base, 0.0, tries)
                 break
-            say(f"tuning {profiles.percent(budget)}%: decode step")
-            on, off = measure(c)
+            key = (tuple(c.k_chunk.items()), tuple(c.n_tb.items()))
+            if key not in measured:
+                say(f"tuning {profiles.percent(budget)}%: decode step")
+                measured[key] = measure(c)
+            on, off = measured[key]
             slow = on / off - 1
             if slow <= budget:
                 row = Row(c, on, off, slow, tries)
@@ -176,6 +181,9 @@ def tune(lm, budgets, evaluate: bool = True, tokens: int = 512, write: bool = Tr
         raise LocalLLMError(f"{lm.path} has no QDEC residuals, so there is nothing to tune; quantize it with "
                             "residuals (localllm quantize, without --no-residuals)")
     gpu = profiles.gpu_identity(lm.model.device)
+    if write:  # refuse before minutes of measuring, not after
+        for b in budgets:
+            profiles.check_free(lm.path, gpu["name"], gpu["sm_count"], lm.manifest["model_id"], b, force)
     bench = GpuBench(lm, reps=reps, tokens=tokens if evaluate else 0)
     with progress(desc="tuning", unit="point") as bar:
         result = run(problem_of(lm), bench, budgets, evaluate=evaluate, bar=bar)
