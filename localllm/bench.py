@@ -323,36 +323,74 @@ def bench_breakdown(bits: int = 4) -> None:
         print(f"{name[:60]:60} {n:5d} {us:9.1f} {100 * us / total:5.1f}%")
 
 
+def random_qdec(model, copies: int = 1, kmax: int = 256) -> None:
+    """Give every linear of a random_model random 4-bit residuals, pinned (`copies` distinct ones per kind, cycled
+    over the layers: pinning one per layer of an 8B shape would take minutes), and calibration-like statistics
+    (ActStats over random inputs with 2% outliers at 8x, as real activations have)."""
+    from .kernels import qdec
+    from .model import KINDS
+    from .modelfile import linear_shape
+    from .qdec import ActStats
+    from .quant import QuantResidual
+    cfg = model.cfg
+    res, host, stats = {}, {}, {}
+    for kind in KINDS:
+        N, K = linear_shape(cfg, kind)
+        res[kind] = [QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32),
+                                   (torch.rand(N) * 0.01).half()) for _ in range(copies)]
+        host[kind] = [qdec.HostResidual.pin(r) for r in res[kind]]
+        stats[kind] = ActStats(K, kmax)
+        x = torch.randn(64, K)
+        stats[kind].update(x * torch.where(torch.rand(64, K) < 0.02, 8.0, 1.0))
+    for i, blk in enumerate(model.blocks):
+        for kind in KINDS:
+            lin = getattr(blk, kind)
+            lin.residual, lin.host_residual, lin.stats = res[kind][i % copies], host[kind][i % copies], stats[kind]
+
+
+def random_local_model(cfg, bits: int, copies: int = 4):
+    """A random_model with random_qdec, as a runtime.LocalModel (no tokenizer): what `bench tune` tunes."""
+    import tempfile
+
+    from .runtime import LocalModel
+    m = random_model(cfg, bits)
+    random_qdec(m, copies)
+    manifest = {"model_id": f"random-{cfg.num_layers}x{cfg.hidden_size}-w{bits}", "quant": {"bits": bits},
+                "calibration": {"kmax": 256}}
+    lm = LocalModel(m, None, manifest, tempfile.mkdtemp(prefix="localllm-random-"), [])
+    lm.set_qdec("off")
+    return lm
+
+
 def bench_e2e_qdec(bits: int = 3, k_chunk: int = 8) -> None:
     """8B-shaped decode with QDEC on every layer (k_chunk each, default n_tb; residuals pinned, one per layer kind)
     vs the same model without it."""
     from .config import ModelConfig
-    from .kernels import qdec
-    from .kernels.gemv import grid_of
-    from .model import KINDS
-    from .modelfile import linear_shape
-    from .quant import QuantResidual
     cfg = ModelConfig(**LLAMA3_8B_CONFIG)
-    m = random_model(cfg, bits)
-    t_off = decode_time(m)
-    res, host = {}, {}
-    for kind in KINDS:
-        N, K = linear_shape(cfg, kind)
-        res[kind] = QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32),
-                                  (torch.rand(N) * 0.01).half())
-        host[kind] = qdec.HostResidual.pin(res[kind])
-    part = qdec.new_part([(lin.in_features, lin.out_features) for lin in m.linears()], "cuda")
-    for lin in m.linears():
-        K, N = lin.in_features, lin.out_features
-        lin.residual, grid = res[lin.kind], grid_of(N, torch.device("cuda"))
-        lin.comp = qdec.Call(host[lin.kind], qdec.new_state(K, N, "cuda"), part, k_chunk,
-                             qdec.default_n_tb(K, N, grid), 6.0, 1.5, grid)
-    m.settings.mode, m.settings.k_chunk = "approx", {k: k_chunk for k in KINDS}
-    t_on = decode_time(m)
+    lm = random_local_model(cfg, bits, copies=1)
+    t_off = decode_time(lm.model)
+    lm.set_qdec(k_chunk)
+    t_on = decode_time(lm.model)
+    m = lm.model
     print(f"\nDecode with QDEC, Llama-3-8B shapes W{bits}, k_chunk={k_chunk} on every layer (default n_tb): "
           f"{1 / t_on:.1f} tok/s vs {1 / t_off:.1f} without ({100 * (t_on / t_off - 1):+.1f}% per token); "
-          f"GPU memory for QDEC: {part.numel() * 4 / 1e6:.2f} MB partials + "
+          f"GPU memory for QDEC: {next(m.linears()).comp.part.numel() * 4 / 1e6:.2f} MB partials + "
           f"{sum(lin.comp.state.numel() * 8 for lin in m.linears()) / 1e3:.0f} KB flags")
+
+
+def bench_tune(bits: int = 3, budgets=(0.025, 0.05, 0.1, 0.2)) -> None:
+    """`localllm tune` on an 8B-shaped random model (random pinned residuals, calibration-like b0/b15), without
+    the perplexity column and without writing profiles: the tuner's table on this GPU and how long it takes."""
+    import time
+
+    from .config import ModelConfig
+    from .tuner.tune import table, tune
+    t0 = time.perf_counter()
+    lm = random_local_model(ModelConfig(**LLAMA3_8B_CONFIG), bits)
+    t1 = time.perf_counter()
+    res = tune(lm, budgets, evaluate=False, write=False)
+    print(f"\n{table(res, f'QDEC tuner on {torch.cuda.get_device_name()}, Llama-3-8B shapes W{bits}, random weights')}")
+    print(f"model set-up {t1 - t0:.0f} s (random weights, pinning residuals); tuning {res.seconds:.0f} s")
 
 
 def greedy_tokens(model, ids: list[int], n: int) -> list[int]:
@@ -402,10 +440,14 @@ def main(argv: list[str] | None = None) -> None:
         raise LocalLLMError("localllm bench measures the GPU kernels and needs a CUDA GPU; none is visible")
     import sys
     parts = (sys.argv[1:] if argv is None else argv) or ["gemv", "e2e", "demo"]
+    runs = {"gemv": bench_gemv, "gemv-sweep": gemv_sweep, "e2e": bench_e2e, "demo": bench_demo,
+            "breakdown": bench_breakdown, "qdec": bench_qdec, "e2e-qdec": bench_e2e_qdec, "tune": bench_tune}
+    bad = [p for p in parts if p not in runs]
+    if bad:
+        raise LocalLLMError(f"unknown benchmark {', '.join(bad)}; choose from {', '.join(runs)}")
     print(f"device: {torch.cuda.get_device_name()}")
     for p in parts:
-        {"gemv": bench_gemv, "gemv-sweep": gemv_sweep, "e2e": bench_e2e, "demo": bench_demo,
-         "breakdown": bench_breakdown, "qdec": bench_qdec, "e2e-qdec": bench_e2e_qdec}[p]()
+        runs[p]()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ def cmd_generate(a) -> None:
     from .generate import generate
     from .runtime import load
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else a.args
-    lm = load(model, gguf_file=a.gguf_file, device=a.device, qdec=a.qdec)
+    lm = load(model, gguf_file=a.gguf_file, device=a.device, qdec=a.qdec, budget=a.budget)
     if a.qdec != "off" and not lm.has_residuals:
         print(f"localllm: {lm.path} has no QDEC residuals; generating without compensation", file=sys.stderr)
     use_chat = not a.raw and getattr(lm.tokenizer, "chat_template", None)
@@ -36,7 +36,7 @@ def cmd_generate(a) -> None:
     sys.stdout.write("\n")
     st = s.stats
     print(f"[{st.new_tokens} tokens, {st.tokens_per_second:.1f} tok/s, first token {st.time_to_first_token:.2f} s, "
-          f"finished by {st.finish_reason}; QDEC {lm.settings.mode}]", file=sys.stderr)
+          f"finished by {st.finish_reason}; QDEC {lm.settings.mode}: {lm.qdec_source}]", file=sys.stderr)
 
 
 def cmd_info(a) -> None:
@@ -94,7 +94,42 @@ def cmd_eval(a) -> None:
 
 def cmd_bench(a) -> None:
     from .bench import main as bench_main
-    bench_main()
+    bench_main(a.parts)
+
+
+def _budget_arg(s: str) -> float:
+    from .tuner.profile import parse_budgets
+    try:
+        b = parse_budgets(s)
+    except LocalLLMError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if len(b) != 1:
+        raise argparse.ArgumentTypeError(f"give one budget here, e.g. 5 or 5%, not {s!r}")
+    return b[0]
+
+
+def cmd_tune(a) -> None:
+    from .kernels import cuda
+    from .tuner.profile import parse_budgets
+    if not cuda.available():
+        try:
+            cuda.require()
+            why = "the CUDA kernels are switched off (LOCALLLM_NO_CUDA_KERNELS=1)"
+        except LocalLLMError as e:
+            why = str(e)
+        raise LocalLLMError(f"localllm tune times the QDEC kernels on the GPU and needs one: {why}")
+    budgets = parse_budgets(a.budget)
+    if a.tokens < 2:
+        raise LocalLLMError(f"--tokens must be at least 2 (perplexity needs a token to predict); got {a.tokens}")
+    from .runtime import load
+    from .tuner.tune import table, tune
+    lm = load(a.model, qdec="off", device="cuda")
+    res = tune(lm, budgets, evaluate=not a.no_eval, tokens=a.tokens, force=a.force, reps=a.reps)
+    import torch
+    print(table(res, f"QDEC tuning of {lm.path} (model {lm.manifest['model_id']}, W{lm.manifest['quant']['bits']}) "
+                     f"on {torch.cuda.get_device_name(lm.model.device)}"))
+    for path, old in res.paths:
+        print(f"{'replaced' if old else 'wrote'} {path}" + (f" (tuned {old.get('created', '?')})" if old else ""))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -111,7 +146,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--seed", type=int)
-    g.add_argument("--qdec", type=_qdec_arg, default="on", help="on, off, or k_chunk per 1024 channels")
+    g.add_argument("--qdec", type=_qdec_arg, default="on",
+                   help="on (the tuned setting for this GPU, else k_chunk 8), off, or k_chunk per 1024 channels")
+    g.add_argument("--budget", type=_budget_arg, default=None,
+                   help="slowdown budget whose tuning profile --qdec on uses, in percent (default 5; `localllm tune`)")
     g.add_argument("--system", help="system prompt (chat models)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
     g.add_argument("--gguf-file", help="which GGUF file of a folder to load")
@@ -150,7 +188,23 @@ def parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="GPU benchmarks: low-bit GEMV kernels vs memory bandwidth and fp16")
+    b.add_argument("parts", nargs="*", metavar="PART",
+                   help="gemv, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune (default: gemv e2e demo)")
     b.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser("tune", help="measure this GPU and pick QDEC's k_chunk and n_tb per layer type for "
+                                    "slowdown budgets; writes MODEL/profiles/*.json",
+                       description="localllm tune [MODEL]: with no MODEL, the demo model.")
+    t.add_argument("model", nargs="?", help="quantized model folder with residuals (default: the demo model)")
+    t.add_argument("--budget", default="2.5,5,10,20",
+                   help="decode slowdown budgets in percent, comma-separated (default 2.5,5,10,20; 5%% works too)")
+    t.add_argument("--no-eval", action="store_true", help="skip the perplexity column")
+    t.add_argument("--tokens", type=int, default=512,
+                   help="tokens of the shipped evaluation text for the perplexity column (default 512)")
+    t.add_argument("--force", action="store_true",
+                   help="replace a file at a profile's name even when it is not this GPU/model/budget's profile")
+    t.add_argument("--reps", type=int, default=20, help="CUDA graph replays per GEMV timing point (default 20)")
+    t.set_defaults(func=cmd_tune)
     return p
 
 

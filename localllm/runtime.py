@@ -1,6 +1,7 @@
 """A loaded model ready to run: the decoder, its tokenizer, its manifest and QDEC settings."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,8 +11,15 @@ from . import modelfile
 from .errors import LocalLLMError
 from .loader import MANIFEST, Checkpoint, open_checkpoint
 from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block
+from .tuner import profile as tuning
+from .tuner.profile import DEFAULT_BUDGET
 
 DEFAULT_K_CHUNK = 8  # channels per 1024 compensated when QDEC is on and no tuning profile applies
+
+
+def _describe_k(ks: dict) -> str:
+    vals = set(ks.values())
+    return f"k_chunk {vals.pop()}" if len(vals) == 1 else "k_chunk " + ", ".join(f"{k} {v}" for k, v in ks.items())
 
 
 @dataclass
@@ -22,6 +30,10 @@ class LocalModel:
     path: str
     eos_ids: list[int]
     _decoder: object = field(default=None, repr=False)  # decode.Decoder kept between replies (its CUDA graph)
+    budget: float = DEFAULT_BUDGET  # the slowdown budget whose tuning profile qdec="on" uses on a GPU
+    qdec_source: str = "QDEC off"  # one line: where the QDEC setting comes from (shown by the chat UI)
+    qdec_overhead: float | None = None  # the tuning profile's measured decode slowdown (0.041 = +4.1%), else None
+    _tuned: object = field(default=None, repr=False)  # tuner.profile.Selection for self.budget, looked up once
 
     @property
     def settings(self) -> QdecSettings:
@@ -41,24 +53,71 @@ class LocalModel:
             self._decoder = Decoder(self.model, min(limit, -(-max_len // 256) * 256))
         return self._decoder
 
-    def set_qdec(self, qdec: str | int | dict = "on") -> None:
-        """qdec: "on" (approximate top-k, default k_chunk), "off", a k_chunk for every layer type, or a dict
-        {"mode": "exact"|"approx"|"static"|"random", "k_chunk": int | {kind: int}}."""
-        s = self.settings
+    def set_qdec(self, qdec: str | int | dict = "on", budget: float | None = None) -> None:
+        """qdec: "on", "off", a k_chunk for every layer type, or a dict {"mode": "exact"|"approx"|"static"|"random",
+        "k_chunk": int | {kind: int}, "n_tb": int | {kind: int} (GPU only; default: qdec.default_n_tb)}.
+
+        "on" on a GPU: the tuning profile of this GPU and model for the slowdown budget (`budget`, a fraction, kept
+        in self.budget; see tuner.profile.select), else DEFAULT_K_CHUNK with a one-line warning when the profiles
+        here were made on another GPU or model. On the CPU, "on" is DEFAULT_K_CHUNK. Sets qdec_source (one line
+        saying where the setting comes from) and qdec_overhead (the profile's measured slowdown, else None)."""
+        if budget is not None and budget != self.budget:
+            self.budget, self._tuned = budget, None
         self._decoder = None  # a captured graph holds the old settings
         if qdec in ("off", 0, None, False):
-            s.mode = "off"
+            self.settings.mode, self.qdec_source, self.qdec_overhead = "off", "QDEC off", None
             return
         if not self.has_residuals:
             raise LocalLLMError(f"{self.path} has no QDEC residuals; re-quantize it with residuals or use qdec='off'")
-        if qdec in ("on", True):
-            mode, k = "approx", DEFAULT_K_CHUNK
-        elif isinstance(qdec, int):
-            mode, k = "approx", qdec
+        if qdec is True or qdec == "on":  # (not `in ("on", True)`: 1 == True would make k_chunk 1 "on")
+            self._set_on()
+            return
+        if isinstance(qdec, int) and not isinstance(qdec, bool):
+            placed = self._apply("approx", qdec)
         elif isinstance(qdec, dict):
-            mode, k = qdec.get("mode", "approx"), qdec.get("k_chunk", DEFAULT_K_CHUNK)
+            placed = self._apply(qdec.get("mode", "approx"), qdec.get("k_chunk", DEFAULT_K_CHUNK), qdec.get("n_tb"))
         else:
             raise LocalLLMError(f"qdec={qdec!r} is not understood; use 'on', 'off', a k_chunk integer or a dict")
+        if placed and self.settings.mode != "off":
+            self.qdec_source = f"{_describe_k(self.settings.k_chunk)} (set by hand)"
+        self.qdec_overhead = None
+
+    def _set_on(self) -> None:
+        """qdec="on": the tuned profile on a GPU when one applies, else the default k_chunk."""
+        self.qdec_overhead = None
+        if self.model.device.type != "cuda":
+            self._apply("approx", DEFAULT_K_CHUNK)
+            self.qdec_source = f"default k_chunk {DEFAULT_K_CHUNK} (CPU; tuning profiles are for the GPU)"
+            return
+        if self._tuned is None:  # look once per budget: warnings are shown once, not at every toggle
+            props = torch.cuda.get_device_properties(self.model.device)
+            sel = tuning.select(self.path, props.name, props.multi_processor_count,
+                                (self.manifest or {}).get("model_id"), self.budget)
+            for w in sel.warnings:
+                print(f"localllm: warning: {w}", file=sys.stderr)
+            self._tuned = sel
+        sel = self._tuned
+        if sel.profile is not None:
+            layers = sel.profile["layers"]
+            try:
+                placed = self._apply("approx", {k: v["k_chunk"] for k, v in layers.items()},
+                                     {k: v["n_tb"] for k, v in layers.items()})
+            except LocalLLMError as e:
+                print(f"localllm: warning: tuning profile {sel.path} does not fit this model ({e}); using the default "
+                      f"k_chunk {DEFAULT_K_CHUNK}: re-run `localllm tune {self.path}`", file=sys.stderr)
+                sel.profile = None
+            else:
+                if placed:
+                    self.qdec_source, self.qdec_overhead = tuning.source_of(sel.profile), sel.profile.get("slowdown")
+                return
+        if self._apply("approx", DEFAULT_K_CHUNK):
+            self.qdec_source = f"default k_chunk {DEFAULT_K_CHUNK}: no tuning profile for this GPU (run `localllm " \
+                               f"tune {self.path}`)"
+
+    def _apply(self, mode: str, k: int | dict, n_tb: int | dict | None = None) -> bool:
+        """Check and apply a QDEC setting (on a GPU: place every compensated layer's launch). False: the launches
+        could not be placed (host memory), QDEC is off and qdec_source says why."""
+        s = self.settings
         if mode not in QDEC_MODES[1:]:
             raise LocalLLMError(f"QDEC mode '{mode}' is unknown; use one of {', '.join(QDEC_MODES[1:])}")
         ks = {kind: k for kind in KINDS} if isinstance(k, int) else {kind: int(k.get(kind, 0)) for kind in KINDS}
@@ -66,19 +125,25 @@ class LocalModel:
         kmax = self.manifest["calibration"]["kmax"] if mode == "approx" else 1024
         if any(not 0 <= v <= kmax for v in ks.values()):
             raise LocalLLMError(f"k_chunk must be within 0..{kmax} for QDEC mode '{mode}'; got {ks}")
+        nts = {kind: n_tb for kind in KINDS} if n_tb is None or isinstance(n_tb, int) else \
+            {kind: n_tb.get(kind) for kind in KINDS}
+        if not any(ks.values()):  # nothing to compensate
+            s.mode, s.k_chunk, self.qdec_source = "off", ks, "QDEC off (k_chunk 0 everywhere)"
+            return True
         if self.model.device.type == "cuda":
             if mode != "approx":
                 raise LocalLLMError(f"on the GPU QDEC selects by approximate top-k only, not '{mode}'; use "
                                     "mode 'approx', or device='cpu' for the other selection modes")
             self._check_shared_memory(ks)  # a k_chunk this GPU cannot run is the caller's error, not a fallback
+            self._check_n_tb(ks, nts)
             try:
-                self._place_qdec(ks)
+                self._place_qdec(ks, nts)
             except LocalLLMError as e:  # compensation is an improvement, not a requirement: run without it
-                import sys
                 print(f"localllm: {e}; running without QDEC", file=sys.stderr)
-                s.mode = "off"
-                return
+                s.mode, self.qdec_source = "off", f"QDEC off ({e})"
+                return False
         s.mode, s.k_chunk = mode, ks
+        return True
 
     def _compensated(self, ks: dict) -> list:
         return [lin for lin in self.model.linears() if lin.residual is not None and ks[lin.kind] > 0]
@@ -95,9 +160,20 @@ class LocalModel:
                 raise LocalLLMError(f"k_chunk={k} for the {lin.kind} layers needs more shared memory than this GPU "
                                     f"has per block ({smem_max} bytes); use a smaller k_chunk")
 
-    def _place_qdec(self, ks: dict) -> None:
+    def _check_n_tb(self, ks: dict, nts: dict) -> None:
+        """Refuse an n_tb the QDEC GEMV cannot split its work into (kernels.qdec.viable_n_tb)."""
+        from .kernels import qdec
+        from .kernels.gemv import grid_of
+        for lin in self._compensated(ks):
+            n = nts.get(lin.kind)
+            ok = qdec.viable_n_tb(lin.in_features, lin.out_features, grid_of(lin.out_features, self.model.device))
+            if n is not None and n not in ok:
+                raise LocalLLMError(f"n_tb={n} is not viable for the {lin.kind} layers on this GPU; use one of "
+                                    f"{ok}")
+
+    def _place_qdec(self, ks: dict, nts: dict | None = None) -> None:
         """Give every compensated GPU layer its QDEC launch: residuals pinned in host memory (once), its flags, the
-        model's shared buffer of partial corrections, and k_chunk / n_tb."""
+        model's shared buffer of partial corrections, and k_chunk / n_tb (nts: per kind, None for the default)."""
         from .kernels import qdec
         from .kernels.gemv import grid_of
         dev = self.model.device
@@ -113,8 +189,9 @@ class LocalModel:
         for lin in lins:
             K, N, k = lin.in_features, lin.out_features, ks[lin.kind]
             grid = grid_of(N, dev)
-            lin.comp = qdec.Call(lin.host_residual, qdec.new_state(K, N, dev), part, k, qdec.default_n_tb(K, N, grid),
-                                 lin.stats.b0, float(lin.stats.kth[k - 1]), grid)
+            n_tb = (nts or {}).get(lin.kind) or qdec.default_n_tb(K, N, grid)
+            lin.comp = qdec.Call(lin.host_residual, qdec.new_state(K, N, dev), part, k, n_tb, lin.stats.b0,
+                                 float(lin.stats.kth[k - 1]), grid)
 
     def sizes(self) -> dict:
         """Bytes the model needs: on the GPU (packed weights, fp16 embeddings) and pinned on the host."""
@@ -148,11 +225,13 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str | int | dict = "on",
-         verify: bool = True, device: str | torch.device = "cpu") -> LocalModel:
+         verify: bool = True, device: str | torch.device = "cpu", budget: float | None = None) -> LocalModel:
     """Load a quantized model folder, a source checkpoint (dense, no QDEC), or, with no src, the demo model.
 
     device: "cpu", "cuda" or "auto". qdec applies when the model has residuals (see LocalModel.set_qdec); on a GPU
-    the residuals are pinned in host memory once the weights are placed."""
+    the residuals are pinned in host memory once the weights are placed, and qdec="on" takes the tuning profile of
+    this GPU for `budget` (a fraction of the decode time; default DEFAULT_BUDGET, 5%) when `localllm tune` made
+    one."""
     dev = resolve_device(device)
     if src is None:
         from .demo import demo_model
@@ -170,7 +249,9 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         check_gpu_memory(lm, dev)
         lm.model.place(dev)
     if lm.manifest:
-        lm.set_qdec(qdec if lm.has_residuals else "off")
+        lm.set_qdec(qdec if lm.has_residuals else "off", budget)
+        if not lm.has_residuals:
+            lm.qdec_source = "QDEC off: the model has no residuals"
     return lm
 
 
@@ -220,5 +301,5 @@ def describe(lm: LocalModel) -> dict:
         "model_id": m.get("model_id"),
         **lm.sizes(),
         "tuning_profiles": sorted(p.name for p in Path(lm.path).glob("profiles/*.json")) if m else [],
-        "qdec": {"mode": lm.settings.mode, "k_chunk": lm.settings.k_chunk},
+        "qdec": {"mode": lm.settings.mode, "k_chunk": lm.settings.k_chunk, "source": lm.qdec_source},
     }

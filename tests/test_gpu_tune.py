@@ -1,0 +1,112 @@
+"""`localllm tune` on the GPU: the timing oracle gives sane times, a tune of the tiny model measures its slowdown
+within each budget and writes profiles that load() then uses, and the CLI prints the table."""
+import json
+import shutil
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def model_copy(tiny_quant, tmp_path):
+    return shutil.copytree(tiny_quant, tmp_path / "m")
+
+
+def test_problem_of_the_model_on_this_gpu(tiny_quant):
+    from localllm.kernels import qdec
+    from localllm.kernels.gemv import grid_of
+    from localllm.runtime import load
+    from localllm.tuner.timing import problem_of
+    lm = load(tiny_quant, device="cuda", qdec="off")
+    p = problem_of(lm)
+    props = torch.cuda.get_device_properties(0)
+    assert p.n_tb_limit == props.multi_processor_count // 2
+    assert [lay.kind for lay in p.layers] == ["qkv", "o", "gate_up", "down"]
+    for lay in p.layers:
+        lin = getattr(lm.model.blocks[0], lay.kind)
+        grid = grid_of(lay.N, torch.device("cuda"))
+        assert lay.count == lm.model.cfg.num_layers and list(lay.n_tb) == qdec.viable_n_tb(lay.K, lay.N, grid)
+        assert lay.k_max == lm.manifest["calibration"]["kmax"]  # tiny shapes: the calibration bounds k, not smem
+        assert qdec.shared_bytes_total(lin.packed, lay.k_max, grid) <= props.shared_memory_per_block_optin
+
+
+def test_gemv_oracle_times_are_sane():
+    """On 8B shapes (two layers each, random weights and residuals): positive, below a millisecond, QDEC not
+    faster than the base GEMV (beyond noise), more channels not cheaper than fewer by much."""
+    from localllm.bench import random_local_model
+    from localllm.config import ModelConfig
+    from localllm.bench import LLAMA3_8B_CONFIG
+    from localllm.tuner.timing import GemvTimer, problem_of
+    lm = random_local_model(ModelConfig(**{**LLAMA3_8B_CONFIG, "num_layers": 2}), 3, copies=2)
+    p = problem_of(lm)
+    t = GemvTimer(lm, reps=10)
+    for lay in p.layers:
+        base = t(lay.kind, 0, 0)
+        assert 1e-6 < base < 1e-3, (lay.kind, base)
+        n_tb = lay.n_tb_under(p.n_tb_limit)
+        k8, k64 = t(lay.kind, n_tb, 8), t(lay.kind, n_tb, 64)
+        assert k8 > 0.9 * base and k64 > 0.9 * k8, (lay.kind, base, k8, k64)
+        assert k64 < 1e-2
+
+
+def test_tune_tiny_model_writes_profiles_that_load_uses(model_copy, capsys):
+    from localllm.runtime import load
+    from localllm.tuner import profile as P
+    from localllm.tuner.tune import table, tune
+    lm = load(model_copy, device="cuda", qdec="off")
+    res = tune(lm, [0.2, 1.0], evaluate=True, tokens=64, reps=10)
+    assert [r.budget for r in res.rows] == [0.2, 1.0]
+    for r in res.rows:
+        assert r.slowdown <= r.budget and r.decode > 0  # measured end to end, stepped back when over
+        assert r.perplexity is not None and r.perplexity > 1
+    assert res.problem.step_time > 0 and res.points > 0 and res.perplexity_off > 1
+    print(table(res, "tiny"))
+    name = torch.cuda.get_device_name()
+    paths = [p for p, _ in res.paths]
+    assert [p.name for p in paths] == [P.file_name(name, 0.2), P.file_name(name, 1.0)]
+    d = json.loads(paths[0].read_text())
+    assert P.problems(d) is None and d["model_id"] == lm.manifest["model_id"] and d["gpu"]["name"] == name
+    assert d["decode_ms"]["off"] > 0 and d["perplexity"]["tokens"] == 64
+    capsys.readouterr()
+    lm2 = load(model_copy, device="cuda", budget=0.2)
+    assert "warning" not in capsys.readouterr().err
+    assert lm2.qdec_source.startswith(f"tuned on {name} for a 20% budget"), lm2.qdec_source
+    assert lm2.qdec_overhead == d["slowdown"]
+    want = {k: v["k_chunk"] for k, v in d["layers"].items()}
+    if any(want.values()):
+        assert lm2.settings.mode == "approx" and lm2.settings.k_chunk == want
+        for lin in lm2.model.linears():
+            if want[lin.kind]:
+                assert lin.comp.n_tb == d["layers"][lin.kind]["n_tb"] and lin.comp.k_chunk == want[lin.kind]
+    else:
+        assert lm2.settings.mode == "off" and "no compensation fits" in lm2.qdec_source
+    # generation runs with the tuned setting
+    from localllm import generate
+    assert isinstance(generate(lm2, "Once upon a time", max_new_tokens=4, seed=0), str)
+    # re-tuning the same budget replaces its profile and says so
+    res2 = tune(lm, [0.2], evaluate=False, reps=5)
+    assert res2.paths[0][0] == paths[0] and res2.paths[0][1] is not None
+
+
+def test_profile_of_another_gpu_warns_and_falls_back(model_copy, capsys):
+    from localllm.runtime import DEFAULT_K_CHUNK, load
+    from localllm.tuner import profile as P
+    d = {"format": P.FORMAT, "gpu": {"name": "Some Other GPU", "sm_count": 7}, "model_id": "x", "budget": 0.05,
+         "layers": {k: {"k_chunk": 1, "n_tb": 1} for k in ("qkv", "o", "gate_up", "down")}, "slowdown": 0.01}
+    P.write(model_copy, d)
+    lm = load(model_copy, device="cuda")
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1
+    assert "Some Other GPU" in warnings[0] and torch.cuda.get_device_name() in warnings[0]
+    assert f"localllm tune {model_copy}" in warnings[0]
+    assert lm.settings.k_chunk["qkv"] == DEFAULT_K_CHUNK and lm.qdec_source.startswith("default")
+
+
+def test_cli_tune_prints_the_table(model_copy, capsys):
+    from localllm.cli import main
+    assert main(["tune", str(model_copy), "--budget", "50%", "--no-eval", "--reps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "n_tb_max / (k_qkv, k_o, k_gu, k_d)" in out and "50%" in out and "wrote " in out
+    assert (model_copy / "profiles").is_dir()

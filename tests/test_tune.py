@@ -1,0 +1,351 @@
+"""`localllm tune` without a GPU: the end-to-end check and step-back over a fake bench, the profile files (format,
+names, atomic writes, what is never overwritten), how the runtime picks a profile or warns, and the CLI."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.model import KINDS
+from localllm.tuner import profile as P
+from localllm.tuner.search import Memo
+from localllm.tuner.tune import profile_of, run, table
+
+from test_tune_search import knee, problem
+
+H100 = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "sm_count": 132,
+        "shared_memory_per_block": 232448}
+BUDGETS = (0.025, 0.05, 0.1, 0.2)
+
+
+class FakeBench:
+    """GEMV times from the knee model; the decode step costs `factor` times the GEMV time a setting adds (the
+    GEMV timings miss part of it) plus `extra` seconds whenever QDEC is on."""
+
+    def __init__(self, p, factor=1.0, extra=0.0):
+        self.p, self.factor, self.extra = p, factor, extra
+        self.gemv_time = Memo(knee(p.layers))
+        self.decodes, self.ppl = [], []
+
+    def decode_time(self, c):
+        self.decodes.append(c)
+        if c is None:
+            return self.p.step_time
+        added = sum(lay.count * (self.gemv_time(lay.kind, c.n_tb[lay.kind], c.k_chunk[lay.kind])
+                                 - self.gemv_time(lay.kind, 0, 0)) for lay in self.p.layers)
+        return self.p.step_time + self.factor * added + self.extra
+
+    def perplexity(self, c):
+        self.ppl.append(c)
+        return 20.0 if c is None else 20.0 - 0.01 * self.p.rows(c.k_chunk) / 1000
+
+
+def test_measured_slowdown_fits_every_budget_first_try_when_the_timings_are_right():
+    p = problem()
+    bench = FakeBench(p)
+    res = run(p, bench, BUDGETS)
+    assert [r.budget for r in res.rows] == list(BUDGETS)
+    for r in res.rows:
+        assert r.tries == 1 and r.slowdown <= r.budget
+        assert r.slowdown == pytest.approx(r.choice.predicted)
+    assert res.problem.step_time == p.step_time and res.points == len(bench.gemv_time.points)
+    assert bench.ppl[0] is None and len(bench.ppl) <= 1 + len(BUDGETS)
+    assert all(r.perplexity < res.perplexity_off for r in res.rows)
+
+
+def test_steps_back_when_the_decode_step_is_slower_than_predicted():
+    p = problem()
+    res = run(p, FakeBench(p, factor=2.0), BUDGETS)
+    for r in res.rows:
+        assert r.slowdown <= r.budget, r
+        assert r.choice.predicted <= r.budget
+    assert any(r.tries > 1 for r in res.rows)
+    rows = [p.rows(r.choice.k_chunk) for r in res.rows]
+    assert rows == sorted(rows) and rows[-1] > 0
+
+
+def test_no_compensation_when_nothing_measured_fits():
+    p = problem()
+    res = run(p, FakeBench(p, extra=p.step_time), BUDGETS, evaluate=False)  # QDEC on doubles the step
+    for r in res.rows:
+        assert not r.choice.compensates and r.slowdown == 0 and r.choice.n_tb_max is None
+    assert res.perplexity_off is None and all(r.perplexity is None for r in res.rows)
+    out = table(res, "title")
+    assert "nothing fits" in out and "off" in out
+
+
+def test_table_and_profiles():
+    p = problem()
+    res = run(p, FakeBench(p), BUDGETS)
+    out = table(res, "QDEC tuning of m on GPU").splitlines()
+    assert out[0] == "QDEC tuning of m on GPU" and "n_tb_max / (k_qkv, k_o, k_gu, k_d)" in out[1]
+    assert [line.split()[0] for line in out[3:7]] == ["2.5%", "5%", "10%", "20%"]
+    for r in res.rows:
+        d = profile_of(r, res, H100, "abc", 3, 512)
+        assert P.problems(d) is None
+        assert d["layers"]["qkv"] == {"k_chunk": r.choice.k_chunk["qkv"], "n_tb": r.choice.n_tb["qkv"]}
+        assert d["slowdown"] == r.slowdown <= d["budget"] and d["perplexity"]["tokens"] == 512
+        assert d["decode_ms"]["off"] == pytest.approx(1e3 * p.step_time)
+        assert d["slowdown"] == pytest.approx(d["decode_ms"]["qdec"] / d["decode_ms"]["off"] - 1)
+        json.dumps(d)
+
+
+def a_profile(budget=0.05, gpu=H100, model_id="abc", ks=(4, 2, 8, 6), slowdown=0.041):
+    return {"format": P.FORMAT, "gpu": dict(gpu), "model_id": model_id, "bits": 3, "budget": budget,
+            "n_tb_max": 24, "layers": {k: {"k_chunk": v, "n_tb": 4} for k, v in zip(KINDS, ks)},
+            "slowdown": slowdown, "created": "2026-11-23T10:00:00+00:00"}
+
+
+def test_budgets_and_file_names():
+    assert P.parse_budgets("2.5,5,10,20") == [0.025, 0.05, 0.1, 0.2]
+    assert P.parse_budgets("5%") == P.parse_budgets(" 5 ") == [0.05]
+    for bad in ("0", "abc", "150", "", "-5"):
+        with pytest.raises(LocalLLMError, match="budget"):
+            P.parse_budgets(bad)
+    assert P.file_name("NVIDIA H100 80GB HBM3", 0.05) == "nvidia-h100-80gb-hbm3__5pct.json"
+    assert P.file_name("NVIDIA GeForce RTX 4090", 0.025) == "nvidia-geforce-rtx-4090__2.5pct.json"
+
+
+def test_profile_round_trip_and_replacing_the_same_target(tmp_path):
+    d = a_profile()
+    path, old = P.write(tmp_path, d)
+    assert old is None and path == tmp_path / "profiles" / "nvidia-h100-80gb-hbm3__5pct.json"
+    assert P.read(path) == d
+    d2 = a_profile(ks=(5, 3, 9, 7))
+    path2, old = P.write(tmp_path, d2)  # re-tuning the same GPU, model and budget replaces, and says so
+    assert path2 == path and old == d and P.read(path) == d2
+    assert [f.name for f in (tmp_path / "profiles").iterdir()] == [path.name]  # no temp files left
+
+
+def test_a_file_that_is_not_this_targets_profile_is_never_overwritten(tmp_path):
+    path, _ = P.write(tmp_path, a_profile(model_id="other"))
+    before = path.read_bytes()
+    with pytest.raises(LocalLLMError, match="model other.*left as it is.*--force"):
+        P.write(tmp_path, a_profile(model_id="abc"))
+    assert path.read_bytes() == before
+    path.write_text("{not json")
+    with pytest.raises(LocalLLMError, match="not valid JSON.*left as it is"):
+        P.write(tmp_path, a_profile())
+    assert path.read_text() == "{not json"
+    P.write(tmp_path, a_profile(), force=True)
+    assert P.read(path)["model_id"] == "abc"
+
+
+def test_a_failed_write_leaves_the_old_profile_whole(tmp_path, monkeypatch):
+    path, _ = P.write(tmp_path, a_profile())
+    before = path.read_bytes()
+
+    def boom(*a):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        P.write(tmp_path, a_profile(ks=(1, 1, 1, 1)))
+    assert path.read_bytes() == before
+    assert [f.name for f in path.parent.iterdir()] == [path.name]
+
+
+def test_select_takes_the_largest_budget_within_the_one_asked_for(tmp_path):
+    for b in (0.025, 0.1, 0.2):
+        P.write(tmp_path, a_profile(budget=b))
+    pick = lambda b: P.select(tmp_path, H100["name"], 132, "abc", b)  # noqa: E731
+    assert pick(0.05).profile["budget"] == 0.025 and not pick(0.05).warnings
+    assert pick(0.1).profile["budget"] == 0.1
+    assert pick(0.5).profile["budget"] == 0.2
+    assert pick(0.01).profile["budget"] == 0.025  # none within: the smallest
+    empty = P.select(tmp_path / "nothing", H100["name"], 132, "abc")
+    assert empty.profile is None and not empty.warnings
+
+
+def test_select_warns_about_other_gpus_models_and_broken_files(tmp_path):
+    P.write(tmp_path, a_profile(gpu={**H100, "name": "NVIDIA GeForce RTX 4090", "sm_count": 128}))
+    sel = P.select(tmp_path, H100["name"], 132, "abc")
+    assert sel.profile is None and len(sel.warnings) == 1
+    w = sel.warnings[0]
+    assert "NVIDIA GeForce RTX 4090" in w and "NVIDIA H100 80GB HBM3" in w and "localllm tune" in w
+    P.write(tmp_path, a_profile(model_id="old-model"))
+    sel = P.select(tmp_path, H100["name"], 132, "abc")
+    assert sel.profile is None and "old-model" in sel.warnings[0] and "abc" in sel.warnings[0]
+    # the same name with another SM count (a MIG slice, another board) is another GPU
+    sel = P.select(tmp_path, H100["name"], 114, "old-model")
+    assert sel.profile is None and "132 SMs" in sel.warnings[0]
+    (tmp_path / "profiles" / "broken.json").write_text("{")
+    P.write(tmp_path, a_profile(budget=0.1))
+    sel = P.select(tmp_path, H100["name"], 132, "abc")
+    assert sel.profile["budget"] == 0.1
+    assert len(sel.warnings) == 1 and "broken.json" in sel.warnings[0] and "not valid JSON" in sel.warnings[0]
+    assert all("\n" not in w for w in sel.warnings)
+
+
+@pytest.fixture
+def model_copy(tiny_quant, tmp_path):
+    return shutil.copytree(tiny_quant, tmp_path / "m")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The runtime's GPU branch of set_qdec('on') on the CPU: device type cuda, an H100's properties, and the
+    kernel launches not placed (nothing runs). Returns the (kind -> (k, n_tb)) the runtime asked to place."""
+    from localllm.model import Transformer
+    from localllm.runtime import LocalModel
+    placed = {}
+
+    class Props:
+        name, multi_processor_count, shared_memory_per_block_optin = H100["name"], 132, 232448
+
+    monkeypatch.setattr(Transformer, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
+    monkeypatch.setattr(LocalModel, "_check_shared_memory", lambda self, ks: None)
+    monkeypatch.setattr(LocalModel, "_check_n_tb", lambda self, ks, nts: None)
+    monkeypatch.setattr(LocalModel, "_place_qdec", lambda self, ks, nts=None: placed.update(
+        {k: (ks[k], (nts or {}).get(k)) for k in ks}))
+    return placed
+
+
+def test_runtime_uses_the_profile_of_this_gpu_and_model(model_copy, fake_gpu, capsys):
+    from localllm.runtime import load
+    lm = load(model_copy, qdec="off")
+    mid = lm.manifest["model_id"]
+    P.write(model_copy, a_profile(model_id=mid, ks=(4, 2, 8, 6)))
+    P.write(model_copy, a_profile(budget=0.2, model_id=mid, ks=(9, 9, 9, 9), slowdown=0.18))
+    lm.set_qdec("on")
+    assert lm.settings.mode == "approx" and lm.settings.k_chunk == {"qkv": 4, "o": 2, "gate_up": 8, "down": 6}
+    assert fake_gpu["qkv"] == (4, 4)
+    assert lm.qdec_source == "tuned on NVIDIA H100 80GB HBM3 for a 5% budget (measured +4.1%)"
+    assert lm.qdec_overhead == 0.041
+    lm.set_qdec("on", budget=0.2)
+    assert lm.settings.k_chunk["qkv"] == 9 and lm.qdec_overhead == 0.18 and "20% budget" in lm.qdec_source
+    lm.set_qdec(16)
+    assert lm.qdec_source == "k_chunk 16 (set by hand)" and lm.qdec_overhead is None
+    lm.set_qdec("off")
+    assert lm.qdec_source == "QDEC off" and lm.settings.mode == "off"
+    assert capsys.readouterr().err == ""
+    P.write(model_copy, a_profile(budget=0.01, model_id=mid, ks=(0, 0, 0, 0), slowdown=0.0))
+    lm.set_qdec("on", budget=0.01)
+    assert lm.settings.mode == "off" and "no compensation fits" in lm.qdec_source and lm.qdec_overhead == 0.0
+
+
+def test_runtime_warns_and_uses_the_default_for_another_gpu_or_model(model_copy, fake_gpu, capsys):
+    from localllm.runtime import DEFAULT_K_CHUNK, load
+    P.write(model_copy, a_profile(gpu={**H100, "name": "NVIDIA GeForce RTX 4090", "sm_count": 128}))
+    lm = load(model_copy)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("localllm: warning: ")
+    assert "NVIDIA GeForce RTX 4090" in err and "NVIDIA H100 80GB HBM3" in err and f"localllm tune {model_copy}" in err
+    assert lm.settings.k_chunk == {k: DEFAULT_K_CHUNK for k in lm.settings.k_chunk}
+    assert lm.qdec_source.startswith(f"default k_chunk {DEFAULT_K_CHUNK}: no tuning profile")
+    assert lm.qdec_overhead is None
+    lm.set_qdec("off")
+    lm.set_qdec("on")  # the same lookup: no second warning
+    assert capsys.readouterr().err == ""
+    shutil.rmtree(model_copy / "profiles")
+    P.write(model_copy, a_profile(model_id="0123456789abcdef"))
+    lm = load(model_copy)
+    err = capsys.readouterr().err
+    assert "0123456789abcdef" in err and lm.manifest["model_id"] in err and "localllm tune" in err
+    assert lm.settings.k_chunk["qkv"] == DEFAULT_K_CHUNK
+
+
+def test_runtime_survives_a_corrupt_or_unfitting_profile(model_copy, fake_gpu, capsys):
+    from localllm.runtime import DEFAULT_K_CHUNK, load
+    (model_copy / "profiles").mkdir()
+    (model_copy / "profiles" / "nvidia-h100-80gb-hbm3__5pct.json").write_text('{"format": 1, "gpu": ')
+    lm = load(model_copy)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nvidia-h100-80gb-hbm3__5pct.json" in err and "not valid JSON" in err
+    assert lm.settings.k_chunk["o"] == DEFAULT_K_CHUNK and "Traceback" not in err
+    # a profile whose k_chunk this model's calibration cannot serve: a warning, then the default
+    P.write(model_copy, a_profile(model_id=lm.manifest["model_id"], ks=(4, 4, 4, 999)), force=True)
+    lm = load(model_copy)
+    err = capsys.readouterr().err
+    assert "does not fit this model" in err and err.count("\n") == 1
+    assert lm.settings.k_chunk["down"] == DEFAULT_K_CHUNK and lm.qdec_source.startswith("default")
+
+
+def test_cpu_ignores_profiles(model_copy, capsys):
+    from localllm.runtime import DEFAULT_K_CHUNK, load
+    P.write(model_copy, a_profile(gpu={**H100, "name": "Some GPU"}))
+    lm = load(model_copy)
+    assert capsys.readouterr().err == ""
+    assert lm.settings.k_chunk["qkv"] == DEFAULT_K_CHUNK and "CPU" in lm.qdec_source
+
+
+def test_info_lists_profiles(model_copy, capsys):
+    from localllm.cli import main
+    from localllm.runtime import describe, load
+    P.write(model_copy, a_profile())
+    d = describe(load(model_copy))
+    assert d["tuning_profiles"] == ["nvidia-h100-80gb-hbm3__5pct.json"] and d["qdec"]["source"]
+    assert main(["info", str(model_copy)]) == 0
+    assert "nvidia-h100-80gb-hbm3__5pct.json" in capsys.readouterr().out
+
+
+def test_cli_tune_without_a_gpu_is_one_line(tiny_quant):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", str(tiny_quant), "--budget", "5"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("localllm: error: localllm tune times the QDEC kernels")
+    r = subprocess.run([sys.executable, "-m", "localllm.cli", "generate", "--budget", "abc", "hi"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "budget" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_problem_of_a_model_with_this_gpus_numbers(tiny_quant):
+    from localllm.kernels import qdec
+    from localllm.runtime import load
+    from localllm.tuner.timing import problem_of
+    lm = load(tiny_quant, qdec="off")
+    grid_of = lambda N: min(N // 16, 132)  # noqa: E731 - kernels.gemv.grid_of on an H100
+    p = problem_of(lm, sm_count=132, smem=232448, grid_of=grid_of)
+    assert p.n_tb_limit == 66 and [lay.kind for lay in p.layers] == list(KINDS)
+    for lay in p.layers:
+        assert lay.count == lm.model.cfg.num_layers and lay.k_max == lm.manifest["calibration"]["kmax"]
+        assert list(lay.n_tb) == qdec.viable_n_tb(lay.K, lay.N, grid_of(lay.N))
+    # a GPU with little shared memory per block bounds k_chunk by it
+    lin = lm.model.blocks[0].down
+    need = qdec.shared_bytes_total(lin.quant, 10, grid_of(lin.out_features))
+    small = problem_of(lm, sm_count=132, smem=need, grid_of=grid_of)
+    assert {lay.kind: lay.k_max for lay in small.layers}["down"] == 10
+
+
+def test_timing_inputs_have_the_calibration_spread_after_the_fused_transform(tiny_quant):
+    """The GEMV timer's inputs, as the kernel transforms them (RMSNorm, SwiGLU gate), have the per-channel spread
+    the calibration recorded (up to one scale for the RMSNorm kinds)."""
+    from localllm import ops
+    from localllm.runtime import load
+    from localllm.tuner.timing import GemvTimer
+    lm = load(tiny_quant, qdec="off")
+    blk = lm.model.blocks[0]
+    gen = torch.Generator().manual_seed(0)
+    for kind in KINDS:
+        lin = getattr(blk, kind)
+        s = GemvTimer._inputs(kind, blk, lin, "cpu", gen)
+        x = s["x"].float()
+        assert torch.isfinite(x).all() and s["out"].shape == (lin.out_features,)
+        f = ops.rmsnorm(x, s["norm"][0], s["norm"][1]) if s["norm"] else ops.silu_mul(x) if s["glu"] else x
+        assert f.shape == (lin.in_features,)
+        g = f / lin.stats.sq_mean.sqrt().clamp(min=1e-6)  # standard normal times one scale
+        scale = g.square().mean().sqrt()
+        assert torch.isfinite(g).all() and scale > 0
+        if kind in ("o", "down"):  # no norm in front: the calibration's own scale
+            assert 0.6 < scale < 1.6, (kind, scale)
+        assert (s["residual"] is not None) == (kind in ("o", "down")) and s["glu"] == (kind == "down")
+
+
+def test_tune_needs_the_model_on_a_gpu(tiny_quant):
+    from localllm.runtime import load
+    from localllm.tuner.tune import tune
+    with pytest.raises(LocalLLMError, match="measures the GPU"):
+        tune(load(tiny_quant, qdec="off"), [0.05])
+
+
+def test_qdec_1_is_k_chunk_1_not_on(tiny_quant):
+    from localllm.runtime import load
+    lm = load(tiny_quant, qdec=1)
+    assert lm.settings.k_chunk == {k: 1 for k in KINDS} and lm.qdec_source == "k_chunk 1 (set by hand)"
+    lm.set_qdec(True)
+    assert lm.settings.k_chunk["o"] == 8

@@ -1,0 +1,264 @@
+"""The tuner's search (tuner.search) on synthetic timing models: monotone, knee-shaped (the paper's Figure 17) and
+noisy (fresh random each run, so only invariants are asserted), including the fallback. No GPU."""
+import math
+import os
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from localllm.kernels import qdec
+from localllm.tuner.search import Layer, Memo, Problem, _coarse, _Cost, _uniform, largest_k, search, search_budgets
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # Llama-3-8B
+BUDGETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5)
+
+
+def problem(sms=132, kmax=256, layers=32, k_max=None, step=None) -> Problem:
+    lays = []
+    for kind, (N, K) in SHAPES.items():
+        grid = min(N // 16, sms)
+        lays.append(Layer(kind, N, K, layers, tuple(qdec.viable_n_tb(K, N, grid)),
+                          kmax if k_max is None else k_max.get(kind, kmax)))
+    p = Problem(tuple(lays), sms // 2)
+    gemvs = sum(lay.count * base(lay) for lay in lays)
+    return Problem(p.layers, p.n_tb_limit, step if step is not None else 1.6 * gemvs)
+
+
+def base(lay: Layer) -> float:
+    return 2e-6 + lay.N * lay.K * 3 / 8 / 2.4e12  # launch + W3 bytes at 2.4 TB/s
+
+
+def fetch(lay: Layer, n_tb: int, k: int) -> float:
+    """Zero-copy fetch of k rows per chunk: a round trip, then bytes at a bandwidth that grows with the blocks."""
+    rows = qdec.chunks(lay.K) * k
+    return 1e-6 + rows * lay.N / 2 / (25e9 * min(1.0, n_tb / 24))
+
+
+def timing_model(layers, qdec_time):
+    """oracle(kind, n_tb, k): base(layer) for k = 0, else qdec_time(layer, n_tb, k)."""
+    by = {lay.kind: lay for lay in layers}
+    return lambda kind, n_tb, k: qdec_time(by[kind], n_tb, k) if k else base(by[kind])
+
+
+def monotone(layers):
+    """Never hidden: grows with k from the start (and a little with n_tb)."""
+    return timing_model(layers, lambda lay, n_tb, k: base(lay) * (1 + 0.0005 * n_tb) + 0.1 * fetch(lay, n_tb, k))
+
+
+def knee(layers):
+    """Flat while the fetch hides under the GEMV (which more blocks slow down), then linear in k."""
+    return timing_model(layers, lambda lay, n_tb, k: max(base(lay) * (1 + 0.001 * n_tb), fetch(lay, n_tb, k))
+                        + 1e-9 * k)
+
+
+def noisy(layers, seed):
+    """The knee with 5% multiplicative noise per point (each point measured once, as the Memo does)."""
+    rng = random.Random(seed)
+    clean = knee(layers)
+    return lambda kind, n_tb, k: clean(kind, n_tb, k) * (1 + 0.05 * rng.gauss(0, 1)) if k else \
+        clean(kind, n_tb, k) * (1 + 0.02 * rng.gauss(0, 1))
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+ORACLES = {"monotone": lambda p, s: monotone(p.layers), "knee": lambda p, s: knee(p.layers),
+           "noisy": lambda p, s: noisy(p.layers, s)}
+
+
+def check_choice(p: Problem, memo: Memo, c, budget: float, msg=""):
+    """What every choice must satisfy: viable n_tb from n_tb_max, bounded k, predicted slowdown within budget (and
+    equal to the slowdown recomputed from the measured points)."""
+    for lay in p.layers:
+        n, k = c.n_tb[lay.kind], c.k_chunk[lay.kind]
+        assert n in lay.n_tb, msg
+        assert 0 <= k <= lay.k_max, msg
+        if c.n_tb_max is not None:
+            assert n == lay.n_tb_under(c.n_tb_max), msg
+            assert c.n_tb_max <= max(p.n_tb_limit, min(lay.n_tb[0] for lay in p.layers)), msg
+    assert c.predicted <= budget, msg
+    added = sum(lay.count * (memo(lay.kind, c.n_tb[lay.kind], c.k_chunk[lay.kind]) - memo(lay.kind, 0, 0))
+                for lay in p.layers)
+    assert math.isclose(added / p.step_time, c.predicted, rel_tol=1e-9, abs_tol=1e-15), msg
+    for kind in c.fallback:
+        assert c.k_chunk[kind] == 0, msg
+
+
+@pytest.mark.parametrize("name", ORACLES)
+@pytest.mark.parametrize("sms", [132, 20])
+def test_every_choice_is_viable_bounded_and_within_budget(name, sms):
+    seed = fresh_seed()
+    p = problem(sms=sms)
+    memo = Memo(ORACLES[name](p, seed))
+    for b in BUDGETS:
+        c = search(p, memo, b)
+        check_choice(p, memo, c, b, f"{name} sms={sms} budget={b} seed={seed}: {c}")
+
+
+@pytest.mark.parametrize("name", ORACLES)
+def test_larger_budget_never_compensates_less(name):
+    seed = fresh_seed()
+    p = problem()
+    memo = Memo(ORACLES[name](p, seed))
+    choices = search_budgets(p, memo, BUDGETS)
+    assert [c.budget for c in choices] == sorted(BUDGETS)
+    rows = [p.rows(c.k_chunk) for c in choices]
+    assert rows == sorted(rows), (name, seed, rows)
+    for c in choices:
+        check_choice(p, memo, c, c.budget, f"{name} seed={seed}")
+    assert rows[-1] > 0  # 50% compensates something
+    if name != "noisy":  # (noise can make a point cheaper than the base GEMV: then even 0% compensates)
+        assert rows[0] == 0
+
+
+@pytest.mark.parametrize("name", ["monotone", "knee"])
+def test_phase1_finds_what_a_step_by_step_walk_finds(name):
+    """The gallop + bisection of the coarse search ends where the paper's walk (k = 1, 2, 3, ... until the budget
+    breaks) ends, for times monotone in k; the n_tb_max chosen allows the most steps."""
+    p = problem()
+    memo = Memo(ORACLES[name](p, 0))
+    for b in (0.01, 0.03, 0.05, 0.2):
+        c = search(p, memo, b)
+        fixed = set(c.fallback)
+        cost = _Cost(p, memo, b)
+        for _, n_tb in p.n_tb_candidates():
+            walk = 0
+            while walk < 256 and cost.fits(n_tb, _uniform(p.layers, fixed, walk + 1)):
+                walk += 1
+            assert _coarse(cost, n_tb, fixed) == walk
+        assert c.steps == max(_coarse(cost, n_tb, fixed) for _, n_tb in p.n_tb_candidates()) > 0
+
+
+@pytest.mark.parametrize("name", ["monotone", "knee"])
+def test_phase2_leaves_no_step_that_fits(name):
+    """For times monotone in k, Phase 2 ends where one more k_chunk on any kind would break the budget."""
+    p = problem()
+    memo = Memo(ORACLES[name](p, 0))
+    for b in (0.01, 0.05, 0.2):
+        c = search(p, memo, b)
+        cost = _Cost(p, memo, b)
+        for lay in p.layers:
+            k = c.k_chunk[lay.kind]
+            if k < lay.k_max and lay.kind not in c.fallback:
+                assert not cost.fits(c.n_tb, {**c.k_chunk, lay.kind: k + 1}), (b, lay.kind, c)
+        # Phase 2 only adds to Phase 1's uniform k
+        assert all(c.k_chunk[lay.kind] >= min(c.steps, lay.k_max) for lay in p.layers if lay.kind not in c.fallback)
+
+
+def test_phase2_raises_the_cheapest_layers_furthest():
+    """Per-kind costs linear in k, gate_up cheapest, down dearest: each round of Phase 2 offers the cheap kinds
+    their step first, so they end at least as high (one step per kind and round, as in the paper)."""
+    p = problem()
+    slope = {"gate_up": 0.01e-6, "qkv": 0.02e-6, "o": 0.04e-6, "down": 0.08e-6}
+    memo = Memo(lambda kind, n_tb, k: 5e-6 + slope[kind] * k)
+    c = search(p, memo, 0.05)
+    k = c.k_chunk
+    assert k["gate_up"] >= k["qkv"] >= k["o"] >= k["down"] >= c.steps > 0, c
+    assert k["gate_up"] > k["down"], c
+
+
+def expensive(p: Problem, kinds, cost=1e-3):
+    """Any compensation of `kinds` adds `cost` s per layer; the others are cheap and linear."""
+    cheap = monotone(p.layers)
+
+    def t(kind, n_tb, k):
+        if k and kind in kinds:
+            return cheap(kind, 0, 0) + cost
+        return cheap(kind, n_tb, k)
+    return t
+
+
+def test_fallback_fixes_the_smallest_layer_first():
+    p = problem()
+    memo = Memo(expensive(p, {"o"}))
+    c = search(p, memo, 0.05)
+    check_choice(p, memo, c, 0.05)
+    assert c.fallback == ("o",) and c.k_chunk["o"] == 0
+    assert all(c.k_chunk[k] > 0 for k in ("qkv", "gate_up", "down")) and c.steps > 0
+    memo = Memo(expensive(p, {"o", "qkv"}))
+    c = search(p, memo, 0.05)
+    assert c.fallback == ("o", "qkv") and c.k_chunk["o"] == c.k_chunk["qkv"] == 0 and c.k_chunk["gate_up"] > 0
+
+
+def test_fallback_to_nothing_when_no_layer_fits():
+    p = problem()
+    memo = Memo(expensive(p, set(SHAPES)))
+    c = search(p, memo, 0.05)
+    assert not c.compensates and c.n_tb_max is None and c.predicted == 0
+    assert c.fallback == ("o", "qkv", "down", "gate_up")  # by weight size, smallest first
+    check_choice(p, memo, c, 0.05)
+
+
+def test_k_is_capped_by_each_layers_bound_and_zero_bound_is_not_a_fallback():
+    p = problem(k_max={"qkv": 3, "o": 0, "gate_up": 40, "down": 7})
+    memo = Memo(knee(p.layers))
+    c = search(p, memo, 100.0)  # everything fits
+    assert c.k_chunk == {"qkv": 3, "o": 0, "gate_up": 40, "down": 7} and c.fallback == ()
+    check_choice(p, memo, c, 100.0)
+
+
+def test_every_point_is_measured_once_and_base_once_per_kind():
+    p = problem()
+    asked = []
+    clean = knee(p.layers)
+
+    def oracle(kind, n_tb, k):
+        asked.append((kind, n_tb, k))
+        return clean(kind, n_tb, k)
+    search_budgets(p, oracle, BUDGETS)
+    assert len(asked) == len(set(asked))
+    assert sorted(a for a in asked if a[2] == 0) == sorted((k, 0, 0) for k in SHAPES)
+    # an 8B-shaped model tunes on a few hundred GEMV timings for all budgets (~20-50 ms each on a GPU)
+    assert len(asked) < 1500, len(asked)
+
+
+def test_without_a_step_time_the_gemvs_alone_are_the_denominator():
+    p = problem()
+    q = Problem(p.layers, p.n_tb_limit, None)
+    memo = Memo(knee(p.layers))
+    loose, strict = search(p, memo, 0.05), search(q, memo, 0.05)
+    assert q.rows(strict.k_chunk) <= p.rows(loose.k_chunk)
+
+
+def test_n_tb_candidates_are_distinct_and_within_half_the_sms():
+    p = problem(sms=132)
+    cands = p.n_tb_candidates()
+    assigned = [tuple(a.values()) for _, a in cands]
+    assert len(assigned) == len(set(assigned))
+    for v, a in cands:
+        assert v <= 66
+        for lay in p.layers:
+            assert a[lay.kind] == lay.n_tb_under(v)
+    # a GPU whose half SM count is below down's 14 chunks: down keeps its smallest viable n_tb (one block a chunk)
+    small = problem(sms=20)
+    assert all(a["down"] == 14 for _, a in small.n_tb_candidates())
+
+
+def test_viable_n_tb_follows_appendix_a():
+    assert qdec.viable_groups(24) == [1, 2, 3, 4, 5, 6, 8, 12, 24]  # the paper's c_out = 6144 example
+    # our kernel: every chunk of the input gets the same number of segment groups
+    assert qdec.viable_n_tb(4096, 6144, 132) == [4 * q for q in (1, 2, 3, 4, 5, 6, 8, 12, 24)]
+
+
+def test_largest_k_from_shared_memory():
+    # the paper's A.2 example: 128 k + 2048 + 128 bytes within 48 KB -> 367
+    assert largest_k(lambda k: 128 * k + 2048 + 128, 49152, 1024) == 367
+    assert largest_k(lambda k: 10**9, 49152, 256) == 0
+    assert largest_k(lambda k: 0, 49152, 256) == 256
+    # the QDEC GEMV's own shared memory: the bound is the last k that fits
+    for N, K in SHAPES.values():
+        w = SimpleNamespace(in_features=K, out_features=N, bits=3)
+        grid = min(N // 16, 132)
+        need = lambda k: qdec.shared_bytes_total(w, k, grid)  # noqa: E731
+        limit = need(100) + 5
+        k = largest_k(need, limit, 1024)
+        assert need(k) <= limit < need(k + 1)
+
+
+def test_memo_refuses_nonsense_times():
+    with pytest.raises(ValueError, match="oracle returned"):
+        Memo(lambda *a: float("nan"))("o", 4, 1)
+    with pytest.raises(ValueError, match="oracle returned"):
+        Memo(lambda *a: 0.0)("o", 0, 0)

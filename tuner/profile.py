@@ -1,0 +1,220 @@
+"""Tuning profiles: what `localllm tune` chose and measured for one (GPU, model, budget), kept as
+MODEL/profiles/<gpu>__<budget>pct.json (e.g. nvidia-h100-80gb-hbm3__5pct.json), and how the runtime picks one.
+
+Selection (select): among the folder's profiles made on this GPU (same name and SM count) for this model
+(manifest model_id), the one with the largest budget <= the budget asked for (default 5%); when every such profile
+has a larger budget, the smallest of them. Profiles of other GPUs or models are never used: the runtime warns in
+one line and runs with the default k_chunk. An unreadable profile is skipped with a one-line warning naming it.
+
+Writing (write): atomic (temp file + rename). A profile of the same (GPU, model, budget) is replaced, since
+re-tuning is done on purpose, and the caller says so; any other file at that name (unreadable, or another GPU or
+model whose name maps to the same file name) is left alone unless force=True.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from localllm import atomic
+from localllm.errors import LocalLLMError
+from localllm.model import KINDS
+
+FORMAT = 1
+DEFAULT_BUDGET = 0.05  # the slowdown budget the runtime looks for when none is given
+DIR = "profiles"
+
+
+class ProfileError(LocalLLMError):
+    """A profile file that cannot be used as one (unreadable, malformed, another format)."""
+
+
+def parse_budgets(text: str) -> list[float]:
+    """"2.5,5,10,20", "5%" or "5" -> fractions [0.025, ...]: numbers are percent of the decode step."""
+    out = []
+    for part in str(text).split(","):
+        p = part.strip().removesuffix("%").strip()
+        if not p:
+            continue
+        try:
+            v = float(p)
+        except ValueError:
+            v = math.nan
+        if not 0 < v <= 100:
+            raise LocalLLMError(f"a budget is a percentage of the decode time in (0, 100], e.g. 5 or 2.5,5,10,20; "
+                                f"got {part.strip()!r}")
+        out.append(round(v / 100, 6))
+    if not out:
+        raise LocalLLMError(f"no budget given in {text!r}; use e.g. --budget 5 or --budget 2.5,5,10,20")
+    return sorted(set(out))
+
+
+def percent(budget: float) -> str:
+    """0.025 -> "2.5", 0.05 -> "5"."""
+    return f"{round(budget * 100, 4):g}"
+
+
+def gpu_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def file_name(gpu_name: str, budget: float) -> str:
+    return f"{gpu_slug(gpu_name)}__{percent(budget)}pct.json"
+
+
+def path_for(model_dir: str | Path, gpu_name: str, budget: float) -> Path:
+    return Path(model_dir) / DIR / file_name(gpu_name, budget)
+
+
+def gpu_identity(device=None) -> dict:
+    """What a profile records of the GPU it was made on (and the runtime matches: name and SM count)."""
+    import torch
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    p = torch.cuda.get_device_properties(dev)
+    ident = {"name": p.name, "compute_capability": f"{p.major}.{p.minor}", "sm_count": p.multi_processor_count,
+             "shared_memory_per_block": p.shared_memory_per_block_optin, "memory_bytes": p.total_memory,
+             "torch": torch.__version__, "torch_cuda": torch.version.cuda, "driver": None, "cuda_runtime": None}
+    try:
+        import cupy
+        v = cupy.cuda.runtime.driverGetVersion()
+        ident["driver"] = f"CUDA {v // 1000}.{v % 1000 // 10}"
+        v = cupy.cuda.runtime.runtimeGetVersion()
+        ident["cuda_runtime"] = f"{v // 1000}.{v % 1000 // 10}"
+    except Exception:  # noqa: BLE001 - versions are information, not a requirement
+        pass
+    return ident
+
+
+def _is_int(v, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def problems(d) -> str | None:
+    """What makes `d` not a usable profile, or None."""
+    if not isinstance(d, dict):
+        return "not a JSON object"
+    if d.get("format") != FORMAT:
+        return f"format {d.get('format')!r}, this localllm reads format {FORMAT}"
+    gpu = d.get("gpu")
+    if not isinstance(gpu, dict) or not isinstance(gpu.get("name"), str) or not _is_int(gpu.get("sm_count"), 1):
+        return "no gpu name and sm_count"
+    if not isinstance(d.get("model_id"), str):
+        return "no model_id"
+    if not _is_num(d.get("budget")) or d["budget"] < 0:
+        return "no budget"
+    layers = d.get("layers")
+    if not isinstance(layers, dict) or set(layers) != set(KINDS):
+        return f"layers must give {', '.join(KINDS)}"
+    for kind, v in layers.items():
+        if not isinstance(v, dict) or not _is_int(v.get("k_chunk"), 0) or not _is_int(v.get("n_tb"), 1):
+            return f"layers.{kind} needs an integer k_chunk >= 0 and n_tb >= 1"
+    if d.get("slowdown") is not None and not _is_num(d["slowdown"]):
+        return "slowdown is not a number"
+    return None
+
+
+def read(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileError(f"tuning profile {path} cannot be read ({e}); delete it or re-run `localllm tune`") \
+            from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"tuning profile {path} is not valid JSON ({e.msg}, line {e.lineno}); delete it or "
+                           "re-run `localllm tune`") from None
+    why = problems(d)
+    if why:
+        raise ProfileError(f"tuning profile {path} is not usable ({why}); delete it or re-run `localllm tune`")
+    return d
+
+
+def _target(gpu_name: str, sm_count: int, model_id: str, budget: float) -> tuple:
+    return gpu_name, sm_count, model_id, percent(budget)
+
+
+def target_of(d: dict) -> tuple:
+    """(GPU name, SM count, model_id, budget): what a profile was made for."""
+    return _target(d["gpu"]["name"], d["gpu"]["sm_count"], d["model_id"], d["budget"])
+
+
+def check_free(model_dir: str | Path, gpu_name: str, sm_count: int, model_id: str, budget: float,
+               force: bool = False) -> tuple[Path, dict | None]:
+    """(path, the profile there to be replaced or None) for this target's profile; raises when the file at that
+    path is something else (unreadable, or another GPU or model with the same file name) and not force."""
+    path = path_for(model_dir, gpu_name, budget)
+    if not path.exists():
+        return path, None
+    try:
+        old = read(path)
+    except ProfileError as e:
+        if force:
+            return path, None
+        raise LocalLLMError(f"{e.args[0].split(';')[0]}; it was left as it is: move it away or run `localllm tune` "
+                            "with --force to replace it") from None
+    if target_of(old) != _target(gpu_name, sm_count, model_id, budget) and not force:
+        raise LocalLLMError(f"{path} holds the profile of {old['gpu']['name']} / model {old['model_id']}, not "
+                            f"{gpu_name} / model {model_id}; it was left as it is: move it away or run "
+                            "`localllm tune` with --force to replace it")
+    return path, old
+
+
+def write(model_dir: str | Path, profile: dict, force: bool = False) -> tuple[Path, dict | None]:
+    """Write atomically; returns (path, the profile it replaced or None). See the module doc for what is replaced."""
+    why = problems(profile)
+    if why:
+        raise ValueError(f"not a profile: {why}")
+    path, old = check_free(model_dir, *target_of(profile)[:3], profile["budget"], force=force)
+    atomic.write_text(path, json.dumps(profile, indent=2) + "\n")
+    return path, old
+
+
+def source_of(profile: dict) -> str:
+    """One line for LocalModel.qdec_source."""
+    where = f"tuned on {profile['gpu']['name']} for a {percent(profile['budget'])}% budget"
+    if not any(v["k_chunk"] for v in profile["layers"].values()):
+        return f"{where}: no compensation fits it (QDEC off)"
+    s = profile.get("slowdown")
+    return f"{where} (measured {100 * s:+.1f}%)" if s is not None else f"{where} (slowdown not measured)"
+
+
+@dataclass
+class Selection:
+    profile: dict | None = None
+    path: Path | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def select(model_dir: str | Path, gpu_name: str, sm_count: int, model_id: str | None,
+           budget: float = DEFAULT_BUDGET) -> Selection:
+    """The profile the runtime uses for this GPU, model and budget (rules: module doc), with the warnings to show."""
+    sel = Selection()
+    folder = Path(model_dir) / DIR
+    mine, others = [], []
+    for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            d = read(p)
+        except ProfileError as e:
+            sel.warnings.append(f"ignoring {e.args[0]}")
+            continue
+        if d["gpu"]["name"] != gpu_name or d["gpu"]["sm_count"] != sm_count:
+            others.append(f"{p.name} was made on {d['gpu']['name']} ({d['gpu']['sm_count']} SMs)")
+        elif d["model_id"] != model_id:
+            others.append(f"{p.name} was made for model {d['model_id']}, this one is {model_id}")
+        else:
+            mine.append((d["budget"], p, d))
+    if mine:
+        within = [m for m in mine if m[0] <= budget + 1e-9]
+        _, sel.path, sel.profile = max(within, key=lambda m: m[0]) if within else min(mine, key=lambda m: m[0])
+    elif others:
+        more = f" and {len(others) - 2} more" if len(others) > 2 else ""
+        sel.warnings.append(f"no tuning profile in {folder} fits this GPU ({gpu_name}, {sm_count} SMs) and model: "
+                            f"{'; '.join(others[:2])}{more}; QDEC runs with the default setting: run `localllm tune "
+                            f"{Path(model_dir)}` on this GPU")
+    return sel

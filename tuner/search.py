@@ -1,0 +1,260 @@
+"""The QDEC parameter search (paper sec. 4.4, Appendix A) as a pure function of a timing oracle.
+
+Inputs: per layer kind its shape, how many such layers one decode step runs, its viable n_tb values (ascending) and
+its largest usable k_chunk; the budget (a fraction of the decode step); and an oracle
+
+    time(kind, n_tb, k_chunk) -> seconds of one GEMV of that kind (k_chunk 0: the base GEMV, n_tb ignored).
+
+The predicted slowdown of a setting is the GEMV time it adds over the base GEMVs, summed over one decode step,
+divided by the decode step time without QDEC (Problem.step_time: attention, norms and lm_head included, so "5%"
+means 5% of a real token; without it, the base GEMVs alone, which is stricter).
+
+Phase 1 replaces the per-kind n_tb by one limit n_tb_max, each kind taking its largest viable n_tb <= n_tb_max
+(its smallest when none is). Every distinct per-kind assignment for n_tb_max up to Problem.n_tb_limit (half the
+SM count) gets a coarse search: the largest k raised uniformly for every kind (each capped at its bound) that fits
+the budget. The paper walks k up one step at a time; this gallops (1, 2, 4, ...) and then bisects, which finds the
+same k for a time monotone in k in O(log k_max) measurements. The n_tb_max with the most steps wins (ties: the
+one with the least added time there, then the smaller n_tb_max).
+Fallback: when no n_tb_max allows a single step, k_chunk is fixed to 0 for the kind with the smallest weight matrix
+(smaller matrices hide the least) and Phase 1 runs again; when every kind is fixed, nothing is compensated.
+Phase 2 starts from the uniform k of Phase 1 and, round after round, offers every kind still open one more k_chunk
+in order of the time that step adds (cheapest first); a step that would break the budget freezes that kind for
+good. It ends when no kind is open.
+
+Every oracle point is measured once (Memo); several budgets tuned together share the points (search_budgets), and
+a larger budget never gets fewer compensated channels than a smaller one: a smaller budget's setting fits a larger
+one too, so it is carried forward when the larger budget's own search found less.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from localllm.qdec import k_total
+
+Oracle = Callable[[str, int, int], float]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One kind of linear layer of the decode step."""
+    kind: str
+    N: int  # out_features
+    K: int  # in_features
+    count: int  # layers of this kind per decode step
+    n_tb: tuple[int, ...]  # viable n_tb values, ascending, not empty
+    k_max: int  # the largest k_chunk usable (shared memory per block, calibration); 0: never compensated
+
+    def __post_init__(self):
+        if not self.n_tb or list(self.n_tb) != sorted(set(self.n_tb)) or self.n_tb[0] < 1:
+            raise ValueError(f"{self.kind}: n_tb must be ascending distinct positive values, got {self.n_tb}")
+        if self.k_max < 0 or self.count < 1:
+            raise ValueError(f"{self.kind}: k_max must be >= 0 and count >= 1")
+
+    @property
+    def size(self) -> int:
+        return self.N * self.K
+
+    def n_tb_under(self, n_tb_max: int) -> int:
+        """The largest viable n_tb <= n_tb_max, or the smallest viable one when none is."""
+        ok = [n for n in self.n_tb if n <= n_tb_max]
+        return ok[-1] if ok else self.n_tb[0]
+
+
+@dataclass(frozen=True)
+class Problem:
+    layers: tuple[Layer, ...]
+    n_tb_limit: int  # Phase 1 tries n_tb_max up to this: half the GPU's SM count
+    step_time: float | None = None  # seconds of one decode step without QDEC; None: the base GEMVs alone
+
+    def __post_init__(self):
+        if len({lay.kind for lay in self.layers}) != len(self.layers) or not self.layers:
+            raise ValueError("one Layer per kind, at least one")
+
+    def n_tb_candidates(self) -> list[tuple[int, dict[str, int]]]:
+        """(n_tb_max, per-kind n_tb) for every distinct assignment, each under its smallest n_tb_max."""
+        values = sorted({n for lay in self.layers for n in lay.n_tb if n <= self.n_tb_limit})
+        if not values:  # every kind needs more blocks than the limit: the smallest each can do
+            values = [min(lay.n_tb[0] for lay in self.layers)]
+        out, seen = [], set()
+        for v in values:
+            a = {lay.kind: lay.n_tb_under(v) for lay in self.layers}
+            key = tuple(a.values())
+            if key not in seen:
+                seen.add(key)
+                out.append((v, a))
+        return out
+
+    def rows(self, k_chunk: dict[str, int]) -> int:
+        """Residual rows fetched per decode step: the measure of how much a setting compensates."""
+        return sum(lay.count * k_total(k_chunk.get(lay.kind, 0), lay.K) for lay in self.layers)
+
+
+@dataclass(frozen=True)
+class Choice:
+    budget: float
+    n_tb_max: int | None  # None: nothing is compensated
+    n_tb: dict[str, int]
+    k_chunk: dict[str, int]
+    predicted: float  # predicted slowdown (fraction of the decode step)
+    steps: int  # Phase 1's uniform k
+    fallback: tuple[str, ...] = ()  # kinds the fallback fixed at k_chunk 0, in order
+    carried_from: float | None = None  # the smaller budget whose setting this is (search_budgets)
+
+    @property
+    def compensates(self) -> bool:
+        return any(self.k_chunk.values())
+
+
+class Memo:
+    """The oracle, asked once per point; on_measure(key, seconds) after each new measurement."""
+
+    def __init__(self, oracle: Oracle, on_measure: Callable[[tuple, float], None] | None = None):
+        self.oracle, self.on_measure = oracle, on_measure
+        self.points: dict[tuple[str, int, int], float] = {}
+
+    def __call__(self, kind: str, n_tb: int, k_chunk: int) -> float:
+        key = (kind, 0, 0) if k_chunk == 0 else (kind, n_tb, k_chunk)
+        if key not in self.points:
+            t = float(self.oracle(*key))
+            if not math.isfinite(t) or t <= 0:
+                raise ValueError(f"the timing oracle returned {t} s for {key}")
+            self.points[key] = t
+            if self.on_measure:
+                self.on_measure(key, t)
+        return self.points[key]
+
+
+@dataclass
+class _Cost:
+    problem: Problem
+    time: Memo
+    budget: float
+    base: dict[str, float] = field(init=False)
+    step: float = field(init=False)
+
+    def __post_init__(self):
+        self.base = {lay.kind: self.time(lay.kind, 0, 0) for lay in self.problem.layers}
+        gemvs = sum(lay.count * self.base[lay.kind] for lay in self.problem.layers)
+        self.step = self.problem.step_time or gemvs
+
+    def added(self, n_tb: dict[str, int], k: dict[str, int]) -> float:
+        return sum(lay.count * (self.time(lay.kind, n_tb[lay.kind], k[lay.kind]) - self.base[lay.kind])
+                   for lay in self.problem.layers if k[lay.kind] > 0)
+
+    def slowdown(self, n_tb: dict[str, int], k: dict[str, int]) -> float:
+        return self.added(n_tb, k) / self.step
+
+    def fits(self, n_tb: dict[str, int], k: dict[str, int]) -> bool:
+        return self.slowdown(n_tb, k) <= self.budget
+
+
+def _uniform(layers: Iterable[Layer], fixed: set[str], k: int) -> dict[str, int]:
+    return {lay.kind: 0 if lay.kind in fixed else min(k, lay.k_max) for lay in layers}
+
+
+def _coarse(cost: _Cost, n_tb: dict[str, int], fixed: set[str]) -> int:
+    """Phase 1's coarse search: the largest uniform k that fits (0 if not even 1 does)."""
+    layers = cost.problem.layers
+    top = max((lay.k_max for lay in layers if lay.kind not in fixed), default=0)
+    fits = lambda k: cost.fits(n_tb, _uniform(layers, fixed, k))  # noqa: E731
+    lo, k = 0, 1  # lo fits (k 0 adds nothing)
+    while k <= top and fits(k):
+        lo, k = k, min(2 * k, top) if k < top else top + 1
+    hi = k  # fails, or is past top
+    if hi > top:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _phase1(cost: _Cost, fixed: set[str]) -> tuple[int, int, dict[str, int]]:
+    """(steps, n_tb_max, n_tb) of the best n_tb_max."""
+    layers = cost.problem.layers
+    best = None
+    for v, n_tb in cost.problem.n_tb_candidates():
+        steps = _coarse(cost, n_tb, fixed)
+        key = (-steps, cost.added(n_tb, _uniform(layers, fixed, steps)), v)
+        if best is None or key < best[0]:
+            best = (key, steps, v, n_tb)
+    return best[1], best[2], best[3]
+
+
+def _phase2(cost: _Cost, n_tb: dict[str, int], k: dict[str, int], fixed: set[str]) -> dict[str, int]:
+    """Phase 2's fine search from Phase 1's uniform k: one more k_chunk per open kind and round, cheapest first; a
+    kind whose step does not fit is frozen."""
+    t, k = cost.time, dict(k)
+    open_ = [lay for lay in cost.problem.layers if lay.kind not in fixed and k[lay.kind] < lay.k_max]
+    while open_:
+        def extra(lay: Layer) -> float:
+            return lay.count * (t(lay.kind, n_tb[lay.kind], k[lay.kind] + 1) - t(lay.kind, n_tb[lay.kind], k[lay.kind]))
+        frozen = set()
+        for lay in sorted(open_, key=extra):
+            trial = {**k, lay.kind: k[lay.kind] + 1}
+            if cost.fits(n_tb, trial):
+                k = trial
+            else:
+                frozen.add(lay.kind)
+        open_ = [lay for lay in open_ if lay.kind not in frozen and k[lay.kind] < lay.k_max]
+    return k
+
+
+def search(problem: Problem, time: Oracle, budget: float) -> Choice:
+    """The setting for one budget (a fraction: 0.05 is 5%). `time` may be a Memo to share points."""
+    if not budget >= 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    memo = time if isinstance(time, Memo) else Memo(time)
+    cost = _Cost(problem, memo, budget)
+    layers = problem.layers
+    fixed = {lay.kind for lay in layers if lay.k_max == 0}
+    fallback: list[str] = []
+    while True:
+        if len(fixed) == len(layers):  # nothing can be compensated within the budget
+            return nothing(problem, budget, tuple(fallback))
+        steps, v, n_tb = _phase1(cost, fixed)
+        if steps > 0:
+            break
+        smallest = min((lay for lay in layers if lay.kind not in fixed), key=lambda lay: lay.size)
+        fixed.add(smallest.kind)
+        fallback.append(smallest.kind)
+    k = _phase2(cost, n_tb, _uniform(layers, fixed, steps), fixed)
+    return Choice(budget, v, n_tb, k, cost.slowdown(n_tb, k), steps, tuple(fallback))
+
+
+def nothing(problem: Problem, budget: float, fallback: tuple[str, ...] = ()) -> Choice:
+    """The setting that compensates nothing (k_chunk 0 everywhere)."""
+    n_tb = {lay.kind: lay.n_tb_under(problem.n_tb_limit) for lay in problem.layers}
+    return Choice(budget, None, n_tb, {lay.kind: 0 for lay in problem.layers}, 0.0, 0, fallback)
+
+
+def carry_forward(problem: Problem, choices: Iterable[Choice]) -> list[Choice]:
+    """By ascending budget: where a larger budget's setting compensates fewer rows than a smaller budget's, take
+    the smaller budget's (it fits the larger budget too)."""
+    out: list[Choice] = []
+    best: Choice | None = None
+    for c in sorted(choices, key=lambda c: c.budget):
+        if best is not None and problem.rows(best.k_chunk) > problem.rows(c.k_chunk):
+            c = replace(best, budget=c.budget,
+                        carried_from=best.budget if best.carried_from is None else best.carried_from)
+        out.append(c)
+        best = c
+    return out
+
+
+def search_budgets(problem: Problem, time: Oracle, budgets: Iterable[float]) -> list[Choice]:
+    """search() for each budget (ascending), sharing every measured point, then carry_forward()."""
+    memo = time if isinstance(time, Memo) else Memo(time)
+    return carry_forward(problem, [search(problem, memo, b) for b in sorted(set(budgets))])
+
+
+def largest_k(need: Callable[[int], int], limit: int, cap: int) -> int:
+    """The largest k in 0..cap with need(k) <= limit, for need non-decreasing in k (shared memory per block as a
+    function of k_chunk); 0 when even k = 1 does not fit."""
+    lo, hi = 0, cap + 1  # need(lo) is taken to fit; hi does not or is past cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
+    return lo

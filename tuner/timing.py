@@ -1,0 +1,165 @@
+"""The tuner's GPU side: the search problem of a loaded model on this GPU, and the timings the search asks for.
+
+GEMV times (gemv_time) come from CUDA graphs of several of the model's own layers of one kind, back to back (their
+packed weights, their pinned residuals, enough layers that L2 cannot serve a repeat, up to all of them), each with
+the input transform and residual add it has in the decode step (RMSNorm for qkv and gate_up, the SwiGLU gate for
+down, the residual add for o and down), timed by localllm.bench.time_graph (median replay over CUDA events). The
+inputs are random with the spread the calibration saw per channel, and b0 / b15 are the layer's calibration
+boundaries, as the runtime sets them. The decode step (decode_time) is the captured graph of generation, with QDEC
+off or at a setting (LocalModel.set_qdec with per-kind n_tb), the median of a few runs.
+
+n_tb: kernels.qdec.viable_n_tb, the chunks of the input times a viable count of 256-output segment groups
+(Appendix A's rule B per chunk; a block never serves two chunks, so the paper's A, n < chunks, does not exist in
+this kernel). The fetching blocks are among the GEMV's own blocks (one per SM), so Phase 1's limit on n_tb_max is
+half the SM count, as in the paper. k_chunk is bounded by the GPU's shared memory per block (opt-in maximum) for
+the QDEC GEMV of that shape (kernels.qdec.shared_bytes_total) and by the calibration's kmax.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+
+import torch
+
+from localllm.model import KINDS
+
+from .search import Choice, Layer, Problem, largest_k
+
+DECODE_RUNS = 3  # decode-step timings per setting (median)
+
+
+def problem_of(lm, sm_count: int | None = None, smem: int | None = None, grid_of=None) -> Problem:
+    """The search problem of a LocalModel: per kind its shape, count, viable n_tb and k_chunk bound. On a GPU the
+    defaults come from the device; sm_count, smem (bytes per block) and grid_of (N -> GEMV grid) make it usable
+    anywhere."""
+    from localllm.kernels import qdec
+    from localllm.qdec import CHUNK
+    dev = lm.model.device
+    if sm_count is None or smem is None:
+        props = torch.cuda.get_device_properties(dev)
+        sm_count = props.multi_processor_count if sm_count is None else sm_count
+        smem = props.shared_memory_per_block_optin if smem is None else smem
+    if grid_of is None:
+        from localllm.kernels.gemv import grid_of as g
+        grid_of = functools.partial(g, device=dev)
+    kmax = min(lm.manifest["calibration"]["kmax"], CHUNK)
+    layers = []
+    for kind in KINDS:
+        lins = [lin for lin in lm.model.linears() if lin.kind == kind and lin.residual is not None]
+        if not lins:
+            continue
+        w = lins[0].packed or lins[0].quant
+        N, K = lins[0].out_features, lins[0].in_features
+        grid = grid_of(N)
+        k_max = largest_k(lambda k: qdec.shared_bytes_total(w, k, grid), smem, kmax)  # noqa: B023
+        layers.append(Layer(kind, N, K, len(lins), tuple(qdec.viable_n_tb(K, N, grid)), k_max))
+    return Problem(tuple(layers), max(1, sm_count // 2))
+
+
+def _spread(lin, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Random fp32 values [n] with the per-channel spread of the layer's calibration (std 1 without it)."""
+    z = torch.randn(n, generator=gen)
+    st = lin.stats
+    if st is not None and st.count > 0:
+        z = z * st.sq_mean.sqrt()
+    return z
+
+
+class GemvTimer:
+    """gemv_time(kind, n_tb, k_chunk): seconds per GEMV of one `kind` layer, with QDEC at (n_tb, k_chunk) (k_chunk
+    0: the base GEMV), over several of the model's own layers in one CUDA graph."""
+
+    def __init__(self, lm, reps: int = 20, seed: int = 0):
+        from localllm.bench import L2_FLUSH_BYTES
+        from localllm.kernels import qdec
+        from localllm.kernels.gemv import grid_of
+        self.reps = reps
+        dev = lm.model.device
+        gen = torch.Generator().manual_seed(seed)
+        self.sets: dict[str, list[dict]] = {}
+        for kind in KINDS:
+            picked, nbytes = [], 0
+            for blk in lm.model.blocks:
+                lin = getattr(blk, kind)
+                if lin.residual is None:
+                    continue
+                picked.append((blk, lin))
+                nbytes += lin.nbytes
+                if nbytes >= L2_FLUSH_BYTES and len(picked) >= 2:
+                    break
+            self.sets[kind] = [self._inputs(kind, blk, lin, dev, gen) for blk, lin in picked]
+        for kind, sets in self.sets.items():
+            for s in sets:
+                if s["lin"].host_residual is None:  # pinned once; the runtime reuses it
+                    s["lin"].host_residual = qdec.HostResidual.pin(s["lin"].residual)
+                s["grid"] = grid_of(s["lin"].out_features, dev)
+                s["state"] = qdec.new_state(s["lin"].in_features, s["lin"].out_features, dev)
+        self.part = qdec.new_part([(s["lin"].in_features, s["lin"].out_features)
+                                   for sets in self.sets.values() for s in sets], dev)
+
+    @staticmethod
+    def _inputs(kind: str, blk, lin, dev, gen) -> dict:
+        """The GEMV's arguments as Block.forward passes them, with inputs whose transformed value f(x) has the
+        calibration's spread (exactly for o and down, up to one scale factor for the RMSNorm kinds)."""
+        K, N = lin.in_features, lin.out_features
+        z = _spread(lin, K, gen)
+        s = {"lin": lin, "out": torch.empty(N, dtype=torch.float16, device=dev), "norm": None, "glu": False,
+             "residual": None}
+        if kind in ("qkv", "gate_up"):
+            norm = blk.attn_norm if kind == "qkv" else blk.mlp_norm
+            w = norm.weight.float().cpu()
+            x = z / torch.where(w.abs() > 1e-3, w, torch.ones_like(w))
+            x = x / x.square().mean().sqrt()  # the norm undoes any scale: keep x well inside fp16
+            s["norm"] = (norm.weight, norm.eps)
+        elif kind == "down":
+            gate = 6.0  # silu(6) = 5.985: f(x) = silu(gate) * up
+            x = torch.cat([torch.full((K,), gate), z / (gate / (1 + torch.exp(torch.tensor(-gate))))])
+            s["glu"] = True
+        else:
+            x = z
+        if kind in ("o", "down"):
+            s["residual"] = torch.randn(N, generator=gen).half().to(dev)
+        s["x"] = x.clamp(-6e4, 6e4).half().to(dev)
+        return s
+
+    def __call__(self, kind: str, n_tb: int, k_chunk: int) -> float:
+        from localllm.bench import time_graph
+        from localllm.kernels import qdec
+        from localllm.kernels.gemv import gemv
+        calls = []
+        for s in self.sets[kind]:
+            lin, comp = s["lin"], None
+            if k_chunk > 0:
+                comp = qdec.Call(lin.host_residual, s["state"], self.part, k_chunk, n_tb, lin.stats.b0,
+                                 float(lin.stats.kth[k_chunk - 1]), s["grid"])
+            calls.append(functools.partial(gemv, s["x"], lin.packed, out=s["out"], residual=s["residual"],
+                                           norm=s["norm"], glu=s["glu"], comp=comp))
+        return time_graph(calls, self.reps)
+
+
+class GpuBench:
+    """tuner.tune.Bench on the GPU for a LocalModel loaded with device='cuda'."""
+
+    def __init__(self, lm, reps: int = 20, tokens: int = 512, ctx: int = 256):
+        self.lm, self.ctx = lm, min(ctx, lm.model.cfg.max_position_embeddings)
+        self.gemv_time = GemvTimer(lm, reps)
+        self.ids, self.tokens = None, 0
+        if tokens:
+            from localllm.evaluate import read_text, tokenize
+            self.ids = tokenize(lm, read_text(None)[0], tokens + 1)
+            self.tokens = len(self.ids) - 1
+
+    def _set(self, choice: Choice | None) -> None:
+        self.lm.set_qdec("off" if choice is None else
+                         {"mode": "approx", "k_chunk": dict(choice.k_chunk), "n_tb": dict(choice.n_tb)})
+
+    def decode_time(self, choice: Choice | None) -> float:
+        from localllm.bench import decode_time
+        self._set(choice)
+        return statistics.median(decode_time(self.lm.model, ctx=self.ctx) for _ in range(DECODE_RUNS))
+
+    def perplexity(self, choice: Choice | None) -> float:
+        from localllm.evaluate import perplexity
+        self._set(choice)
+        limit = self.lm.model.cfg.max_position_embeddings
+        return perplexity(self.lm, self.ids, ctx=min(512, limit, len(self.ids) - 1), desc="tune: perplexity")

@@ -1,0 +1,198 @@
+"""`localllm tune`: search (tuner.search) over GEMV timings, then check each budget's setting end to end.
+
+For each budget, ascending: the search picks a setting on the GEMV timings; the decode step is then timed with it
+(a captured graph, as generation runs) and compared with the step without QDEC timed just before (a pair, so
+clock drift over the tune does not enter the ratio). When the measured slowdown is over
+the budget (the GEMV timings miss something: overlap, launch order, the QDEC variant's own cost), the search runs
+again with its target cut by the measured overshoot, and the step is timed again, up to MAX_TRIES times; a budget
+still over after that gets no compensation. So every reported setting was measured to fit its budget. Each
+setting's pair is timed once per tune (another budget or try that lands on it reuses the pair). A larger
+budget then never ends with fewer compensated rows than a smaller one (search.carry_forward, on measured settings).
+
+run() is the procedure over a Bench (three timing/quality functions), so it is tested on the CPU with fakes;
+tune() is the GPU glue (tuner.timing) and writes the profiles.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from localllm.model import KINDS
+
+from . import profile as profiles
+from .search import Choice, Memo, Problem, carry_forward, nothing, search
+
+MAX_TRIES = 4
+SHRINK = 0.9  # a retry aims this much under the target the overshoot suggests
+
+
+class Bench(Protocol):
+    def gemv_time(self, kind: str, n_tb: int, k_chunk: int) -> float: ...
+
+    def decode_time(self, choice: Choice | None) -> float: ...  # seconds per decode step; None: QDEC off
+
+    def perplexity(self, choice: Choice | None) -> float: ...
+
+
+@dataclass
+class Row:
+    choice: Choice  # choice.budget is the budget asked for; choice.predicted is on the GEMV timings
+    decode: float  # measured seconds per decode step at this setting
+    decode_off: float  # the step without QDEC, timed just before it (so clock drift does not enter the ratio)
+    slowdown: float  # measured: decode / decode_off - 1
+    tries: int  # searches it took
+    perplexity: float | None = None
+
+    @property
+    def budget(self) -> float:
+        return self.choice.budget
+
+
+@dataclass
+class Result:
+    problem: Problem  # step_time: the measured decode step without QDEC
+    rows: list[Row]
+    perplexity_off: float | None
+    points: int  # GEMV timing points measured
+    seconds: float
+    paths: list = field(default_factory=list)  # profiles written (tune())
+
+
+def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None) -> Result:
+    """Tune every budget (fractions) on `bench`; `bar` (a tqdm-like object) counts the measurements."""
+    t0 = time.perf_counter()
+    tick = (lambda *_: bar.update(1)) if bar is not None else None  # noqa: E731
+    say = (lambda s: bar.set_description(s)) if bar is not None else (lambda s: None)  # noqa: E731
+    say("tuning: decode step without QDEC")
+    base = bench.decode_time(None)
+    problem = replace(problem, step_time=base)
+    memo = Memo(bench.gemv_time, tick)
+
+    def measure(c: Choice) -> tuple[float, float]:
+        off, on = bench.decode_time(None), bench.decode_time(c)
+        if tick:
+            tick()
+            tick()
+        return on, off
+
+    rows: list[Row] = []
+    measured: dict[tuple, tuple[float, float]] = {}  # setting -> (decode, decode without QDEC), each timed once
+    for budget in sorted(set(budgets)):
+        target, row = budget, None
+        for tries in range(1, MAX_TRIES + 1):
+            say(f"tuning {profiles.percent(budget)}%: search" + (f" (try {tries})" if tries > 1 else ""))
+            c = replace(search(problem, memo, target), budget=budget)
+            if not c.compensates:
+                row = Row(c, base, base, 0.0, tries)
+                break
+            key = (tuple(c.k_chunk.items()), tuple(c.n_tb.items()))
+            if key not in measured:
+                say(f"tuning {profiles.percent(budget)}%: decode step")
+                measured[key] = measure(c)
+            on, off = measured[key]
+            slow = on / off - 1
+            if slow <= budget:
+                row = Row(c, on, off, slow, tries)
+                break
+            target = target * budget / slow * SHRINK
+        if row is None:  # still over after MAX_TRIES: no compensation for this budget
+            row = Row(nothing(problem, budget), base, base, 0.0, MAX_TRIES)
+        rows.append(row)
+    by_budget = {r.budget: r for r in rows}
+    final = []
+    for c in carry_forward(problem, [r.choice for r in rows]):
+        src = by_budget[c.budget if c.carried_from is None else c.carried_from]
+        final.append(Row(c, src.decode, src.decode_off, src.slowdown, by_budget[c.budget].tries))
+    ppl_off = None
+    if evaluate:
+        say("tuning: perplexity without QDEC")
+        ppl_off = bench.perplexity(None)
+        seen: dict[tuple, float] = {}
+        for r in final:
+            key = tuple(sorted(r.choice.k_chunk.items())) + tuple(sorted(r.choice.n_tb.items()))
+            if not r.choice.compensates:
+                r.perplexity = ppl_off
+                continue
+            if key not in seen:
+                say(f"tuning {profiles.percent(r.budget)}%: perplexity")
+                seen[key] = bench.perplexity(r.choice)
+            r.perplexity = seen[key]
+    return Result(problem, final, ppl_off, len(memo.points), time.perf_counter() - t0)
+
+
+def profile_of(row: Row, result: Result, gpu: dict, model_id: str, bits: int | None, tokens: int | None) -> dict:
+    """The JSON profile of one budget (tuner.profile describes the format and how the runtime uses it)."""
+    from localllm import __version__
+    c = row.choice
+    return {
+        "format": profiles.FORMAT,
+        "gpu": gpu,
+        "model_id": model_id,
+        "bits": bits,
+        "budget": c.budget,
+        "n_tb_max": c.n_tb_max,
+        "layers": {k: {"k_chunk": c.k_chunk[k], "n_tb": c.n_tb[k]} for k in KINDS},
+        "slowdown": row.slowdown,
+        "predicted_slowdown": c.predicted,
+        "decode_ms": {"off": 1e3 * row.decode_off, "qdec": 1e3 * row.decode},
+        "perplexity": None if row.perplexity is None else
+        {"off": result.perplexity_off, "qdec": row.perplexity, "tokens": tokens},
+        "search": {"phase1_steps": c.steps, "fallback": list(c.fallback), "tries": row.tries,
+                   "carried_from": c.carried_from, "points": result.points, "seconds": round(result.seconds, 1)},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "localllm_version": __version__,
+    }
+
+
+def table(result: Result, title: str) -> str:
+    """The paper's Table 3 for this GPU and model: budget -> n_tb_max / (k_qkv, k_o, k_gu, k_d) -> slowdown."""
+    ev = result.perplexity_off is not None
+    base = result.problem.step_time
+    lines = [title,
+             f"{'budget':>7}  {'n_tb_max / (k_qkv, k_o, k_gu, k_d)':<36} {'predicted':>9} {'measured':>9} "
+             f"{'ms/token':>9}" + (f" {'perplexity':>10}" if ev else ""),
+             f"{'off':>7}  {'-':<36} {'':>9} {'':>9} {1e3 * base:9.3f}"
+             + (f" {result.perplexity_off:10.3f}" if ev else "")]
+    for r in result.rows:
+        c = r.choice
+        ks = ", ".join(str(c.k_chunk[k]) for k in KINDS)
+        setting = f"{c.n_tb_max if c.compensates else '-'} / ({ks})"
+        note = f"  (= {profiles.percent(c.carried_from)}%'s)" if c.carried_from is not None else \
+            "  (nothing fits)" if not c.compensates else ""
+        lines.append(f"{profiles.percent(r.budget) + '%':>7}  {setting:<36} {100 * c.predicted:+8.1f}% "
+                     f"{100 * r.slowdown:+8.1f}% {1e3 * r.decode:9.3f}"
+                     + (f" {r.perplexity:10.3f}" if ev and r.perplexity is not None else "") + note)
+    lines.append(f"{result.points} GEMV timing points, {result.seconds:.0f} s")
+    return "\n".join(lines)
+
+
+def tune(lm, budgets, evaluate: bool = True, tokens: int = 512, write: bool = True, force: bool = False,
+         reps: int = 20) -> Result:
+    """Tune a LocalModel on its GPU for each budget (fractions); write a profile per budget next to the model."""
+    from localllm.errors import LocalLLMError
+    from localllm.progress import progress
+
+    from .timing import GpuBench, problem_of
+    if lm.model.device.type != "cuda":
+        raise LocalLLMError("localllm tune measures the GPU: load the model with device='cuda'")
+    if not lm.manifest or not lm.has_residuals:
+        raise LocalLLMError(f"{lm.path} has no QDEC residuals, so there is nothing to tune; quantize it with "
+                            "residuals (localllm quantize, without --no-residuals)")
+    gpu = profiles.gpu_identity(lm.model.device)
+    if write:  # refuse before minutes of measuring, not after
+        for b in budgets:
+            profiles.check_free(lm.path, gpu["name"], gpu["sm_count"], lm.manifest["model_id"], b, force)
+    bench = GpuBench(lm, reps=reps, tokens=tokens if evaluate else 0)
+    with progress(desc="tuning", unit="point") as bar:
+        result = run(problem_of(lm), bench, budgets, evaluate=evaluate, bar=bar)
+    lm.set_qdec("off")
+    if write:
+        for r in result.rows:
+            p = profile_of(r, result, gpu, lm.manifest["model_id"], lm.manifest.get("quant", {}).get("bits"),
+                           bench.tokens if evaluate else None)
+            path, old = profiles.write(lm.path, p, force=force)
+            result.paths.append((path, old))
+        lm._tuned = None  # set_qdec("on") looks again
+    return result
