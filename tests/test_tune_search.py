@@ -30,9 +30,10 @@ def base(lay: Layer) -> float:
 
 
 def fetch(lay: Layer, n_tb: int, k: int) -> float:
-    """Zero-copy fetch of k rows per chunk: a round trip, then bytes at a bandwidth that grows with the blocks."""
+    """Zero-copy fetch of k rows per chunk: a round trip, then bytes at ~5 GB/s per compensating block (the H100's
+    per-SM rate) up to PCIe's 50 GB/s."""
     rows = qdec.chunks(lay.K) * k
-    return 1e-6 + rows * lay.N / 2 / (25e9 * min(1.0, n_tb / 24))
+    return 1e-6 + rows * lay.N / 2 / min(50e9, 5e9 * n_tb)
 
 
 def timing_model(layers, qdec_time):
@@ -42,13 +43,13 @@ def timing_model(layers, qdec_time):
 
 
 def monotone(layers):
-    """Never hidden: grows with k from the start (and a little with n_tb)."""
-    return timing_model(layers, lambda lay, n_tb, k: base(lay) * (1 + 0.0005 * n_tb) + 0.1 * fetch(lay, n_tb, k))
+    """Never hidden: grows with k from the start (and with n_tb: each compensating block leaves the weight stream)."""
+    return timing_model(layers, lambda lay, n_tb, k: base(lay) * (1 + 0.0075 * n_tb) + 0.1 * fetch(lay, n_tb, k))
 
 
 def knee(layers):
     """Flat while the fetch hides under the GEMV (which more blocks slow down), then linear in k."""
-    return timing_model(layers, lambda lay, n_tb, k: max(base(lay) * (1 + 0.001 * n_tb), fetch(lay, n_tb, k))
+    return timing_model(layers, lambda lay, n_tb, k: max(base(lay) * (1 + 0.0075 * n_tb), fetch(lay, n_tb, k))
                         + 1e-9 * k)
 
 
@@ -123,12 +124,14 @@ def test_phase1_finds_what_a_step_by_step_walk_finds(name):
         c = search(p, memo, b)
         fixed = set(c.fallback)
         cost = _Cost(p, memo, b)
+        top = max((lay.k_max for lay in p.layers if lay.kind not in fixed), default=0)  # 0: all fell back
         for _, n_tb in p.n_tb_candidates():
             walk = 0
-            while walk < 256 and cost.fits(n_tb, _uniform(p.layers, fixed, walk + 1)):
+            while walk < top and cost.fits(n_tb, _uniform(p.layers, fixed, walk + 1)):
                 walk += 1
             assert _coarse(cost, n_tb, fixed) == walk
-        assert c.steps == max(_coarse(cost, n_tb, fixed) for _, n_tb in p.n_tb_candidates()) > 0
+        assert c.steps == max(_coarse(cost, n_tb, fixed) for _, n_tb in p.n_tb_candidates())
+        assert c.steps > 0 or b < 0.2
 
 
 @pytest.mark.parametrize("name", ["monotone", "knee"])
@@ -231,15 +234,17 @@ def test_n_tb_candidates_are_distinct_and_within_half_the_sms():
         assert v <= 66
         for lay in p.layers:
             assert a[lay.kind] == lay.n_tb_under(v)
-    # a GPU whose half SM count is below down's 14 chunks: down keeps its smallest viable n_tb (one block a chunk)
+    # a GPU of 20 SMs: n_tb_max stops at 10, so down (14 chunks) never gets one compensating block per chunk
     small = problem(sms=20)
-    assert all(a["down"] == 14 for _, a in small.n_tb_candidates())
+    assert all(a["down"] <= 10 for _, a in small.n_tb_candidates())
 
 
 def test_viable_n_tb_follows_appendix_a():
     assert qdec.viable_groups(24) == [1, 2, 3, 4, 5, 6, 8, 12, 24]  # the paper's c_out = 6144 example
-    # our kernel: every chunk of the input gets the same number of segment groups
-    assert qdec.viable_n_tb(4096, 6144, 132) == [4 * q for q in (1, 2, 3, 4, 5, 6, 8, 12, 24)]
+    # our kernel: n_tb compensating blocks take ceil(chunks / n_tb) whole chunks each; one block must stream
+    assert qdec.viable_n_tb(14336, 4096, 132) == [1, 2, 3, 4, 5, 7, 14]
+    assert qdec.viable_n_tb(4096, 6144, 132) == [1, 2, 4]
+    assert qdec.viable_n_tb(4096, 64, 4) == [1, 2]
 
 
 def test_largest_k_from_shared_memory():

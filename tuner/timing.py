@@ -8,10 +8,9 @@ inputs are random with the spread the calibration saw per channel, and b0 / b15 
 boundaries, as the runtime sets them. The decode step (decode_time) is the captured graph of generation, with QDEC
 off or at a setting (LocalModel.set_qdec with per-kind n_tb), the median of a few runs.
 
-n_tb: kernels.qdec.viable_n_tb, the chunks of the input times a viable count of 256-output segment groups
-(Appendix A's rule B per chunk; a block never serves two chunks, so the paper's A, n < chunks, does not exist in
-this kernel). The fetching blocks are among the GEMV's own blocks (one per SM), so Phase 1's limit on n_tb_max is
-half the SM count, as in the paper. k_chunk is bounded by the GPU's shared memory per block (opt-in maximum) for
+n_tb: kernels.qdec.viable_n_tb, the number of compensating blocks, each taking ceil(chunks / n_tb) whole
+1024-channel chunks (Appendix A's rule over the chunks). They are among the GEMV's own blocks (one per SM) and
+stream no weights, so Phase 1's limit on n_tb_max is half the SM count, as in the paper. k_chunk is bounded by the GPU's shared memory per block (opt-in maximum) for
 the QDEC GEMV of that shape (kernels.qdec.shared_bytes_total) and by the calibration's kmax.
 """
 from __future__ import annotations
