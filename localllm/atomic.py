@@ -12,6 +12,26 @@ from .errors import LocalLLMError
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` via a temp file + rename in the same folder (replaces an older version whole)."""
+    with _temp_file(path, data) as tmp:
+        os.replace(tmp, path)
+
+
+def write_new(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path`, which must not exist: raises FileExistsError rather than replace anything, even a
+    file that appears meanwhile (a hard link of the complete temp file takes the name, or fails)."""
+    with _temp_file(path, data) as tmp:
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError:  # no hard links on this file system (FAT, some network shares): claim the name, then fill it
+            open(path, "xb").close()
+            os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _temp_file(path: str | os.PathLike, data: bytes):
+    """Yield the name of a temp file beside `path` holding `data` (on disk); it is removed afterwards."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -20,11 +40,10 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        yield tmp
+    finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

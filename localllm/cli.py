@@ -39,6 +39,17 @@ def cmd_generate(a) -> None:
           f"finished by {st.finish_reason}; QDEC {lm.settings.mode}: {lm.qdec_source}]", file=sys.stderr)
 
 
+def cmd_chat(a) -> None:
+    from .runtime import resolve_device
+    from .tui.session import ReplySettings
+    device = str(resolve_device(a.device))  # no GPU for --device cuda: the one-line error, before the app starts
+    settings = ReplySettings(system=a.system or "", temperature=a.temperature, top_p=a.top_p,
+                             max_new_tokens=a.max_new_tokens, seed=a.seed)
+    settings.check()
+    from .tui.app import ChatApp
+    ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, settings=settings, save_dir=a.save_dir).run()
+
+
 def cmd_info(a) -> None:
     from .runtime import describe, load
     d = describe(load(a.model, gguf_file=a.gguf_file))
@@ -155,6 +166,20 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--gguf-file", help="which GGUF file of a folder to load")
     g.add_argument("--device", default="auto", help="auto (GPU when usable), cpu or cuda")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="chat with a model in the terminal",
+                       description="localllm chat [MODEL]: a chat UI in the terminal; with no MODEL, the demo model.")
+    c.add_argument("model", nargs="?", help="model folder, checkpoint or .gguf file (default: the demo model)")
+    c.add_argument("--system", help="system prompt")
+    c.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    c.add_argument("--top-p", type=float, default=0.9)
+    c.add_argument("--max-new-tokens", type=int, default=512)
+    c.add_argument("--seed", type=int, help="the same seed for every reply (default: a new one each)")
+    c.add_argument("--qdec", type=_qdec_arg, default="on", help="on, off, or k_chunk per 1024 channels")
+    c.add_argument("--gguf-file", help="which GGUF file of a folder to load")
+    c.add_argument("--device", default="auto", help="auto (GPU when usable), cpu or cuda")
+    c.add_argument("--save-dir", default=".", help="where ctrl+s saves the chat (default: the current folder)")
+    c.set_defaults(func=cmd_chat)
 
     i = sub.add_parser("info", help="sizes, bits, calibration and tuning profiles of a model")
     i.add_argument("model", nargs="?", help="model folder (default: the demo model)")

@@ -19,7 +19,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     def check(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.repetition_penalty <= 0:
+        # written as what must hold, so that NaN (which fails every comparison) is refused too
+        if not (self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0 and self.repetition_penalty > 0):
             raise LocalLLMError(f"bad sampling settings {self}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, "
                                 "repetition_penalty > 0")
 
@@ -60,7 +61,7 @@ class Stats:
     new_tokens: int = 0
     time_to_first_token: float = 0.0
     decode_seconds: float = 0.0
-    finish_reason: str = ""  # "eos" | "stop" | "length"
+    finish_reason: str = ""  # "eos" | "stop" | "length" | "cancelled" (Stream.close() before the end)
 
     @property
     def tokens_per_second(self) -> float:
@@ -78,6 +79,13 @@ class Stream:
 
     def text(self) -> str:
         return "".join(self.pieces)
+
+    def close(self) -> None:
+        """Stop decoding now (the user cancelled): nothing more is generated, `stats` count what was, and the model
+        is ready for the next generate()."""
+        self.pieces.close()  # GeneratorExit at the yield: the decoder is between tokens
+        if not self.stats.finish_reason:
+            self.stats.finish_reason = "cancelled"
 
 
 def encode_prompt(lm: LocalModel, prompt: str | list[dict]) -> list[int]:
@@ -127,6 +135,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
                 break
             out.append(t)
             stats.new_tokens = len(out)
+            stats.decode_seconds = time.perf_counter() - t1  # kept current: a closed stream's stats stay true
             seen[t] = True
             text = tok.decode(out, skip_special_tokens=True)
             cut = min((i for i in (text.find(s, max(0, emitted - len(s))) for s in stops) if i >= 0), default=-1)
@@ -148,8 +157,6 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
             text = tok.decode(out, skip_special_tokens=True)
             if len(text) > emitted:
                 yield text[emitted:]
-    if out:
-        stats.decode_seconds = time.perf_counter() - t1
 
 
 def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_tokens: int = 256,

@@ -1,16 +1,51 @@
 """Progress bars for long work (loading, quantizing, calibrating, tuning, evaluating).
 
 Shown on a terminal, silent in pipes and CI unless LOCALLLM_PROGRESS=1; LOCALLLM_PROGRESS=0 hides them.
+A UI that owns the terminal (the chat app) takes the progress of the work it runs with observe() instead.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+from contextvars import ContextVar
+from typing import Callable
 
 from tqdm.auto import tqdm
+from tqdm.std import tqdm as tqdm_std
+
+# callback(desc, n, total, unit) of the current thread's observer; None: bars go to the terminal
+_observer: ContextVar[Callable[[str, float, float | None, str], None] | None] = ContextVar("observer", default=None)
 
 
 def progress(iterable=None, desc: str = "", total: int | None = None, unit: str = "it", **kw):
+    callback = _observer.get()
+    if callback is not None:
+        return _Observed(iterable, desc=desc, total=total, unit=unit, callback=callback, **kw)
     env = os.environ.get("LOCALLLM_PROGRESS")
     disable = None if env is None else env == "0"  # None: tqdm shows bars only on a TTY
     return tqdm(iterable, desc=desc, total=total, unit=unit, disable=disable, dynamic_ncols=True,
                 leave=False, **kw)
+
+
+@contextlib.contextmanager
+def observe(callback: Callable[[str, float, float | None, str], None]):
+    """Within this block, in this thread, progress bars call callback(desc, n, total, unit) (at most ~10 times a
+    second, and once when done) and print nothing."""
+    token = _observer.set(callback)
+    try:
+        yield
+    finally:
+        _observer.reset(token)
+
+
+class _Observed(tqdm_std):
+    """A bar that reports to a callback; tqdm still decides when (its rate limit) and counts."""
+
+    def __init__(self, *args, callback, **kw):
+        self._callback = callback
+        super().__init__(*args, file=io.StringIO(), disable=False, leave=False, **kw)
+
+    def display(self, msg=None, pos=None) -> bool:
+        self._callback(self.desc, self.n, self.total, self.unit)
+        return False  # nothing was written to clear

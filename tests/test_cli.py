@@ -43,3 +43,24 @@ def test_errors_are_one_line(tmp_path):
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("localllm: error: no such file")
     r = run("quantize", tmp_path / "missing", "-o", tmp_path / "o")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_chat_starts_the_app_with_the_options(tiny_quant, monkeypatch):
+    from localllm.tui.app import ChatApp
+    started = []
+    monkeypatch.setattr(ChatApp, "run", lambda self: started.append(self))
+    assert main(["chat", str(tiny_quant), "--device", "cpu", "--system", "Be brief.", "--temperature", "0",
+                 "--max-new-tokens", "9", "--seed", "3", "--qdec", "off"]) == 0
+    app = started[0]
+    assert (app.model_src, app.device, app.qdec) == (str(tiny_quant), "cpu", "off")
+    assert (app.settings.system, app.settings.temperature, app.settings.max_new_tokens, app.settings.seed) == \
+        ("Be brief.", 0.0, 9, 3)
+
+
+def test_chat_errors_before_the_app_are_one_line(capsys):
+    import torch
+    assert main(["chat", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["chat", "--device", "cuda"]) == 2
+        assert capsys.readouterr().err.startswith("localllm: error: no CUDA GPU is visible")

@@ -98,7 +98,26 @@ def test_qdec_changes_output_and_is_deterministic(lm):
 def test_bad_arguments_are_refused(lm):
     with pytest.raises(LocalLLMError, match="temperature"):
         generate(lm, "x", temperature=-1)
+    with pytest.raises(LocalLLMError, match="temperature"):
+        generate(lm, "x", temperature=float("nan"))
     with pytest.raises(LocalLLMError, match="k_chunk"):
         generate(lm, "x", qdec=5000)
     with pytest.raises(LocalLLMError, match="mode"):
         generate(lm, "x", qdec={"mode": "magic"})
+
+
+def test_closing_a_stream_stops_it_and_the_model_goes_on(lm):
+    lm.eos_ids = []
+    kw = dict(max_new_tokens=30, temperature=1.0, seed=11)
+    full = generate(lm, "Once upon a time", **kw)
+    s = generate(lm, "Once upon a time", stream=True, **kw)
+    it = iter(s)
+    first = [next(it) for _ in range(3)]
+    s.close()
+    assert s.stats.finish_reason == "cancelled" and 3 <= s.stats.new_tokens < 30 and s.stats.decode_seconds > 0
+    assert full.startswith("".join(first)) and list(it) == []
+    assert generate(lm, "Once upon a time", **kw) == full  # the decoder kept no state from the closed stream
+    done = generate(lm, "Once upon a time", stream=True, **kw)
+    done.text()
+    done.close()  # closing a finished stream changes nothing
+    assert done.stats.finish_reason == "length"

@@ -1,0 +1,164 @@
+"""The chat's logic without its widgets: conversation, cancellation, QDEC on/off, errors, status facts, history."""
+import json
+import threading
+
+import pytest
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.generate import generate
+from localllm.runtime import load
+from localllm.tui import facts, history
+from localllm.tui.session import ChatSession, ReplySettings, open_model, readable
+from localllm.tui.transcript import printable
+
+
+@pytest.fixture
+def lm(tiny_quant):
+    lm = load(tiny_quant)
+    lm.eos_ids = []  # replies run to max_new_tokens: long enough to stream in pieces
+    return lm
+
+
+def reply_to(session, text, stop=None):
+    reply = session.send(text)
+    pieces = []
+    reply.run(session, pieces.append, stop or threading.Event())
+    session.finish(reply)
+    return reply, pieces
+
+
+def test_conversation_goes_to_generate_each_turn(lm):
+    st = ReplySettings(system="Be brief.", temperature=0.8, top_p=0.95, max_new_tokens=12, seed=5)
+    s = ChatSession(lm, st)
+    first, pieces = reply_to(s, "Hello")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    want = generate(lm, msgs, max_new_tokens=12, temperature=0.8, top_p=0.95, seed=5)
+    assert first.text == "".join(pieces) == want and len(pieces) > 1 and first.error is None
+    second, _ = reply_to(s, "And then?")
+    msgs += [{"role": "assistant", "content": want}, {"role": "user", "content": "And then?"}]
+    assert second.prompt == msgs
+    assert second.text == generate(lm, msgs, max_new_tokens=12, temperature=0.8, top_p=0.95, seed=5)
+    assert [t["role"] for t in s.turns] == ["user", "assistant"] * 2
+    assert s.turns[-1]["settings"]["seed"] == 5 and s.turns[-1]["settings"]["qdec"]["mode"] == "approx"
+    s.new_chat()
+    assert s.turns == [] and s.send("Hi").prompt == [{"role": "system", "content": "Be brief."},
+                                                      {"role": "user", "content": "Hi"}]
+
+
+def test_a_stopped_reply_keeps_what_was_shown_and_the_model_goes_on(lm):
+    s = ChatSession(lm, ReplySettings(max_new_tokens=40, seed=3))
+    stop = threading.Event()
+    shown = []
+
+    def emit(piece):
+        shown.append(piece)
+        if len(shown) == 3:
+            stop.set()  # as the UI does on Esc, while the next token decodes
+
+    reply = s.send("Tell me")
+    reply.run(s, emit, stop)
+    s.finish(reply)
+    assert reply.cancelled and reply.stats.finish_reason == "cancelled" and len(shown) == 3
+    assert 3 <= reply.stats.new_tokens < 40 and reply.text == "".join(shown)
+    assert s.turns[-1] == {**s.turns[-1], "content": reply.text, "cancelled": True}
+    nxt, _ = reply_to(s, "Go on")  # the cancelled reply is part of the conversation
+    want = generate(lm, [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": reply.text},
+                         {"role": "user", "content": "Go on"}], max_new_tokens=40, seed=3)
+    assert nxt.text == want and not nxt.cancelled
+
+
+def test_a_failed_reply_is_a_message_and_leaves_the_conversation_as_it_was(lm, monkeypatch):
+    s = ChatSession(lm, ReplySettings(max_new_tokens=4, seed=1))
+    reply_to(s, "One")
+
+    def out_of_memory(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr("localllm.tui.session.generate", out_of_memory)
+    failed, _ = reply_to(s, "Two")
+    assert failed.error.startswith("out of GPU memory") and "new chat" in failed.error
+    assert len(s.turns) == 2 and s.running is None
+    with pytest.raises(LocalLLMError, match="still running"):
+        s.send("a")
+        s.send("b")
+
+
+def test_readable_errors():
+    assert readable(LocalLLMError("x is missing; do y")) == "x is missing; do y"
+    assert readable(RuntimeError("CUDA error: an illegal memory access was encountered\nmore")).startswith(
+        "the GPU failed (CUDA error: an illegal memory access was encountered); restart")
+    assert readable(MemoryError()).startswith("out of memory")
+    assert readable(ValueError("bad\ntrace")) == "unexpected error: ValueError: bad"
+
+
+def test_qdec_off_and_back_on_restores_the_loaded_k_chunks(tiny_quant):
+    ks = {"qkv": 4, "o": 8, "gate_up": 16, "down": 2}
+    lm = load(tiny_quant, qdec={"mode": "approx", "k_chunk": ks})
+    s = ChatSession(lm)
+    s.want_qdec = False
+    s.sync_qdec()
+    assert lm.settings.mode == "off" and facts.k_chunks(lm) == "off"
+    s.want_qdec = True
+    s.sync_qdec()
+    assert lm.settings.mode == "approx" and lm.settings.k_chunk == ks
+    assert facts.k_chunks(lm) == "qkv 4 · o 8 · gate_up 16 · down 2"
+    assert facts.qdec_source(lm) == "set at load, no tuning profile"
+
+
+def test_status_facts_on_the_cpu(lm):
+    line = facts.status_line(lm, None)
+    kib = lm.sizes()["pinned_host_bytes"] / 1024
+    assert line == f"CPU │ — tok/s │ TTFT — │ GPU mem — │ residuals {kib:.0f} KiB in RAM │ QDEC overhead not measured"
+    s = generate(lm, "Hi", max_new_tokens=5, stream=True)
+    s.text()
+    assert f"{s.stats.tokens_per_second:.1f} tok/s │ TTFT {s.stats.time_to_first_token:.2f} s" in \
+        facts.status_line(lm, s.stats)
+    assert facts.qdec_source(lm) == "default k_chunk, no tuning profile"
+    lm.qdec_source, lm.qdec_overhead = "tuned on NVIDIA H100, budget 5%", 0.048  # what the tuner will set
+    assert facts.qdec_source(lm) == "tuned on NVIDIA H100, budget 5%"
+    assert facts.status_line(lm, None).endswith("QDEC overhead +4.8%")
+    lm.set_qdec("off")
+    assert facts.status_line(lm, None).endswith("QDEC off")
+
+
+def test_settings_are_checked_by_generates_rules():
+    st = ReplySettings()
+    assert st.updated("temperature", " 0 ").temperature == 0.0
+    assert st.updated("max_new_tokens", "7").max_new_tokens == 7
+    for name, text in [("temperature", "-1"), ("top_p", "0"), ("top_p", "1.5"), ("max_new_tokens", "0"),
+                       ("max_new_tokens", "2.5"), ("temperature", "warm"), ("temperature", "nan")]:
+        with pytest.raises(ValueError):
+            st.updated(name, text)
+
+
+def test_a_model_without_chat_template_cannot_chat(tiny_ckpt, tmp_path):
+    import shutil
+    folder = tmp_path / "plain"
+    shutil.copytree(tiny_ckpt, folder)
+    cfg = folder / "tokenizer_config.json"
+    cfg.write_text(json.dumps({k: v for k, v in json.loads(cfg.read_text()).items() if k != "chat_template"}))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(LocalLLMError, match="no chat template"):
+        open_model(str(folder))
+
+
+def test_history_is_saved_to_a_new_file_and_never_replaces_one(lm, tmp_path, monkeypatch):
+    s = ChatSession(lm, ReplySettings(system="Be kind.", max_new_tokens=5, seed=2))
+    reply, _ = reply_to(s, "Hello")
+    monkeypatch.setattr("localllm.tui.history.time.strftime", lambda fmt: "chat-fixed" if "chat" in fmt else "now")
+    (tmp_path / "chat-fixed.json").write_text("mine")
+    path = history.save(s, tmp_path)
+    assert path == tmp_path / "chat-fixed-2.json" and (tmp_path / "chat-fixed.json").read_text() == "mine"
+    d = json.loads(path.read_text())
+    assert d["model"] == lm.path and d["device"] == "CPU"
+    assert [m["role"] for m in d["messages"]] == ["system", "user", "assistant"]
+    assert d["messages"][2]["content"] == reply.text and d["messages"][2]["settings"]["max_new_tokens"] == 5
+    assert d["messages"][2]["stats"]["new_tokens"] == reply.stats.new_tokens
+    assert history.save(s, tmp_path) == tmp_path / "chat-fixed-3.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat-fixed-2.json", "chat-fixed-3.json",
+                                                          "chat-fixed.json"]  # no temp files left
+
+
+def test_control_characters_are_shown_not_sent_to_the_terminal():
+    assert printable("a\x1b[31mb\tc\nd\x07\x7f\x9b") == "a␛[31mb\tc\nd␇␡\ufffd"

@@ -1,0 +1,323 @@
+"""The chat app driven like a user does (Textual's Pilot), on the CPU with the tiny model."""
+import asyncio
+import functools
+import json
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import textual
+from textual.widgets import Input, Static, Switch
+
+from localllm.generate import Stats, Stream, generate
+from localllm.tui.app import ChatApp
+from localllm.tui.loading import LoadingPanel
+from localllm.tui.session import ChatSession, ReplySettings
+from localllm.tui.settings import SettingsPanel
+from localllm.tui.transcript import Notice, ReplyMessage, UserMessage, printable
+
+SIZE = (110, 36)
+
+
+def scenario(test):
+    """Run an async test in its own event loop (no pytest plugin needed)."""
+    @functools.wraps(test)
+    def run(*args, **kw):
+        asyncio.run(test(*args, **kw))
+    return run
+
+
+async def until(pilot, cond, what: str, timeout: float = 30.0):
+    """Let the app run until cond() holds (the model works on another thread)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await pilot.pause(0.01)
+
+
+async def loaded(pilot):
+    app = pilot.app
+    await until(pilot, lambda: app.session is not None, "the model to load")
+    app.session.lm.eos_ids = []  # replies run to max new tokens: many pieces
+    return app.session
+
+
+@pytest.fixture
+def replies(monkeypatch) -> list:
+    """Every Reply the app starts (pressing Enter may return after the reply has already ended)."""
+    started = []
+    send = ChatSession.send
+
+    def spy(self, text):
+        started.append(send(self, text))
+        return started[-1]
+
+    monkeypatch.setattr(ChatSession, "send", spy)
+    return started
+
+
+async def send(pilot, replies: list, text: str):
+    n = len(replies)
+    await pilot.click("#prompt")
+    await pilot.press(*text, "enter")
+    await until(pilot, lambda: len(replies) > n, "the reply to start")
+    return replies[-1]
+
+
+async def done(pilot, reply):
+    app = pilot.app
+    await until(pilot, lambda: app.session.running is None and app._current is None, "the reply to end")
+    return reply
+
+
+def shown(app) -> str:
+    """The text of the last reply in the transcript."""
+    return app.query(ReplyMessage).last().markdown.source
+
+
+class Gate:
+    """Wraps generate(): a reply stops after `after` pieces until release() (so a test sees it mid-stream)."""
+
+    def __init__(self, monkeypatch, after: int | None):
+        self.after, self.paused, self.released, self.streams = after, threading.Event(), threading.Event(), []
+        monkeypatch.setattr("localllm.tui.session.generate", self)
+
+    def __call__(self, *args, **kw):
+        s = generate(*args, **kw)
+        self.streams.append(s)
+
+        def pieces():
+            try:
+                for i, piece in enumerate(s.pieces, 1):
+                    yield piece
+                    if i == self.after:
+                        self.paused.set()
+                        assert self.released.wait(30)
+            finally:
+                s.close()
+
+        return Stream(pieces(), s.stats)
+
+    def release(self):
+        self.after = None
+        self.released.set()
+
+
+@scenario
+async def test_a_reply_streams_into_the_transcript(tiny_quant, monkeypatch, replies):
+    gate = Gate(monkeypatch, after=2)
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=24, seed=4, system="Be brief."))
+    async with app.run_test(size=SIZE) as pilot:
+        session = await loaded(pilot)
+        reply = await send(pilot, replies, "Hello there")
+        await until(pilot, gate.paused.is_set, "two pieces")
+        await until(pilot, lambda: shown(app) == printable(reply.text), "them on screen")
+        assert reply.pieces == 2 and shown(app) and app.session.running is reply  # on screen while it runs
+        gate.release()
+        await done(pilot, reply)
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+        want = generate(session.lm, msgs, max_new_tokens=24, temperature=0.7, top_p=0.9, seed=4)
+        assert reply.text == want and shown(app) == printable(want) and reply.pieces > 2
+        assert app.query(UserMessage).last().text == "Hello there"
+        meta = str(app.query_one(ReplyMessage).query_one(".meta", Static).render())
+        assert meta.startswith("24 tokens") and meta.endswith("stopped at max new tokens")
+        assert f"{reply.stats.tokens_per_second:.1f} tok/s" in str(app.query_one("#status", Static).render())
+        second = await done(pilot, await send(pilot, replies, "Why?"))  # multi-turn: the first exchange goes along
+        msgs += [{"role": "assistant", "content": want}, {"role": "user", "content": "Why?"}]
+        assert second.text == generate(session.lm, msgs, max_new_tokens=24, temperature=0.7, top_p=0.9, seed=4)
+        assert len(app.query(ReplyMessage)) == 2
+
+
+@scenario
+async def test_a_long_fast_reply_is_shown_in_few_updates(tiny_quant, monkeypatch, replies):
+    words = [f"word{i} " + ("\n\n" if i % 40 == 39 else "") for i in range(3000)]
+    monkeypatch.setattr("localllm.tui.session.generate",
+                        lambda *a, **kw: Stream((w for w in words), Stats(new_tokens=3000, finish_reason="length")))
+    app = ChatApp(str(tiny_quant))
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        t0 = time.monotonic()
+        await done(pilot, await send(pilot, replies, "Go"))
+        seconds = time.monotonic() - t0
+        view = app.query(ReplyMessage).last()
+        assert view.markdown.source == "".join(words)
+        assert view.updates <= seconds * ReplyMessage.UPDATES_PER_SECOND + 2  # not one re-render per piece
+
+
+@pytest.mark.parametrize("key", ["escape", "ctrl+c"])
+@scenario
+async def test_cancel_mid_reply_then_the_next_message_works(tiny_quant, monkeypatch, replies, key):
+    gate = Gate(monkeypatch, after=3)
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=60, seed=9))
+    async with app.run_test(size=SIZE) as pilot:
+        session = await loaded(pilot)
+        reply = await send(pilot, replies, "Tell me a story")
+        await until(pilot, gate.paused.is_set, "three pieces")
+        await pilot.press(key)
+        gate.release()  # the fourth piece decodes, is not shown, and the reply stops
+        await done(pilot, reply)
+        assert app.is_running and reply.cancelled and reply.pieces == 3
+        assert gate.streams[0].stats.finish_reason == "cancelled" and reply.stats.new_tokens < 60
+        assert shown(app) == printable(reply.text) and reply.text
+        meta = str(app.query(ReplyMessage).last().query_one(".meta", Static).render())
+        assert meta.startswith("cancelled")
+        assert session.turns[-1]["content"] == reply.text and session.turns[-1]["cancelled"]
+        nxt = await done(pilot, await send(pilot, replies, "Go on"))
+        msgs = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": reply.text},
+                {"role": "user", "content": "Go on"}]
+        assert nxt.text == generate(session.lm, msgs, max_new_tokens=60, seed=9) and shown(app) == printable(nxt.text)
+        assert not nxt.cancelled and nxt.stats.new_tokens == 60
+
+
+@scenario
+async def test_settings_apply_to_the_next_reply(tiny_quant, replies):
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=30, seed=2))
+    async with app.run_test(size=SIZE) as pilot:
+        session = await loaded(pilot)
+        await pilot.press("f2")
+        for field, text in [("temperature", "0"), ("max_new_tokens", "5"), ("top_p", "x")]:
+            await pilot.click(f"#{field}")
+            await pilot.press("end", "ctrl+u", *text)
+        await pilot.pause()
+        assert str(app.query_one(".why", Static).render()) == "Top-p must be a number > 0 and ≤ 1"  # 0.9 stays
+        await pilot.click("#qdec")
+        assert app.query_one("#qdec", Switch).value is False
+        await until(pilot, lambda: session.lm.settings.mode == "off", "QDEC to turn off")
+        reply = await done(pilot, await send(pilot, replies, "Hi"))
+        assert (reply.settings.temperature, reply.settings.max_new_tokens, reply.settings.top_p) == (0.0, 5, 0.9)
+        assert reply.stats.new_tokens == 5 and reply.qdec["mode"] == "off"
+        want = generate(session.lm, [{"role": "user", "content": "Hi"}], max_new_tokens=5, temperature=0, seed=2)
+        assert reply.text == want and session.lm.settings.mode == "off"
+        assert "QDEC off" in str(app.query_one("#status", Static).render())
+        await pilot.click("#qdec")  # and back on: the k_chunk in force is shown again
+        await until(pilot, lambda: session.lm.settings.mode == "approx", "QDEC to turn on")
+        await pilot.pause()
+        assert "qkv 8 · o 8 · gate_up 8 · down 8" in str(app.query_one(".info", Static).render())
+
+
+@scenario
+async def test_loading_shows_its_progress_and_the_ui_stays_live(tiny_quant, monkeypatch):
+    from localllm.progress import progress
+    from localllm.runtime import load
+    halfway, go_on = threading.Event(), threading.Event()
+
+    def slow_load(*args, **kw):  # the real load, after a step that waits for the test
+        print("localllm: downloading the demo model (test) ...", file=sys.stderr)
+        with progress(total=10 << 20, desc="checking files", unit="B") as bar:
+            bar.update(4 << 20)
+            bar.refresh()
+            halfway.set()
+            assert go_on.wait(30)
+            bar.update(6 << 20)
+        return load(*args, **kw)
+
+    monkeypatch.setattr("localllm.tui.session.load", slow_load)
+    app = ChatApp(str(tiny_quant))
+    async with app.run_test(size=SIZE) as pilot:
+        panel = app.query_one(LoadingPanel)
+        await until(pilot, lambda: "checking files: 4 / 10 MiB" in str(panel.query_one(".step").render()),
+                    "the progress on screen")
+        await until(pilot, lambda: "downloading the demo model" in str(panel.query_one(".said").render()),
+                    "what the library said")
+        await pilot.press("f2")  # the UI answers while the model loads
+        assert app.query_one(SettingsPanel).display and app.query_one("#prompt", Input).disabled
+        go_on.set()
+        await loaded(pilot)
+        assert not app.query(LoadingPanel) and not app.query_one("#prompt", Input).disabled
+
+
+@scenario
+async def test_a_load_error_is_shown_in_the_app(tmp_path):
+    app = ChatApp(str(tmp_path / "no-such-model"))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: "Could not load" in str(app.query_one(LoadingPanel).query_one(".title").render()),
+                    "the load to fail")
+        text = str(app.query_one(LoadingPanel).query_one(".error", Static).render())
+        assert text.startswith("no such file or folder") or "no-such-model" in text
+        await pilot.press(*"hello", "enter", "ctrl+n", "ctrl+s", "escape")
+        assert app.is_running and app.session is None and app.query_one("#prompt", Input).disabled
+
+
+@scenario
+async def test_new_chat_copy_and_save(tiny_quant, tmp_path, replies):
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=8, seed=1), save_dir=tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        session = await loaded(pilot)
+        reply = await done(pilot, await send(pilot, replies, "Hello"))
+        await pilot.press("ctrl+y")
+        assert app.clipboard == reply.text
+        await pilot.press("ctrl+s")
+        await pilot.press("ctrl+s")
+        saved = sorted(tmp_path.glob("chat-*.json"))
+        assert len(saved) == 2  # a second save is a second file
+        d = json.loads(saved[0].read_text())
+        assert [m["content"] for m in d["messages"]] == ["Hello", reply.text]
+        assert any(str(saved[0]) in n.message for n in app._notifications)
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert session.turns == [] and not app.query(ReplyMessage) and len(app.query(Notice)) == 1
+        nxt = await done(pilot, await send(pilot, replies, "Hi"))
+        assert nxt.prompt == [{"role": "user", "content": "Hi"}]
+
+
+SNAPSHOT = Path(__file__).parent / "snapshots" / "chat.svg"
+REPLY = ["Tides come from the **Moon's** pull", " on the oceans:\n\n", "1. the side facing the Moon bulges,\n",
+         "2. so does the far side,\n", "3. Earth turns under both bulges.\n\n", "So most coasts see *two* high tides ",
+         "a day:\n\n```python\nhigh_tides_per_day = 2\n```\n"]
+
+
+def normalized(svg: str) -> str:
+    """The screenshot without what varies between equal screens: Rich's id of the SVG (a hash of its content)."""
+    return re.sub(r"terminal-\d+", "terminal", svg)
+
+
+@scenario
+async def test_screenshot_matches_the_snapshot(tiny_quant, monkeypatch, replies, tmp_path):
+    """A fixed screen: the tiny model's settings and sizes, a stubbed reply with fixed numbers (the tiny model's own
+    replies are random text). LOCALLLM_UPDATE_SNAPSHOTS=1 writes it anew: then look at it before committing."""
+    def fixed_reply(*args, **kw):
+        return Stream((piece for piece in REPLY), Stats(prompt_tokens=21, new_tokens=48, time_to_first_token=0.05,
+                                                       decode_seconds=1.175, finish_reason="eos"))
+
+    monkeypatch.setattr("localllm.tui.session.generate", fixed_reply)
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(system="You are a helpful assistant.", seed=0))
+    async with app.run_test(size=(100, 32)) as pilot:
+        await loaded(pilot)
+        for inp in app.query(Input):
+            inp.cursor_blink = False
+        await done(pilot, await send(pilot, replies, "How do tides work?"))
+        await pilot.press("f2")
+        app.query_one("#prompt", Input).focus()
+        await pilot.pause()
+        svg = normalized(app.export_screenshot())
+    if os.environ.get("LOCALLLM_UPDATE_SNAPSHOTS") == "1":
+        SNAPSHOT.parent.mkdir(exist_ok=True)
+        SNAPSHOT.write_text(svg)
+        pytest.skip(f"wrote {SNAPSHOT}: look at it before committing")
+    fresh = tmp_path / "chat.svg"
+    fresh.write_text(svg)
+    assert svg == SNAPSHOT.read_text(), (
+        f"the chat screen changed (Textual {textual.__version__}): compare {fresh} with {SNAPSHOT}; if the change is "
+        "right, run with LOCALLLM_UPDATE_SNAPSHOTS=1 and look at the new snapshot")
+
+
+@scenario
+async def test_a_failing_reply_is_a_message_and_the_chat_goes_on(tiny_quant, monkeypatch, replies):
+    def gpu_lost(*args, **kw):
+        raise RuntimeError("CUDA error: unspecified launch failure\nCUDA kernel errors might be reported later")
+
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=6, seed=1))
+    async with app.run_test(size=SIZE) as pilot:
+        session = await loaded(pilot)
+        monkeypatch.setattr("localllm.tui.session.generate", gpu_lost)
+        failed = await done(pilot, await send(pilot, replies, "Hello"))
+        meta = str(app.query(ReplyMessage).last().query_one(".meta", Static).render())
+        assert meta.startswith("⚠ the GPU failed (CUDA error: unspecified launch failure); restart") and app.is_running
+        assert failed.error and session.turns == []
+        monkeypatch.setattr("localllm.tui.session.generate", generate)
+        ok = await done(pilot, await send(pilot, replies, "Hello"))
+        assert ok.error is None and ok.prompt == [{"role": "user", "content": "Hello"}]

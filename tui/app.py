@@ -1,0 +1,305 @@
+"""`localllm chat`: the Textual app. Layout and keys here; the model work (loading, replies, QDEC on/off) runs in
+Textual worker threads and reports to the UI thread with messages, so the UI never waits on the model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual import events, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import Footer, Header, Input, Static
+from textual.worker import Worker, get_current_worker
+
+from localllm.progress import observe
+from localllm.runtime import LocalModel
+
+from . import facts, history
+from .loading import LoadingPanel, amount
+from .session import ChatSession, Reply, ReplySettings, open_model, readable
+from .settings import SettingsPanel
+from .transcript import Notice, ReplyMessage, Transcript, UserMessage
+
+
+class Loaded(Message):
+    def __init__(self, lm: LocalModel):
+        super().__init__()
+        self.lm = lm
+
+
+class LoadFailed(Message):
+    def __init__(self, error: str):
+        super().__init__()
+        self.error = error
+
+
+class WorkProgress(Message):
+    """A progress report of model work on a worker thread (localllm.progress)."""
+
+    def __init__(self, desc: str, n: float, total: float | None, unit: str):
+        super().__init__()
+        self.desc, self.n, self.total, self.unit = desc, n, total, unit
+
+
+class ReplyPiece(Message):
+    def __init__(self, reply: Reply, piece: str):
+        super().__init__()
+        self.reply, self.piece = reply, piece
+
+
+class ReplyDone(Message):
+    def __init__(self, reply: Reply):
+        super().__init__()
+        self.reply = reply
+
+
+class QdecDone(Message):
+    def __init__(self, error: str | None):
+        super().__init__()
+        self.error = error
+
+
+class _Closing(BaseException):
+    """Raised from a progress report when the app is closing: stops a long load between steps (a BaseException, so
+    that no `except Exception` on the way turns it into an error)."""
+
+
+class PromptInput(Input):
+    BINDINGS = [Binding("enter", "submit", "Send")]  # shown in the footer while typing
+
+
+class ChatApp(App):
+    TITLE = "localllm chat"
+    ENABLE_COMMAND_PALETTE = False
+    CSS = """
+    #chat { width: 1fr; }
+    #prompt { margin: 0 1; }
+    #status { height: auto; max-height: 2; padding: 0 1; background: $panel; color: $text-muted; }
+    """
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel reply"),
+        Binding("ctrl+c", "cancel", "Cancel reply", show=False, priority=True),  # only while a reply runs
+        Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("ctrl+y", "copy_reply", "Copy reply"),
+        Binding("ctrl+s", "save", "Save chat"),
+        Binding("f2", "toggle_settings", "Settings"),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(self, model: str | None = None, *, gguf_file: str | None = None, device: str = "cpu",
+                 qdec: str | int = "on", settings: ReplySettings | None = None, save_dir: str | Path = "."):
+        super().__init__()
+        self.model_src, self.gguf_file, self.device, self.qdec = model, gguf_file, device, qdec
+        self.settings = settings or ReplySettings()
+        self.save_dir = save_dir
+        self.session: ChatSession | None = None
+        self._current: tuple[Reply, ReplyMessage] | None = None  # the reply running and its view
+        self._reply_worker: Worker | None = None
+        self._last_stats = None  # of the last reply that did not fail: the status bar's speed
+        self._printed = ""  # the library's stderr lines, until their newline
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal():
+            with Vertical(id="chat"):
+                yield Transcript(id="transcript")
+                yield PromptInput(placeholder="Type a message, Enter sends", id="prompt", disabled=True)
+            yield SettingsPanel(self.settings, id="settings")
+        yield Static("loading…", id="status", markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = Path(self.model_src).name if self.model_src else "the demo model"
+        self.query_one(SettingsPanel).display = False
+        self.query_one(Transcript).mount(LoadingPanel(f"{self.sub_title} on {self.device.upper()}"))
+        self.begin_capture_print(self)  # the library says some things on stderr ("localllm: ..."): show them
+        self._load()
+
+    # --- model work, on worker threads -------------------------------------------------------------------------
+
+    def _report(self, desc: str, n: float, total: float | None, unit: str) -> None:
+        if get_current_worker().is_cancelled:
+            raise _Closing()
+        self.post_message(WorkProgress(desc, n, total, unit))
+
+    @work(thread=True, exit_on_error=False, group="model")
+    def _load(self) -> None:
+        try:
+            with observe(self._report):
+                lm = open_model(self.model_src, self.gguf_file, qdec=self.qdec, device=self.device)
+        except _Closing:
+            return
+        except Exception as e:  # noqa: BLE001 - a missing model, a full GPU...: a message in the app
+            self.post_message(LoadFailed(readable(e)))
+            return
+        self.post_message(Loaded(lm))
+
+    @work(thread=True, exit_on_error=False, group="model")
+    def _generate(self, reply: Reply) -> None:
+        # cancelling this worker (Esc, or the app closing) sets cancelled_event: the reply stops after this token
+        try:
+            reply.run(self.session, lambda piece: self.post_message(ReplyPiece(reply, piece)),
+                      get_current_worker().cancelled_event)
+        finally:
+            self.post_message(ReplyDone(reply))
+
+    @work(thread=True, exit_on_error=False, group="model")
+    def _sync_qdec(self) -> None:
+        error = None
+        try:
+            with observe(self._report):
+                self.session.sync_qdec()  # waits for a running reply to end
+        except _Closing:
+            return
+        except Exception as e:  # noqa: BLE001
+            error = readable(e)
+        self.post_message(QdecDone(error))
+
+    # --- reports from the workers ------------------------------------------------------------------------------
+
+    async def on_loaded(self, m: Loaded) -> None:
+        session = ChatSession(m.lm, self.settings)
+        self.sub_title = facts.model_name(m.lm)
+        transcript = self.query_one(Transcript)
+        await transcript.query(LoadingPanel).remove()
+        await transcript.add(Notice(f"{facts.summary(m.lm)}. Type a message and press Enter; F2 opens the settings."))
+        self.query_one(SettingsPanel).show_qdec(m.lm, session.want_qdec)
+        self.session = session  # last: the chat's actions are enabled once its screen is ready
+        self._show_status()
+        prompt = self.query_one("#prompt", Input)
+        prompt.disabled = False
+        prompt.focus()
+        self.refresh_bindings()
+
+    def on_load_failed(self, m: LoadFailed) -> None:
+        self.query_one(LoadingPanel).failed(m.error)
+        self.query_one("#status", Static).update("no model loaded")
+
+    def on_work_progress(self, m: WorkProgress) -> None:
+        panels = self.query(LoadingPanel)
+        if panels:
+            panels.first().step(m.desc, m.n, m.total, m.unit)
+        else:
+            self.query_one("#status", Static).update(f"{m.desc}: {amount(m.n, m.total, m.unit)}")
+
+    def on_reply_piece(self, m: ReplyPiece) -> None:
+        if self._current and self._current[0] is m.reply:
+            self._current[1].write(m.piece)
+
+    async def on_reply_done(self, m: ReplyDone) -> None:
+        self.session.finish(m.reply)
+        if self._current and self._current[0] is m.reply:
+            await self._current[1].finish(m.reply)
+            self._current = None
+        self._show_status(m.reply)
+        self.query_one(SettingsPanel).show_qdec(self.session.lm, self.session.want_qdec)
+        self.refresh_bindings()
+
+    def on_qdec_done(self, m: QdecDone) -> None:
+        if m.error:
+            self.notify(m.error, title="QDEC", severity="error")
+        self.query_one(SettingsPanel).show_qdec(self.session.lm, self.session.want_qdec)
+        self._show_status()
+
+    def on_print(self, event: events.Print) -> None:
+        self._printed += event.text
+        *lines, self._printed = self._printed.split("\n")
+        for line in (ln.strip() for ln in lines):
+            if not line.startswith("localllm:"):
+                continue  # other libraries' output (and progress bars) stay off the screen
+            panels = self.query(LoadingPanel)
+            if panels:
+                panels.first().say(line)
+            else:
+                self.notify(line.removeprefix("localllm:").strip(), severity="warning")
+
+    # --- the user's actions ------------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """None: shown disabled in the footer, and the key goes on to the focused widget (ctrl+c copies)."""
+        if action == "cancel":
+            return True if self.session is not None and self.session.running is not None else None
+        if action in ("new_chat", "copy_reply", "save"):
+            return True if self.session is not None else None
+        return True
+
+    async def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "prompt":
+            await self.action_send()
+        else:  # Enter in a settings field: back to the message
+            self.query_one("#prompt", Input).focus()
+
+    async def action_send(self) -> None:
+        prompt = self.query_one("#prompt", Input)
+        text = prompt.value.strip()
+        if self.session is None or not text:
+            return
+        if self.session.running is not None:
+            self.notify("A reply is still running: Esc cancels it.", severity="warning")
+            return
+        prompt.clear()
+        transcript = self.query_one(Transcript)
+        await transcript.add(UserMessage(text))
+        view = await transcript.add(ReplyMessage(facts.model_name(self.session.lm)))
+        reply = self.session.send(text)  # from here to the worker's start nothing awaits: Esc finds the worker
+        self._current = (reply, view)
+        self._reply_worker = self._generate(reply)
+        self.refresh_bindings()
+
+    def action_cancel(self) -> None:
+        if self.session is not None and self.session.running is not None and self._reply_worker is not None:
+            self._reply_worker.cancel()
+
+    async def action_new_chat(self) -> None:
+        self.action_cancel()  # a reply still running belongs to the old chat: it ends unseen
+        self._current = None
+        self.session.new_chat()
+        transcript = self.query_one(Transcript)
+        await transcript.clear()
+        await transcript.add(Notice("New chat."))
+        self.query_one("#prompt", Input).focus()
+
+    def action_copy_reply(self) -> None:
+        text = self.session.last_reply()
+        if text is None:
+            self.notify("No reply to copy yet.", severity="warning")
+            return
+        self.copy_to_clipboard(text)
+        self.notify(f"Copied the last reply ({len(text)} characters) to the clipboard.")
+
+    def action_save(self) -> None:
+        if not self.session.turns:
+            self.notify("Nothing to save yet.", severity="warning")
+            return
+        try:
+            path = history.save(self.session, self.save_dir)
+        except OSError as e:
+            self.notify(f"Could not save the chat: {e}", severity="error")
+            return
+        self.notify(f"Saved the chat to {path}", title="Saved", timeout=10)
+
+    def action_toggle_settings(self) -> None:
+        panel = self.query_one(SettingsPanel)
+        panel.display = not panel.display
+        if panel.display:
+            panel.query_one(Input).focus()
+        else:
+            self.query_one("#prompt", Input).focus()
+
+    def on_settings_panel_changed(self, m: SettingsPanel.Changed) -> None:
+        self.settings = m.settings
+        if self.session is not None:
+            self.session.settings = m.settings
+
+    def on_settings_panel_qdec_toggled(self, m: SettingsPanel.QdecToggled) -> None:
+        self.session.want_qdec = m.on
+        self.query_one(SettingsPanel).show_qdec(self.session.lm, m.on, busy=True)
+        self._sync_qdec()
+
+    # --- helpers -----------------------------------------------------------------------------------------------
+
+    def _show_status(self, reply: Reply | None = None) -> None:
+        if reply is not None and reply.error is None:
+            self._last_stats = reply.stats
+        self.query_one("#status", Static).update(facts.status_line(self.session.lm, self._last_stats))

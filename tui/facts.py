@@ -1,0 +1,80 @@
+"""What the status bar and the settings panel say about the model and the machine, as text (no widgets here)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from localllm.generate import Stats
+from localllm.model import KINDS
+from localllm.runtime import DEFAULT_K_CHUNK, LocalModel
+
+NONE = "—"
+
+
+def size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def model_name(lm: LocalModel) -> str:
+    return Path(lm.path).name
+
+
+def summary(lm: LocalModel) -> str:
+    """The model in one line: name, bits, device, QDEC."""
+    q = lm.manifest["quant"] if lm.manifest else None
+    bits = f"{q['bits']}-bit, group {q['group_size']}" if q else "not quantized"
+    qdec = "QDEC off" if lm.settings.mode == "off" else f"QDEC {lm.settings.mode}"
+    return f"{model_name(lm)} ({bits}) on {device_name(lm)}, {qdec}"
+
+
+def device_name(lm: LocalModel) -> str:
+    dev = lm.model.device
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+
+
+def gpu_memory(lm: LocalModel) -> str:
+    dev = lm.model.device
+    return size(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else NONE
+
+
+def residual_memory(lm: LocalModel) -> str:
+    """Host memory of the QDEC residuals: pinned on a GPU (only once QDEC has been on), plain RAM on the CPU."""
+    if not lm.has_residuals:
+        return "no QDEC residuals"
+    if lm.model.device.type != "cuda":
+        return f"{size(lm.sizes()['pinned_host_bytes'])} in RAM"
+    pinned = sum(lin.residual.nbytes for lin in lm.model.linears() if lin.host_residual is not None)
+    return f"{size(pinned)} pinned"
+
+
+def k_chunks(lm: LocalModel) -> str:
+    """The k_chunk in force per layer type (channels compensated per 1024 inputs)."""
+    s = lm.settings
+    if s.mode == "off":
+        return "off"
+    return " · ".join(f"{kind} {s.k_for(kind)}" for kind in KINDS)
+
+
+def qdec_source(lm: LocalModel) -> str:
+    """Where the k_chunk values in force come from: the tuning profile when one applies, else the default."""
+    source = getattr(lm, "qdec_source", None)  # set by the tuner (localllm tune)
+    if source:
+        return source
+    ks = set(lm.settings.k_chunk.values())
+    return "default k_chunk, no tuning profile" if ks == {DEFAULT_K_CHUNK} else "set at load, no tuning profile"
+
+
+def qdec_overhead(lm: LocalModel) -> str:
+    """The decode slowdown QDEC costs, as the tuner measured it for this GPU."""
+    overhead = getattr(lm, "qdec_overhead", None)  # fraction, from the tuning profile
+    return "not measured" if overhead is None else f"+{overhead:.1%}"
+
+
+def status_line(lm: LocalModel, last: Stats | None) -> str:
+    """The status bar: device, speed and time to first token of the last reply, memory, QDEC overhead."""
+    speed = f"{last.tokens_per_second:.1f} tok/s" if last and last.tokens_per_second else f"{NONE} tok/s"
+    ttft = f"{last.time_to_first_token:.2f} s" if last and last.time_to_first_token else NONE
+    return " │ ".join([device_name(lm), speed, f"TTFT {ttft}", f"GPU mem {gpu_memory(lm)}",
+                       f"residuals {residual_memory(lm)}",
+                       "QDEC off" if lm.settings.mode == "off" else f"QDEC overhead {qdec_overhead(lm)}"])

@@ -1,0 +1,175 @@
+"""The chat apart from its widgets: the conversation sent to generate(), the settings of the next reply, one reply
+at a time with cancellation, QDEC on/off, and errors as one readable line.
+
+Threads: the UI thread owns a ChatSession (send, finish, new_chat, settings); only Reply.run and sync_qdec touch
+the model, on worker threads, one at a time under the session's model lock.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.generate import SamplingParams, Stats, generate
+from localllm.runtime import LocalModel, load
+
+
+@dataclass(frozen=True)
+class ReplySettings:
+    """What the next reply is generated with; the settings panel edits them, each reply keeps a copy."""
+    system: str = ""
+    temperature: float = 0.7
+    top_p: float = 0.9
+    max_new_tokens: int = 512
+    seed: int | None = None  # None: a fresh seed per reply (the history records the one drawn)
+
+    def check(self) -> None:
+        SamplingParams(self.temperature, self.top_p).check()
+        if self.max_new_tokens < 1:
+            raise LocalLLMError(f"max new tokens must be at least 1, got {self.max_new_tokens}")
+
+    def updated(self, name: str, text: str) -> "ReplySettings":
+        """A copy with field `name` set from what the user typed; ValueError when that is not valid."""
+        kind = {"system": str, "temperature": float, "top_p": float, "max_new_tokens": int}[name]
+        try:
+            new = replace(self, **{name: kind(text if kind is str else text.strip())})
+            new.check()
+        except (ValueError, LocalLLMError) as e:
+            raise ValueError(str(e)) from None
+        return new
+
+
+def open_model(src: str | None, gguf_file: str | None = None, qdec: str | int = "on",
+               device: str = "cpu") -> LocalModel:
+    """load() for chatting: the model must have a chat template."""
+    lm = load(src, gguf_file=gguf_file, qdec=qdec, device=device)
+    if not getattr(lm.tokenizer, "chat_template", None):
+        raise LocalLLMError(f"{lm.path} has no chat template, so it cannot chat; use a chat (instruct) model, or "
+                            "`localllm generate --raw` to continue plain text")
+    return lm
+
+
+@dataclass(eq=False)
+class Reply:
+    """One assistant reply. run() generates it on a worker thread; the UI thread reads it once run() returned."""
+    prompt: list[dict]  # the messages sent: system, earlier turns, the new user message
+    settings: ReplySettings
+    seed: int
+    chat: int  # the chat it belongs to (a reply of a chat cleared meanwhile is dropped)
+    text: str = ""
+    pieces: int = 0
+    stats: Stats = field(default_factory=Stats)
+    qdec: dict = field(default_factory=dict)  # the QDEC setting in force: mode, k_chunk per layer type
+    error: str | None = None
+
+    @property
+    def user_text(self) -> str:
+        return self.prompt[-1]["content"]
+
+    @property
+    def cancelled(self) -> bool:
+        return self.stats.finish_reason == "cancelled"
+
+    def run(self, session: "ChatSession", emit: Callable[[str], None], stop: threading.Event) -> None:
+        """Generate, calling emit(piece) for each text piece; `stop` set: end after the current token (the piece
+        decoded meanwhile is not shown). Errors end up in `error`, as one line."""
+        with session.model_lock:
+            try:
+                session.sync_qdec()
+                s = session.lm.settings
+                self.qdec = {"mode": s.mode, "k_chunk": dict(s.k_chunk)}
+                st = self.settings
+                stream = generate(session.lm, self.prompt, max_new_tokens=st.max_new_tokens,
+                                  temperature=st.temperature, top_p=st.top_p, seed=self.seed, stream=True)
+                self.stats = stream.stats
+                for piece in stream:
+                    if stop.is_set():
+                        break
+                    self.text += piece
+                    self.pieces += 1
+                    emit(piece)
+                stream.close()
+            except Exception as e:  # noqa: BLE001 - any failure becomes a message in the transcript, not a crash
+                self.error = readable(e)
+
+
+class ChatSession:
+    def __init__(self, lm: LocalModel, settings: ReplySettings | None = None):
+        self.lm = lm
+        self.settings = settings or ReplySettings()
+        self.turns: list[dict] = []  # finished turns: user, then assistant (with its settings and stats)
+        self.chat = 0
+        self.running: Reply | None = None
+        self.model_lock = threading.RLock()
+        s = lm.settings
+        self.want_qdec = s.mode != "off"
+        # turning QDEC back on restores the setting it was loaded with (a tuned k_chunk per layer type included)
+        self._qdec_on: str | dict = {"mode": s.mode, "k_chunk": dict(s.k_chunk)} if self.want_qdec else "on"
+
+    def send(self, text: str) -> Reply:
+        """Start a reply to the user's `text`: the conversation so far plus it. Run it with Reply.run, then
+        finish() it."""
+        if self.running is not None:
+            raise LocalLLMError("a reply is still running; cancel it (Esc) or wait for it")
+        st = self.settings
+        system = [{"role": "system", "content": st.system}] if st.system.strip() else []
+        prompt = system + [{"role": t["role"], "content": t["content"]} for t in self.turns] + \
+            [{"role": "user", "content": text}]
+        seed = st.seed if st.seed is not None else secrets.randbelow(2**31)
+        self.running = Reply(prompt, st, seed, self.chat)
+        return self.running
+
+    def finish(self, reply: Reply) -> None:
+        """Record a reply that run() finished. A cancelled reply stays in the conversation with the text that was
+        shown (the model sees what the user saw); a failed one is dropped with its user message."""
+        if reply is self.running:
+            self.running = None
+        if reply.error is not None or reply.chat != self.chat:
+            return
+        self.turns.append({"role": "user", "content": reply.user_text})
+        self.turns.append({"role": "assistant", "content": reply.text, "cancelled": reply.cancelled,
+                           "settings": {**asdict(reply.settings), "seed": reply.seed, "qdec": reply.qdec},
+                           "stats": {**asdict(reply.stats), "tokens_per_second": reply.stats.tokens_per_second}})
+
+    def new_chat(self) -> None:
+        """Forget the conversation; a reply still running belongs to the old chat and is not recorded."""
+        self.turns = []
+        self.chat += 1
+
+    def last_reply(self) -> str | None:
+        return next((t["content"] for t in reversed(self.turns) if t["role"] == "assistant"), None)
+
+    @property
+    def qdec_in_force(self) -> bool:
+        return self.lm.settings.mode != "off"
+
+    def sync_qdec(self) -> None:
+        """Make the model's QDEC setting what want_qdec asks (on a GPU, turning it on the first time pins the
+        residuals: seconds). Holds the model lock: a reply never runs halfway through it."""
+        with self.model_lock:
+            if self.want_qdec == self.qdec_in_force:
+                return
+            try:
+                self.lm.set_qdec(self._qdec_on if self.want_qdec else "off")
+            finally:  # it may have failed or fallen back to off: want what is in force, so it is not retried
+                self.want_qdec = self.qdec_in_force
+
+
+def readable(e: BaseException) -> str:
+    """One line for the transcript: what went wrong and what to do."""
+    if isinstance(e, LocalLLMError):
+        return str(e)
+    lines = str(e).strip().splitlines()
+    msg = (lines[0] if lines else type(e).__name__)[:200]
+    if isinstance(e, torch.OutOfMemoryError) or "CUDA out of memory" in msg:
+        return (f"out of GPU memory ({msg}); start a new chat (a shorter context), lower max new tokens, or use a "
+                "smaller model")
+    if isinstance(e, MemoryError) or "can't allocate memory" in msg or "not enough memory" in msg:
+        return f"out of memory ({msg}); close other programs, start a new chat, or use a smaller model"
+    if "CUDA" in msg or type(e).__name__ in ("AcceleratorError", "CUDADriverError", "CUDARuntimeError"):
+        return f"the GPU failed ({msg}); restart `localllm chat`, or run on the CPU with --device cpu"
+    return f"unexpected error: {type(e).__name__}: {msg}"

@@ -1,0 +1,140 @@
+"""The transcript: the user's messages, the model's replies streamed as Markdown, and notices."""
+from __future__ import annotations
+
+import time
+
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Label, Markdown, Static
+
+from .session import Reply
+
+# control characters as their visible symbols (ESC as ␛ ...): text from the model or a paste never reaches the
+# terminal as control sequences
+_VISIBLE = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"} | {0x7F: 0x2421} | \
+    {c: 0xFFFD for c in range(0x80, 0xA0)}
+
+
+def printable(text: str) -> str:
+    return text.translate(_VISIBLE)
+
+
+class UserMessage(Vertical):
+    DEFAULT_CSS = """
+    UserMessage { height: auto; margin: 1 1 0 1; padding: 0 1; border-left: thick $accent; }
+    UserMessage .who { color: $accent; text-style: bold; }
+    """
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def compose(self):
+        yield Label("You", classes="who")
+        yield Static(printable(self.text), markup=False)  # what the user typed, not markup
+
+
+class ReplyMessage(Vertical):
+    """A reply as it streams in. Pieces are buffered and appended to the Markdown at most UPDATES_PER_SECOND times,
+    and at most a quarter of the time: Markdown.append re-parses and re-renders the last block, which grows (a long
+    code block takes a while to highlight), and the UI must keep most of its time for the user."""
+
+    UPDATES_PER_SECOND = 20
+    DEFAULT_CSS = """
+    ReplyMessage { height: auto; margin: 1 1 0 1; padding: 0 1; border-left: thick $primary; }
+    ReplyMessage .who { color: $primary; text-style: bold; }
+    ReplyMessage Markdown { margin: 0; padding: 0; }
+    ReplyMessage .meta { color: $text-muted; }
+    ReplyMessage .meta.-cancelled { color: $warning; }
+    ReplyMessage .meta.-error { color: $error; }
+    """
+
+    def __init__(self, who: str):
+        super().__init__()
+        self.who = who
+        self.updates = 0  # Markdown appends so far
+        self._pending = ""  # text not yet on screen
+        self._timer = None  # the update scheduled, if any
+        self._busy = False  # an update is under way, until the screen has been refreshed with it
+        self._last = 0.0  # when the last update was on screen
+        self._cost = 0.0  # seconds from its start to then
+
+    def compose(self):
+        yield Label(self.who, classes="who")
+        yield Markdown()
+        yield Static("generating… (Esc cancels)", classes="meta", markup=False)
+
+    @property
+    def markdown(self) -> Markdown:
+        return self.query_one(Markdown)
+
+    def write(self, piece: str) -> None:
+        self._pending += printable(piece)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if self._timer is None and not self._busy and self._pending:
+            gap = max(1 / self.UPDATES_PER_SECOND, 3 * self._cost)
+            # (a Textual timer needs a delay above 0)
+            self._timer = self.set_timer(max(0.001, self._last + gap - time.monotonic()), self._update)
+
+    async def _update(self) -> None:
+        self._timer, self._busy = None, True
+        start = time.monotonic()
+        await self._append()
+        self.call_after_refresh(self._shown, start)
+
+    def _shown(self, start: float) -> None:
+        self._busy, self._last = False, time.monotonic()
+        self._cost = self._last - start
+        self._schedule()
+
+    async def _append(self) -> None:
+        text, self._pending = self._pending, ""
+        if text:
+            self.updates += 1
+            await self.markdown.append(text)
+
+    async def finish(self, reply: Reply) -> None:
+        """Show the rest of the text and how the reply ended: its numbers, cancelled, or the error."""
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer = None
+        await self._append()
+        meta = self.query_one(".meta", Static)
+        st = reply.stats
+        numbers = f"{st.new_tokens} tokens · {st.tokens_per_second:.1f} tok/s · first token " \
+                  f"{st.time_to_first_token:.2f} s"
+        if reply.error is not None:
+            meta.update(f"⚠ {reply.error} (this exchange is not kept in the conversation)")
+            meta.add_class("-error")
+        elif reply.cancelled:
+            meta.update(f"cancelled · {numbers}")
+            meta.add_class("-cancelled")
+        else:
+            meta.update(numbers + (" · stopped at max new tokens" if st.finish_reason == "length" else ""))
+
+
+class Notice(Static):
+    DEFAULT_CSS = """
+    Notice { margin: 1 1 0 1; padding: 0 1; color: $text-muted; }
+    Notice.-error { color: $error; }
+    """
+
+    def __init__(self, text: str, error: bool = False):
+        super().__init__(text, markup=False, classes="-error" if error else "")
+
+
+class Transcript(VerticalScroll):
+    DEFAULT_CSS = """
+    Transcript { height: 1fr; }
+    """
+
+    def on_mount(self) -> None:
+        self.anchor()  # follow the reply as it grows, until the user scrolls up
+
+    async def add(self, widget):
+        await self.mount(widget)
+        return widget
+
+    async def clear(self) -> None:
+        await self.remove_children()
