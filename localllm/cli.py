@@ -47,7 +47,8 @@ def cmd_chat(a) -> None:
                              max_new_tokens=a.max_new_tokens, seed=a.seed)
     settings.check()
     from .tui.app import ChatApp
-    ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, settings=settings, save_dir=a.save_dir).run()
+    ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, budget=a.budget, settings=settings,
+            save_dir=a.save_dir).run()
 
 
 def cmd_info(a) -> None:
@@ -109,14 +110,11 @@ def cmd_bench(a) -> None:
 
 
 def _budget_arg(s: str) -> float:
-    from .tuner.profile import parse_budgets
+    from .tuner.profile import parse_budget
     try:
-        b = parse_budgets(s)
+        return parse_budget(s)
     except LocalLLMError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if len(b) != 1:
-        raise argparse.ArgumentTypeError(f"give one budget here, e.g. 5 or 5%, not {s!r}")
-    return b[0]
 
 
 def cmd_tune(a) -> None:
@@ -176,6 +174,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=int, default=512)
     c.add_argument("--seed", type=int, help="the same seed for every reply (default: a new one each)")
     c.add_argument("--qdec", type=_qdec_arg, default="on", help="on, off, or k_chunk per 1024 channels")
+    c.add_argument("--budget", type=_budget_arg, default=None,
+                   help="slowdown budget whose tuning profile --qdec on uses, in percent (default 5; `localllm tune`)")
     c.add_argument("--gguf-file", help="which GGUF file of a folder to load")
     c.add_argument("--device", default="auto", help="auto (GPU when usable), cpu or cuda")
     c.add_argument("--save-dir", default=".", help="where ctrl+s saves the chat (default: the current folder)")

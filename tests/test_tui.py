@@ -92,18 +92,35 @@ def test_readable_errors():
     assert readable(ValueError("bad\ntrace")) == "unexpected error: ValueError: bad"
 
 
-def test_qdec_off_and_back_on_restores_the_loaded_k_chunks(tiny_quant):
+def test_qdec_off_and_back_on_restores_the_loaded_setting(tiny_quant):
     ks = {"qkv": 4, "o": 8, "gate_up": 16, "down": 2}
-    lm = load(tiny_quant, qdec={"mode": "approx", "k_chunk": ks})
-    s = ChatSession(lm)
+    qdec = {"mode": "approx", "k_chunk": ks}
+    lm = load(tiny_quant, qdec=qdec)
+    source = lm.qdec_source
+    s = ChatSession(lm, qdec=qdec)
+    assert s.want_qdec and not s.tunable  # a k_chunk given by hand: no tuning profile, the budget does not matter
     s.want_qdec = False
     s.sync_qdec()
     assert lm.settings.mode == "off" and facts.k_chunks(lm) == "off"
     s.want_qdec = True
     s.sync_qdec()
-    assert lm.settings.mode == "approx" and lm.settings.k_chunk == ks
+    assert lm.settings.mode == "approx" and lm.settings.k_chunk == ks and lm.qdec_source == source
     assert facts.k_chunks(lm) == "qkv 4 · o 8 · gate_up 16 · down 2"
-    assert facts.qdec_source(lm) == "set at load, no tuning profile"
+
+
+def test_the_tuning_budget_goes_to_set_qdec(tiny_quant):
+    lm = load(tiny_quant, budget=0.05)
+    s = ChatSession(lm)  # loaded with qdec "on": the budget picks the tuning profile (on a GPU)
+    assert s.tunable and s.want_budget == 0.05
+    s.want_budget = 0.1
+    s.sync_qdec()
+    assert lm.budget == 0.1 and lm.settings.mode == "approx"
+    s.want_qdec, s.want_budget = False, 0.2
+    s.sync_qdec()
+    assert lm.settings.mode == "off"
+    s.want_qdec = True
+    s.sync_qdec()
+    assert lm.budget == 0.2 and lm.settings.mode == "approx"
 
 
 def test_status_facts_on_the_cpu(lm):
@@ -114,9 +131,7 @@ def test_status_facts_on_the_cpu(lm):
     s.text()
     assert f"{s.stats.tokens_per_second:.1f} tok/s │ TTFT {s.stats.time_to_first_token:.2f} s" in \
         facts.status_line(lm, s.stats)
-    assert facts.qdec_source(lm) == "default k_chunk, no tuning profile"
-    lm.qdec_source, lm.qdec_overhead = "tuned on NVIDIA H100, budget 5%", 0.048  # what the tuner will set
-    assert facts.qdec_source(lm) == "tuned on NVIDIA H100, budget 5%"
+    lm.qdec_overhead = 0.048  # what a tuning profile measured
     assert facts.status_line(lm, None).endswith("QDEC overhead +4.8%")
     lm.set_qdec("off")
     assert facts.status_line(lm, None).endswith("QDEC off")

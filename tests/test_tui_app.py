@@ -196,7 +196,11 @@ async def test_settings_apply_to_the_next_reply(tiny_quant, replies):
         await pilot.click("#qdec")  # and back on: the k_chunk in force is shown again
         await until(pilot, lambda: session.lm.settings.mode == "approx", "QDEC to turn on")
         await pilot.pause()
-        assert "qkv 8 · o 8 · gate_up 8 · down 8" in str(app.query_one(".info", Static).render())
+        info = str(app.query_one(".info", Static).render())
+        assert "qkv 8 · o 8 · gate_up 8 · down 8" in info and session.lm.qdec_source in info
+        await pilot.click("#budget")
+        await pilot.press("end", "ctrl+u", "1", "0")
+        await until(pilot, lambda: session.lm.budget == 0.1, "the budget to reach the model")
 
 
 @scenario

@@ -88,9 +88,10 @@ class ChatApp(App):
     ]
 
     def __init__(self, model: str | None = None, *, gguf_file: str | None = None, device: str = "cpu",
-                 qdec: str | int = "on", settings: ReplySettings | None = None, save_dir: str | Path = "."):
+                 qdec: str | int = "on", budget: float | None = None, settings: ReplySettings | None = None,
+                 save_dir: str | Path = "."):
         super().__init__()
-        self.model_src, self.gguf_file, self.device, self.qdec = model, gguf_file, device, qdec
+        self.model_src, self.gguf_file, self.device, self.qdec, self.budget = model, gguf_file, device, qdec, budget
         self.settings = settings or ReplySettings()
         self.save_dir = save_dir
         self.session: ChatSession | None = None
@@ -127,7 +128,8 @@ class ChatApp(App):
     def _load(self) -> None:
         try:
             with observe(self._report):
-                lm = open_model(self.model_src, self.gguf_file, qdec=self.qdec, device=self.device)
+                lm = open_model(self.model_src, self.gguf_file, qdec=self.qdec, device=self.device,
+                                budget=self.budget)
         except _Closing:
             return
         except Exception as e:  # noqa: BLE001 - a missing model, a full GPU...: a message in the app
@@ -159,12 +161,12 @@ class ChatApp(App):
     # --- reports from the workers ------------------------------------------------------------------------------
 
     async def on_loaded(self, m: Loaded) -> None:
-        session = ChatSession(m.lm, self.settings)
+        session = ChatSession(m.lm, self.settings, self.qdec)
         self.sub_title = facts.model_name(m.lm)
         transcript = self.query_one(Transcript)
         await transcript.query(LoadingPanel).remove()
         await transcript.add(Notice(f"{facts.summary(m.lm)}. Type a message and press Enter; F2 opens the settings."))
-        self.query_one(SettingsPanel).show_qdec(m.lm, session.want_qdec)
+        self.query_one(SettingsPanel).show_qdec(session)
         self.session = session  # last: the chat's actions are enabled once its screen is ready
         self._show_status()
         prompt = self.query_one("#prompt", Input)
@@ -193,13 +195,13 @@ class ChatApp(App):
             await self._current[1].finish(m.reply)
             self._current = None
         self._show_status(m.reply)
-        self.query_one(SettingsPanel).show_qdec(self.session.lm, self.session.want_qdec)
+        self.query_one(SettingsPanel).show_qdec(self.session)
         self.refresh_bindings()
 
     def on_qdec_done(self, m: QdecDone) -> None:
         if m.error:
             self.notify(m.error, title="QDEC", severity="error")
-        self.query_one(SettingsPanel).show_qdec(self.session.lm, self.session.want_qdec)
+        self.query_one(SettingsPanel).show_qdec(self.session)
         self._show_status()
 
     def on_print(self, event: events.Print) -> None:
@@ -292,9 +294,11 @@ class ChatApp(App):
         if self.session is not None:
             self.session.settings = m.settings
 
-    def on_settings_panel_qdec_toggled(self, m: SettingsPanel.QdecToggled) -> None:
+    def on_settings_panel_qdec_changed(self, m: SettingsPanel.QdecChanged) -> None:
         self.session.want_qdec = m.on
-        self.query_one(SettingsPanel).show_qdec(self.session.lm, m.on, busy=True)
+        if m.budget is not None:  # (None: the budget field holds no valid number just now)
+            self.session.want_budget = m.budget
+        self.query_one(SettingsPanel).show_qdec(self.session, busy=True)
         self._sync_qdec()
 
     # --- helpers -----------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 
 from localllm.generate import Stats
 from localllm.model import KINDS
-from localllm.runtime import DEFAULT_K_CHUNK, LocalModel
+from localllm.runtime import LocalModel
 
 NONE = "—"
 
@@ -56,19 +56,9 @@ def k_chunks(lm: LocalModel) -> str:
     return " · ".join(f"{kind} {s.k_for(kind)}" for kind in KINDS)
 
 
-def qdec_source(lm: LocalModel) -> str:
-    """Where the k_chunk values in force come from: the tuning profile when one applies, else the default."""
-    source = getattr(lm, "qdec_source", None)  # set by the tuner (localllm tune)
-    if source:
-        return source
-    ks = set(lm.settings.k_chunk.values())
-    return "default k_chunk, no tuning profile" if ks == {DEFAULT_K_CHUNK} else "set at load, no tuning profile"
-
-
 def qdec_overhead(lm: LocalModel) -> str:
-    """The decode slowdown QDEC costs, as the tuner measured it for this GPU."""
-    overhead = getattr(lm, "qdec_overhead", None)  # fraction, from the tuning profile
-    return "not measured" if overhead is None else f"+{overhead:.1%}"
+    """The decode slowdown QDEC costs, as `localllm tune` measured it on this GPU (the profile in force)."""
+    return "not measured" if lm.qdec_overhead is None else f"{lm.qdec_overhead:+.1%}"
 
 
 def status_line(lm: LocalModel, last: Stats | None) -> str:

@@ -43,10 +43,10 @@ class ReplySettings:
         return new
 
 
-def open_model(src: str | None, gguf_file: str | None = None, qdec: str | int = "on",
-               device: str = "cpu") -> LocalModel:
+def open_model(src: str | None, gguf_file: str | None = None, qdec: str | int = "on", device: str = "cpu",
+               budget: float | None = None) -> LocalModel:
     """load() for chatting: the model must have a chat template."""
-    lm = load(src, gguf_file=gguf_file, qdec=qdec, device=device)
+    lm = load(src, gguf_file=gguf_file, qdec=qdec, device=device, budget=budget)
     if not getattr(lm.tokenizer, "chat_template", None):
         raise LocalLLMError(f"{lm.path} has no chat template, so it cannot chat; use a chat (instruct) model, or "
                             "`localllm generate --raw` to continue plain text")
@@ -63,7 +63,7 @@ class Reply:
     text: str = ""
     pieces: int = 0
     stats: Stats = field(default_factory=Stats)
-    qdec: dict = field(default_factory=dict)  # the QDEC setting in force: mode, k_chunk per layer type
+    qdec: dict = field(default_factory=dict)  # the QDEC setting in force: mode, k_chunk per layer type, source
     error: str | None = None
 
     @property
@@ -81,7 +81,7 @@ class Reply:
             try:
                 session.sync_qdec()
                 s = session.lm.settings
-                self.qdec = {"mode": s.mode, "k_chunk": dict(s.k_chunk)}
+                self.qdec = {"mode": s.mode, "k_chunk": dict(s.k_chunk), "source": session.lm.qdec_source}
                 st = self.settings
                 stream = generate(session.lm, self.prompt, max_new_tokens=st.max_new_tokens,
                                   temperature=st.temperature, top_p=st.top_p, seed=self.seed, stream=True)
@@ -98,17 +98,17 @@ class Reply:
 
 
 class ChatSession:
-    def __init__(self, lm: LocalModel, settings: ReplySettings | None = None):
+    def __init__(self, lm: LocalModel, settings: ReplySettings | None = None, qdec: str | int | dict = "on"):
+        """qdec: what the model was loaded with; turning QDEC on applies it again ("on" when it was "off")."""
         self.lm = lm
         self.settings = settings or ReplySettings()
         self.turns: list[dict] = []  # finished turns: user, then assistant (with its settings and stats)
         self.chat = 0
         self.running: Reply | None = None
         self.model_lock = threading.RLock()
-        s = lm.settings
-        self.want_qdec = s.mode != "off"
-        # turning QDEC back on restores the setting it was loaded with (a tuned k_chunk per layer type included)
-        self._qdec_on: str | dict = {"mode": s.mode, "k_chunk": dict(s.k_chunk)} if self.want_qdec else "on"
+        self.qdec_on = "on" if qdec in ("off", 0, None, False) else qdec
+        # what the settings panel asks for; sync_qdec makes the model follow
+        self.want_qdec, self.want_budget = self.qdec_in_force, lm.budget
 
     def send(self, text: str) -> Reply:
         """Start a reply to the user's `text`: the conversation so far plus it. Run it with Reply.run, then
@@ -147,16 +147,22 @@ class ChatSession:
     def qdec_in_force(self) -> bool:
         return self.lm.settings.mode != "off"
 
+    @property
+    def tunable(self) -> bool:
+        """Whether the tuning budget matters: QDEC "on" takes the tuning profile for it (on a GPU)."""
+        return self.lm.has_residuals and self.qdec_on == "on"
+
     def sync_qdec(self) -> None:
-        """Make the model's QDEC setting what want_qdec asks (on a GPU, turning it on the first time pins the
-        residuals: seconds). Holds the model lock: a reply never runs halfway through it."""
+        """Make the model's QDEC setting what want_qdec and want_budget ask (on a GPU, turning QDEC on the first time
+        pins the residuals: seconds). Holds the model lock: a reply never runs halfway through it."""
         with self.model_lock:
-            if self.want_qdec == self.qdec_in_force:
-                return
+            on, budget = self.want_qdec, self.want_budget
+            if on == self.qdec_in_force and (not on or budget == self.lm.budget):
+                return  # (a budget changed while QDEC is off applies when it is turned on)
             try:
-                self.lm.set_qdec(self._qdec_on if self.want_qdec else "off")
+                self.lm.set_qdec(self.qdec_on if on else "off", budget)
             finally:  # it may have failed or fallen back to off: want what is in force, so it is not retried
-                self.want_qdec = self.qdec_in_force
+                self.want_qdec, self.want_budget = self.qdec_in_force, self.lm.budget
 
 
 def readable(e: BaseException) -> str:

@@ -1,16 +1,17 @@
-"""The settings panel: system prompt, temperature, top-p, max new tokens (for the next reply), QDEC on/off and the
-k_chunk per layer type in force with where it comes from."""
+"""The settings panel: system prompt, temperature, top-p, max new tokens (for the next reply); QDEC on/off and the
+tuning budget, with the k_chunk per layer type in force and where it comes from."""
 from __future__ import annotations
 
 from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
-from textual.validation import ValidationResult, Validator
+from textual.validation import Function, ValidationResult, Validator
 from textual.widgets import Input, Label, Static, Switch
 
-from localllm.runtime import LocalModel
+from localllm.errors import LocalLLMError
+from localllm.tuner.profile import parse_budget, percent
 
 from . import facts
-from .session import ReplySettings
+from .session import ChatSession, ReplySettings
 
 # field: (label, what it must be: generate's rules, as ReplySettings.check applies them)
 FIELDS = {"system": ("System prompt", "text"), "temperature": ("Temperature (0 = greedy)", "a number ≥ 0"),
@@ -33,6 +34,14 @@ class _Valid(Validator):
         return self.success()
 
 
+def budget_of(text: str) -> float | None:
+    """The budget typed (percent, as `--budget` takes it) as a fraction, or None."""
+    try:
+        return parse_budget(text)
+    except LocalLLMError:
+        return None
+
+
 class SettingsPanel(VerticalScroll):
     DEFAULT_CSS = """
     SettingsPanel { width: 40; padding: 0 1; border-left: tall $primary; background: $panel; }
@@ -42,6 +51,7 @@ class SettingsPanel(VerticalScroll):
     SettingsPanel Horizontal { height: auto; }
     SettingsPanel Horizontal Label { margin: 1 1; }
     SettingsPanel .info, SettingsPanel .hint { color: $text-muted; }
+    SettingsPanel .info { margin: 1 0 0 0; }
     """
 
     class Changed(Message):
@@ -51,10 +61,12 @@ class SettingsPanel(VerticalScroll):
             super().__init__()
             self.settings = settings
 
-    class QdecToggled(Message):
-        def __init__(self, on: bool):
+    class QdecChanged(Message):
+        """The user turned QDEC on or off, or changed the tuning budget."""
+
+        def __init__(self, on: bool, budget: float | None):
             super().__init__()
-            self.on = on
+            self.on, self.budget = on, budget
 
     def __init__(self, settings: ReplySettings, **kw):
         super().__init__(**kw)
@@ -71,6 +83,9 @@ class SettingsPanel(VerticalScroll):
         with Horizontal():
             yield Label("QDEC")
             yield Switch(False, id="qdec", disabled=True, animate=False)
+        yield Label("Tuning budget, % of decode time")
+        yield Input("", id="budget", disabled=True, compact=True,
+                    validators=[Function(lambda t: budget_of(t) is not None, "a budget is a number in (0, 100]")])
         yield Static("loading…", classes="info", markup=False)
 
     def on_input_changed(self, event: Input.Changed) -> None:
@@ -80,28 +95,36 @@ class SettingsPanel(VerticalScroll):
             why.update("; ".join(event.validation_result.failure_descriptions))
             return
         why.update("")
+        if event.input.id == "budget":
+            self._qdec_changed()
+            return
         self.settings = self.settings.updated(event.input.id, event.value)
         self.post_message(self.Changed(self.settings))
 
     def on_switch_changed(self, event: Switch.Changed) -> None:
         event.stop()
-        self.post_message(self.QdecToggled(event.value))
+        self._qdec_changed()
 
-    def show_qdec(self, lm: LocalModel, want: bool, busy: bool = False) -> None:
-        """Show the QDEC setting in force (`want`: what the switch asks, while it is being applied)."""
-        switch = self.query_one(Switch)
-        with switch.prevent(Switch.Changed):
-            switch.value = want
-        switch.disabled = not lm.has_residuals
+    def _qdec_changed(self) -> None:
+        self.post_message(self.QdecChanged(self.query_one(Switch).value,
+                                           budget_of(self.query_one("#budget", Input).value)))
+
+    def show_qdec(self, session: ChatSession, busy: bool = False) -> None:
+        """Show the QDEC setting in force, or (busy) the one asked for while it is being applied."""
+        lm = session.lm
+        switch, budget = self.query_one(Switch), self.query_one("#budget", Input)
+        with switch.prevent(Switch.Changed), budget.prevent(Input.Changed):
+            switch.value = session.want_qdec
+            if budget_of(budget.value) != session.want_budget:  # (not while the user types "2." on the way to 2.5)
+                budget.value = percent(session.want_budget)
+        switch.disabled, budget.disabled = not lm.has_residuals, not session.tunable
         if not lm.has_residuals:
             text = "This model has no QDEC residuals."
         elif busy:
-            text = f"turning QDEC {'on' if want else 'off'}…"
+            text = f"turning QDEC {'on' if session.want_qdec else 'off'}…"
         elif lm.settings.mode == "off":
             text = "QDEC off: no compensation."
         else:
             text = (f"k_chunk per layer type ({lm.settings.mode}):\n{facts.k_chunks(lm)}\n"
-                    f"Source: {facts.qdec_source(lm)}\nOverhead per token: {facts.qdec_overhead(lm)}")
-            if getattr(lm, "qdec_overhead", None) is None:
-                text += " (run `localllm tune`)"
+                    f"Source: {lm.qdec_source}\nOverhead per token: {facts.qdec_overhead(lm)}")
         self.query_one(".info", Static).update(text)

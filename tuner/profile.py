@@ -51,6 +51,14 @@ def parse_budgets(text: str) -> list[float]:
     return sorted(set(out))
 
 
+def parse_budget(text: str) -> float:
+    """One budget, as parse_budgets reads it: "5", "5%" or "2.5" -> a fraction."""
+    budgets = parse_budgets(text)
+    if len(budgets) != 1:
+        raise LocalLLMError(f"give one budget here, e.g. 5 or 5%, not {text!r}")
+    return budgets[0]
+
+
 def percent(budget: float) -> str:
     """0.025 -> "2.5", 0.05 -> "5"."""
     return f"{round(budget * 100, 4):g}"
