@@ -103,7 +103,7 @@ def test_qdec_off_and_back_on_restores_the_loaded_k_chunks(tiny_quant):
     s.sync_qdec()
     assert lm.settings.mode == "approx" and lm.settings.k_chunk == ks
     assert facts.k_chunks(lm) == "qkv 4 · o 8 · gate_up 16 · down 2"
-    assert facts.qdec_source(lm) == "set at load, no tuning profile"
+    assert facts.qdec_source(lm) == "k_chunk qkv 4, o 8, gate_up 16, down 2 (set by hand)"
 
 
 def test_status_facts_on_the_cpu(lm):
@@ -114,7 +114,7 @@ def test_status_facts_on_the_cpu(lm):
     s.text()
     assert f"{s.stats.tokens_per_second:.1f} tok/s │ TTFT {s.stats.time_to_first_token:.2f} s" in \
         facts.status_line(lm, s.stats)
-    assert facts.qdec_source(lm) == "default k_chunk, no tuning profile"
+    assert facts.qdec_source(lm) == "default k_chunk 8 (CPU; tuning profiles are for the GPU)"
     lm.qdec_source, lm.qdec_overhead = "tuned on NVIDIA H100, budget 5%", 0.048  # what the tuner will set
     assert facts.qdec_source(lm) == "tuned on NVIDIA H100, budget 5%"
     assert facts.status_line(lm, None).endswith("QDEC overhead +4.8%")

@@ -7,7 +7,7 @@ import torch
 
 from localllm.generate import Stats
 from localllm.model import KINDS
-from localllm.runtime import DEFAULT_K_CHUNK, LocalModel
+from localllm.runtime import LocalModel
 
 NONE = "—"
 
@@ -57,17 +57,13 @@ def k_chunks(lm: LocalModel) -> str:
 
 
 def qdec_source(lm: LocalModel) -> str:
-    """Where the k_chunk values in force come from: the tuning profile when one applies, else the default."""
-    source = getattr(lm, "qdec_source", None)  # set by the tuner (localllm tune)
-    if source:
-        return source
-    ks = set(lm.settings.k_chunk.values())
-    return "default k_chunk, no tuning profile" if ks == {DEFAULT_K_CHUNK} else "set at load, no tuning profile"
+    """Where the k_chunk values in force come from (the runtime says: a tuning profile, the default, by hand)."""
+    return lm.qdec_source
 
 
 def qdec_overhead(lm: LocalModel) -> str:
     """The decode slowdown QDEC costs, as the tuner measured it for this GPU."""
-    overhead = getattr(lm, "qdec_overhead", None)  # fraction, from the tuning profile
+    overhead = lm.qdec_overhead  # fraction, from the tuning profile
     return "not measured" if overhead is None else f"+{overhead:.1%}"
 
 

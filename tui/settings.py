@@ -102,6 +102,6 @@ class SettingsPanel(VerticalScroll):
         else:
             text = (f"k_chunk per layer type ({lm.settings.mode}):\n{facts.k_chunks(lm)}\n"
                     f"Source: {facts.qdec_source(lm)}\nOverhead per token: {facts.qdec_overhead(lm)}")
-            if getattr(lm, "qdec_overhead", None) is None:
+            if lm.qdec_overhead is None:
                 text += " (run `localllm tune`)"
         self.query_one(".info", Static).update(text)
