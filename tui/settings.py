@@ -115,7 +115,7 @@ class SettingsPanel(VerticalScroll):
         switch, budget = self.query_one(Switch), self.query_one("#budget", Input)
         with switch.prevent(Switch.Changed), budget.prevent(Input.Changed):
             switch.value = session.want_qdec
-            if budget_of(budget.value) != session.want_budget:  # (not while the user types "2." on the way to 2.5)
+            if not budget.has_focus:  # (not while the user is typing one)
                 budget.value = percent(session.want_budget)
         switch.disabled, budget.disabled = not lm.has_residuals, not session.tunable
         if not lm.has_residuals:
