@@ -141,6 +141,16 @@ def cmd_tune(a) -> None:
         print(f"{'replaced' if old else 'wrote'} {path}" + (f" (tuned {old.get('created', '?')})" if old else ""))
 
 
+def _model_options(p: argparse.ArgumentParser) -> None:
+    """How `generate` and `chat` load their model: QDEC setting, tuning budget, GGUF file, device."""
+    p.add_argument("--qdec", type=_qdec_arg, default="on",
+                   help="on (the tuned setting for this GPU, else k_chunk 8), off, or k_chunk per 1024 channels")
+    p.add_argument("--budget", type=_budget_arg, default=None,
+                   help="slowdown budget whose tuning profile --qdec on uses, in percent (default 5; `localllm tune`)")
+    p.add_argument("--gguf-file", help="which GGUF file of a folder to load")
+    p.add_argument("--device", default="auto", help="auto (GPU when usable), cpu or cuda")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localllm", description="Low-bit LLM inference with QDEC error compensation.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -155,14 +165,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--seed", type=int)
-    g.add_argument("--qdec", type=_qdec_arg, default="on",
-                   help="on (the tuned setting for this GPU, else k_chunk 8), off, or k_chunk per 1024 channels")
-    g.add_argument("--budget", type=_budget_arg, default=None,
-                   help="slowdown budget whose tuning profile --qdec on uses, in percent (default 5; `localllm tune`)")
     g.add_argument("--system", help="system prompt (chat models)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
-    g.add_argument("--gguf-file", help="which GGUF file of a folder to load")
-    g.add_argument("--device", default="auto", help="auto (GPU when usable), cpu or cuda")
+    _model_options(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="chat with a model in the terminal",
@@ -173,11 +178,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=0.9)
     c.add_argument("--max-new-tokens", type=int, default=512)
     c.add_argument("--seed", type=int, help="the same seed for every reply (default: a new one each)")
-    c.add_argument("--qdec", type=_qdec_arg, default="on", help="on, off, or k_chunk per 1024 channels")
-    c.add_argument("--budget", type=_budget_arg, default=None,
-                   help="slowdown budget whose tuning profile --qdec on uses, in percent (default 5; `localllm tune`)")
-    c.add_argument("--gguf-file", help="which GGUF file of a folder to load")
-    c.add_argument("--device", default="auto", help="auto (GPU when usable), cpu or cuda")
+    _model_options(c)
     c.add_argument("--save-dir", default=".", help="where ctrl+s saves the chat (default: the current folder)")
     c.set_defaults(func=cmd_chat)
 
