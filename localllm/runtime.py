@@ -294,6 +294,7 @@ def describe(lm: LocalModel) -> dict:
                         f"{c.num_kv_heads} (q/kv), vocab {c.vocab_size}",
         "parameters": n_params,
         "bits": m["quant"]["bits"] if m else 16,
+        "quantization": modelfile.quant_label(m["quant"]) if m else "16 (not quantized)",
         "group_size": m["quant"]["group_size"] if m else None,
         "residuals": m.get("residual"),
         "calibration": m.get("calibration"),
