@@ -219,7 +219,8 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="GPU benchmarks: low-bit GEMV kernels vs memory bandwidth and fp16")
     b.add_argument("parts", nargs="*", metavar="PART",
-                   help="gemv, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune (default: gemv e2e demo)")
+                   help="gemv, gemv-lut, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune "
+                        "(default: gemv e2e demo)")
     b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("tune", help="measure this GPU and pick QDEC's k_chunk and n_tb per layer type for "
