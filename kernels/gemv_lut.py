@@ -1,11 +1,10 @@
-"""Launchers of the non-uniform (table) GEMV and dequantize kernels (gemv_lut.cu), and the GPU weight they read.
+"""Launchers of the non-uniform (table) GEMV and dequantize kernels (gemv_lut.cu).
 
-The same calls as kernels/gemv.py (gemv, dequantize), for quant.QuantLUT weights. QDEC is not fused into this
-GEMV yet: LocalModel runs QDEC for these models on the CPU only, and says so (NO_QDEC).
+The same calls as kernels/gemv.py (gemv, dequantize), for quant.QuantLUT weights on the GPU (QuantLUT.to: the
+kernels read its packed codes and tables as they are). QDEC is not fused into this GEMV yet: LocalModel runs
+QDEC for these models on the CPU only, and says so (NO_QDEC).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,31 +22,7 @@ NO_QDEC = ("QDEC is not available on the GPU for non-uniform (SqueezeLLM) weight
 NAMES = tuple(f"gemv_lut<{b},{WARPS},{RUN}>" for b in (2, 3, 4)) + tuple(f"dequant_lut<{b}>" for b in (2, 3, 4))
 
 
-@dataclass
-class PackedLUT:
-    """A QuantLUT on the GPU: the packed codes (quant.pack_codes layout) and the per-channel tables, as they are."""
-    qweight: torch.Tensor  # int32 [N/16, K*bits/2]
-    lut: torch.Tensor  # fp16 [N, 2^bits]
-    bits: int
-    in_features: int
-
-    @classmethod
-    def from_quant(cls, q: QuantLUT, device: torch.device | str = "cuda") -> "PackedLUT":
-        return cls(q.qweight.to(device).contiguous(), q.lut.to(device).contiguous(), q.bits, q.in_features)
-
-    @property
-    def out_features(self) -> int:
-        return self.lut.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return self.qweight.numel() * 4 + self.lut.numel() * 2
-
-
-Packed = PackedLUT  # the name model.Linear places weights with (as kernels.gemv.Packed)
-
-
-def gemv(x: torch.Tensor, w: PackedLUT, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+def gemv(x: torch.Tensor, w: QuantLUT, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, glu: bool = False, comp=None,
          blocks_per_sm: int = BLOCKS_PER_SM) -> torch.Tensor:
     """y = W_hat f(x) (+ residual): kernels.gemv.gemv's contract for a table weight (comp: QDEC, not available)."""
@@ -73,7 +48,7 @@ def gemv(x: torch.Tensor, w: PackedLUT, out: torch.Tensor | None = None, residua
     return out
 
 
-def dequantize(w: PackedLUT) -> torch.Tensor:
+def dequantize(w: QuantLUT) -> torch.Tensor:
     """W_hat as fp16 [N, K] on the GPU: what quant.QuantLUT.dequantize(torch.float16) computes."""
     N, K = w.out_features, w.in_features
     out = torch.empty(N, K, dtype=torch.float16, device=w.qweight.device)

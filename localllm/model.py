@@ -84,8 +84,10 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.to(device, dtype), requires_grad=False)
         if self.quant is not None and device.type == "cuda":
-            packed = _kernels(self.quant).Packed
-            self.packed, self.quant, self._dequantized = packed.from_quant(self.quant, device), None, None
+            from .kernels.gemv import Packed
+            q = self.quant
+            self.packed = q.to(device) if isinstance(q, QuantLUT) else Packed.from_quant(q, device)
+            self.quant, self._dequantized = None, None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: "RMSNorm | None" = None,
                 glu: bool = False) -> torch.Tensor:
@@ -134,10 +136,10 @@ class Linear(nn.Module):
 
 
 def _kernels(w):
-    """The kernel module of a weight (CPU QuantWeight / QuantLUT or its GPU form): kernels.gemv for the uniform
-    format, kernels.gemv_lut for tables. Both have Packed.from_quant, gemv and dequantize."""
+    """The kernel module of a GPU weight: kernels.gemv_lut for tables (QuantLUT), else kernels.gemv (its Packed).
+    Both have gemv() and dequantize()."""
     from .kernels import gemv, gemv_lut
-    return gemv_lut if isinstance(w, (QuantLUT, gemv_lut.PackedLUT)) else gemv
+    return gemv_lut if isinstance(w, QuantLUT) else gemv
 
 
 def select_channels(lin: Linear, x: torch.Tensor, k_chunk: int) -> torch.Tensor:

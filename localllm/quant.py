@@ -263,6 +263,11 @@ class QuantLUT:
     def nbytes(self) -> int:
         return self.qweight.numel() * 4 + self.lut.numel() * 2
 
+    def to(self, device: torch.device | str) -> "QuantLUT":
+        """On a GPU this is also the kernels' form (kernels/gemv_lut.py reads both tensors as they are)."""
+        return QuantLUT(self.qweight.to(device).contiguous(), self.lut.to(device).contiguous(), self.bits,
+                        self.in_features)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """W_hat as [N, K]: the fp16 table entries, cast to `dtype`."""
         n, k = self.out_features, self.in_features

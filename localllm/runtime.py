@@ -46,8 +46,9 @@ class LocalModel:
     @property
     def gpu_qdec_unavailable(self) -> str | None:
         """Why QDEC cannot run on this model's GPU, or None: the non-uniform GEMV has no QDEC yet."""
-        from .kernels.gemv_lut import NO_QDEC, PackedLUT
-        return NO_QDEC if any(isinstance(lin.packed, PackedLUT) for lin in self.model.linears()) else None
+        from .kernels.gemv_lut import NO_QDEC
+        from .quant import QuantLUT
+        return NO_QDEC if any(isinstance(lin.packed, QuantLUT) for lin in self.model.linears()) else None
 
     def decoder(self, max_len: int):
         """A Decoder whose cache holds max_len tokens: the one kept from an earlier reply when it is long enough (so

@@ -19,12 +19,12 @@ def random_lut(N, K, bits, device="cuda"):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("N,K", SHAPES)
 def test_lut_gemv_matches_float64_reference(bits, N, K):
-    from localllm.kernels.gemv_lut import PackedLUT, gemv
+    from localllm.kernels.gemv_lut import gemv
     q = random_lut(N, K, bits)
     x = torch.randn(K, device="cuda").half()
     x[torch.randint(0, K, (4,))] *= 30  # activation outliers
     out = torch.full((N,), float("nan"), device="cuda", dtype=torch.float16)  # poison: every row must be written
-    gemv(x, PackedLUT.from_quant(q), out=out)
+    gemv(x, q, out=out)
     torch.cuda.synchronize()
     ref = q.dequantize(torch.float64) @ x.double()
     assert not out.isnan().any()
@@ -35,29 +35,28 @@ def test_lut_gemv_matches_float64_reference(bits, N, K):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (1728, 576), (48, 192)])
 def test_lut_dequant_kernel_equals_reference(bits, N, K):
-    from localllm.kernels.gemv_lut import PackedLUT, dequantize
+    from localllm.kernels.gemv_lut import dequantize
     q = random_lut(N, K, bits)
-    assert torch.equal(dequantize(PackedLUT.from_quant(q)), q.dequantize(torch.float16))
+    assert torch.equal(dequantize(q), q.dequantize(torch.float16))
 
 
 @pytest.mark.parametrize("mode", ["norm", "glu", "residual"])
 def test_lut_gemv_input_transforms_and_residual(mode):
     from localllm import ops
-    from localllm.kernels.gemv_lut import PackedLUT, gemv
+    from localllm.kernels.gemv_lut import gemv
     N, K = 1024, 4096
     q = random_lut(N, K, 4)
-    w = PackedLUT.from_quant(q)
     if mode == "norm":
         x, nw = torch.randn(K, device="cuda").half(), torch.rand(K, device="cuda") + 0.5
-        xin, got = ops.rmsnorm(x.float().cpu(), nw.cpu(), 1e-5).half(), gemv(x, w, norm=(nw, 1e-5))
+        xin, got = ops.rmsnorm(x.float().cpu(), nw.cpu(), 1e-5).half(), gemv(x, q, norm=(nw, 1e-5))
         ref = q.dequantize(torch.float64).cpu() @ xin.double()
     elif mode == "glu":
         x = torch.randn(2 * K, device="cuda").half()
-        xin, got = ops.silu_mul(x.float().cpu()).half(), gemv(x, w, glu=True)
+        xin, got = ops.silu_mul(x.float().cpu()).half(), gemv(x, q, glu=True)
         ref = q.dequantize(torch.float64).cpu() @ xin.double()
     else:
         x, res = torch.randn(K, device="cuda").half(), torch.randn(N, device="cuda").half()
-        got = gemv(x, w, residual=res)
+        got = gemv(x, q, residual=res)
         ref = (q.dequantize(torch.float64) @ x.double() + res.double()).cpu()
     assert ((got.double().cpu() - ref).norm() / ref.norm()).item() < 2e-3
 
