@@ -290,3 +290,20 @@ def test_quantize_command_methods_and_bits(tiny_ckpt, tmp_path, capsys):
         quantize(str(tiny_ckpt), str(tmp_path / "x"), method="bogus")
     with pytest.raises(LocalLLMError, match="--bits 3.25 is not supported"):
         quantize(str(tiny_ckpt), str(tmp_path / "x"), bits=3.25)
+
+
+def test_tuner_bounds_k_chunk_by_the_widest_layer_of_a_kind(tiny_ckpt, tmp_path):
+    """With mixed bits the 4-bit layers need the most shared memory for a k_chunk: they set the bound."""
+    from localllm.kernels import qdec
+    from localllm.tuner.timing import problem_of
+    path = quantize(str(tiny_ckpt), str(tmp_path / "m"), bits=3.5, group_size=64, calib_tokens=512, seq_len=128)
+    lm = load(path, qdec="off")
+    grid_of = lambda N: min(N // 16, 132)  # noqa: E731 - kernels.gemv.grid_of on an H100
+    downs = [lin for lin in lm.model.linears() if lin.kind == "down"]
+    assert sorted(lin.quant.bits for lin in downs) == [3, 4]
+    need = {lin.quant.bits: qdec.shared_bytes_total(lin.quant, 10, grid_of(lin.out_features)) for lin in downs}
+    assert need[4] > need[3]
+    for blocks in (list(lm.model.blocks), list(lm.model.blocks)[::-1]):  # whichever comes first
+        lm.model.blocks = torch.nn.ModuleList(blocks)
+        p = problem_of(lm, sm_count=132, smem=need[4], grid_of=grid_of)
+        assert {lay.kind: lay.k_max for lay in p.layers}["down"] == 10
