@@ -8,8 +8,8 @@ Methods (the base quantizer; QDEC works on top of each):
     rtn         group-wise asymmetric round-to-nearest
     awq         rtn after AWQ's per-input-channel scaling, found on the block's calibration inputs and folded into
                 the block (awq.py), so the runtime is unchanged
-    squeezellm  non-uniform: per output channel, 2^bits fp16 values by k-means weighted by each input channel's
-                mean x^2 on the calibration text (quant.quantize_lut)
+    squeezellm  non-uniform: per output channel, 2^bits fp16 values by k-means weighted by each weight's
+                sensitivity, the Fisher diagonal on the calibration text (fisher.py, quant.quantize_lut)
 Mixed bits (3.5): every block is quantized alone and scored by the KL divergence of the model's output from the
 source model's (kl_sensitivity); the less sensitive half gets 3 bits, the rest 4.
 """
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from . import awq, modelfile
 from .errors import LocalLLMError
+from .fisher import fisher_diagonal
 from .loader import Checkpoint, open_checkpoint
 from .config import rope_inv_freq
 from .model import KINDS, Linear, QdecSettings, RMSNorm, attention_mask, build_block, rope_tables
@@ -87,19 +88,17 @@ def block_inputs(cfg, i: int, t: dict, h: torch.Tensor, rope: tuple, pos: torch.
 
 
 def quantize_block(t: dict, bits: int, group_size: int, residuals: bool, method: str = "rtn",
-                   inputs: dict[str, torch.Tensor] | None = None, cfg=None) -> tuple[dict, dict]:
-    """Dense block tensors (Checkpoint.block_tensors) -> (quantized ones, build_block's arguments; what the method
-    found). awq and squeezellm need the block's calibration inputs (block_inputs) and awq the model config."""
+                   calib: dict[str, torch.Tensor] | None = None, cfg=None) -> tuple[dict, dict]:
+    """Dense block tensors (Checkpoint.block_tensors) -> (build_block's arguments for the quantized block, what the
+    method found: AWQ's alpha per kind). calib, per kind: for awq the block's calibration inputs (block_inputs; awq
+    also needs the model config), for squeezellm the weights' sensitivity (fisher.fisher_diagonal)."""
     info = {}
     if method == "awq":
-        t, info = awq.awq_block(t, cfg, inputs, lambda w: rtn_dequantized(w, bits, group_size))
+        t, info = awq.awq_block(t, cfg, calib, lambda w: rtn_dequantized(w, bits, group_size))
     out = {"attn_norm": t["attn_norm"], "mlp_norm": t["mlp_norm"]}
     for kind in KINDS:
         w = t[kind]["weight"]
-        if method == "squeezellm":  # sensitivity of a weight: its input channel's mean x^2 (diagonal of X^T X)
-            q = quantize_lut(w, bits, inputs[kind].double().square().mean(0).float())
-        else:
-            q = quantize_rtn(w, bits, group_size)
+        q = quantize_lut(w, bits, calib[kind]) if method == "squeezellm" else quantize_rtn(w, bits, group_size)
         res = quantize_residual(w - q.dequantize()) if residuals else None
         out[kind] = {"quant": q, "bias": t[kind].get("bias"), "residual": res}
     return out, info
@@ -188,8 +187,10 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     rope = rope_tables(rope_inv_freq(cfg), pos)
     mask = attention_mask(pos, None)
 
-    def inputs_of(i, t, h):
-        return block_inputs(cfg, i, t, h, rope, pos, mask) if method != "rtn" else None
+    fisher = fisher_diagonal(ckpt, toks) if method == "squeezellm" else None
+
+    def calib_of(i, t, h):  # what the method needs of block i besides its weights (h: the block's input)
+        return block_inputs(cfg, i, t, h, rope, pos, mask) if method == "awq" else fisher[i] if fisher else None
 
     quant = {"method": method, "bits": bits, "group_size": None if method == "squeezellm" else group_size,
              "layout": modelfile.LUT_LAYOUT if method == "squeezellm" else modelfile.WEIGHT_LAYOUT}
@@ -197,14 +198,14 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         n_seq = max(1, min(toks.shape[0], sensitivity_tokens // toks.shape[1]))
         sens = toks[:n_seq]
         kls = kl_sensitivity(ckpt, sens, lambda i, t, h: quantize_block(
-            t, int(bits), group_size, False, method, inputs_of(i, t, h), cfg)[0])
+            t, int(bits), group_size, False, method, calib_of(i, t, h), cfg)[0])
         block_bits = mixed_bits(kls, bits)
         quant["sensitivity"] = {"metric": "kl", "tokens": sens.numel(), "kl": kls}
     else:
         block_bits = [bits] * cfg.num_layers
     quant["block_bits"] = block_bits
     if method == "squeezellm":
-        quant["sensitivity_weights"] = "mean x^2 of each input channel on the calibration text (diagonal of X^T X)"
+        quant["weight_sensitivity"] = "Fisher diagonal: squared next-token-loss gradients on the calibration text"
 
     embed = ckpt.embed()
     h = embed[toks]  # [n_seq, seq_len, D]: calibration hidden states, pushed through block by block
@@ -213,7 +214,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     found = []
     for i in progress(range(cfg.num_layers), desc=f"quantizing blocks ({method})", unit="block"):
         t = ckpt.block_tensors(i)
-        qt, info = quantize_block(t, block_bits[i], group_size, residuals, method, inputs_of(i, t, h), cfg)
+        qt, info = quantize_block(t, block_bits[i], group_size, residuals, method, calib_of(i, t, h), cfg)
         found.append(info)
         for kind in KINDS:
             qt[kind]["stats"] = ActStats(modelfile.linear_shape(cfg, kind)[1], kmax)

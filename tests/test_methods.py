@@ -307,3 +307,29 @@ def test_tuner_bounds_k_chunk_by_the_widest_layer_of_a_kind(tiny_ckpt, tmp_path)
         lm.model.blocks = torch.nn.ModuleList(blocks)
         p = problem_of(lm, sm_count=132, smem=need[4], grid_of=grid_of)
         assert {lay.kind: lay.k_max for lay in p.layers}["down"] == 10
+
+
+def test_fisher_diagonal_is_the_squared_gradient(tiny_ckpt):
+    """With one predicted token per sequence, the per-token Fisher diagonal sum_t (dL/dy_n x_c)^2 is the square of the
+    weight gradient: check it against autograd's weight gradients, sequence by sequence."""
+    from localllm.fisher import fisher_diagonal
+    from localllm.loader import open_checkpoint
+    from localllm.runtime import dense_model
+    ckpt = open_checkpoint(tiny_ckpt)
+    toks = torch.randint(0, ckpt.config.vocab_size, (3, 2))
+    got = fisher_diagonal(ckpt, toks)
+    model = dense_model(ckpt)
+    lins = list(model.linears())
+    for lin in lins:
+        lin.weight.requires_grad_(True)
+    want = [torch.zeros_like(lin.weight) for lin in lins]
+    for seq in toks:
+        for lin in lins:
+            lin.weight.grad = None
+        F.cross_entropy(model(seq[None, :-1])[0], seq[1:], reduction="sum").backward()
+        for acc, lin in zip(want, lins):
+            acc += lin.weight.grad.square()
+    flat = [blk[kind] for blk in got for kind in KINDS]  # the order of model.linears()
+    assert len(flat) == len(want)
+    for f, w in zip(flat, want):
+        assert torch.allclose(f, w, rtol=1e-3, atol=1e-9 * w.max().item()), (f - w).abs().max()
