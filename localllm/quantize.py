@@ -9,7 +9,8 @@ Methods (the base quantizer; QDEC works on top of each):
     awq         rtn after AWQ's per-input-channel scaling, found on the block's calibration inputs and folded into
                 the block (awq.py), so the runtime is unchanged
     squeezellm  non-uniform: per output channel, 2^bits fp16 values by k-means weighted by each weight's
-                sensitivity, the Fisher diagonal on the calibration text (fisher.py, quant.quantize_lut)
+                sensitivity, the square root of the Fisher diagonal on the calibration text (fisher.py,
+                quant.quantize_lut)
 Mixed bits (3.5): every block is quantized alone and scored by the KL divergence of the model's output from the
 source model's (kl_sensitivity); the less sensitive half gets 3 bits, the rest 4.
 """
@@ -98,7 +99,10 @@ def quantize_block(t: dict, bits: int, group_size: int, residuals: bool, method:
     out = {"attn_norm": t["attn_norm"], "mlp_norm": t["mlp_norm"]}
     for kind in KINDS:
         w = t[kind]["weight"]
-        q = quantize_lut(w, bits, calib[kind]) if method == "squeezellm" else quantize_rtn(w, bits, group_size)
+        if method == "squeezellm":  # k-means weighted by sqrt(Fisher): see fisher.py for why the square root
+            q = quantize_lut(w, bits, calib[kind].sqrt())
+        else:
+            q = quantize_rtn(w, bits, group_size)
         res = quantize_residual(w - q.dequantize()) if residuals else None
         out[kind] = {"quant": q, "bias": t[kind].get("bias"), "residual": res}
     return out, info
@@ -205,7 +209,8 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         block_bits = [bits] * cfg.num_layers
     quant["block_bits"] = block_bits
     if method == "squeezellm":
-        quant["weight_sensitivity"] = "Fisher diagonal: squared next-token-loss gradients on the calibration text"
+        quant["weight_sensitivity"] = "sqrt of the Fisher diagonal (squared next-token-loss gradients per token) on " \
+                                      "the calibration text"
 
     embed = ckpt.embed()
     h = embed[toks]  # [n_seq, seq_len, D]: calibration hidden states, pushed through block by block
