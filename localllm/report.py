@@ -17,9 +17,10 @@ already in --out (each section records the machine and command that measured it)
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
-import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -37,6 +38,7 @@ FORMAT = 1
 SECTIONS = ("quality", "outliers", "kernel", "pareto")
 GPU_SECTIONS = ("kernel", "pareto")
 SELECTION_MODES = ("exact", "static", "random")  # compared with approx at --compare-bits (Fig. 15, 16)
+OTHER_WIDTHS = (2, 8, 16)  # residual widths compared with the runtime's 4 bits (Table 1; 16: fp16)
 KERNEL_K = (2, 4, 8, 16, 32, 64, 128)  # k_chunk values of the kernel sweep (Fig. 17)
 KERNEL_MAX_N_TB = 6  # n_tb values per layer type in the kernel sweep, spread over the viable ones
 ALL_CHANNELS = 1024  # k_chunk that selects every channel of a chunk
@@ -109,7 +111,6 @@ def model_name(src: str, ckpt) -> str:
 
 
 def _slug(s: str) -> str:
-    import re
     return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "model"
 
 
@@ -190,7 +191,6 @@ class Run:
         """The evaluation tokens (the first --tokens + 1 of the text), tokenized once."""
         if self._ids is None:
             from .evaluate import read_text, tokenize
-            import hashlib
             text, name = read_text(self.o.text)
             self._ids = tokenize(lm, text, self.o.tokens + 1)
             self.text_info = {"text": name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -232,12 +232,13 @@ def width_k(k4: int, bits: int) -> int | None:
 def quality_evals(o: Options) -> int:
     n = 1 + len(o.bits) * (1 + len(o.k_chunks))
     n += (0 if o.compare_bits in o.bits else 1 + len(o.k_chunks)) + len(SELECTION_MODES) * len(o.k_chunks)
-    return n + sum(1 for b in (2, 8, 16) for k in o.k_chunks if width_k(k, b)) + 1
+    return n + sum(1 for b in OTHER_WIDTHS for k in o.k_chunks if width_k(k, b)) + 1
 
 
 def measure_quality(r: Run) -> dict:
     """Perplexity of the source model, of every base width off and approx per k_chunk, and at --compare-bits the
     other selection modes and residual widths (each selection's recall vs exact top-k per layer type)."""
+    from .model import KINDS
     from .outliers import SelectionRecall
     from .quant import quantize_residual
     from .runtime import LocalModel, dense_model
@@ -275,10 +276,10 @@ def measure_quality(r: Run) -> dict:
             for k in o.k_chunks:
                 run(lm, bits, mode, k)
         # Table 1: the true residual R = W - W_hat at other widths, k_chunk scaled to the bytes of 4-bit residuals
-        for res_bits in (2, 8, 16):
+        for res_bits in OTHER_WIDTHS:
             for i, blk in enumerate(lm.model.blocks):
                 dense = r.ckpt.block_tensors(i)
-                for kind in ("qkv", "o", "gate_up", "down"):
+                for kind in KINDS:
                     lin = getattr(blk, kind)
                     lin.residual = quantize_residual(dense[kind]["weight"] - lin.dense(), res_bits)
             for k4 in o.k_chunks:

@@ -316,6 +316,8 @@ def _kernel_fig(d: dict, title: str, folder: Path, name: str) -> str:
             ax.plot(ks, [ratios[str(k)] for k in ks], "o-", ms=3, label=f"n_tb={n_tb}")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
+        ticks = sorted({int(k) for r in e["ratio"].values() for k in r})
+        ax.set_xticks(ticks, [str(k) for k in ticks])
         ax.set_title(f"{kind} {e['K']}→{e['N']} ({e['base_us']:.1f} µs)", fontsize=9)
         ax.set_xlabel("k_chunk")
         ax.grid(alpha=0.3)
@@ -343,8 +345,8 @@ def kernel_md(kd: dict, report: dict, folder: Path) -> list[str]:
            "graphs; n_tb = compensating thread blocks. This model's own layers (several layers per graph, inputs "
            "with the calibration's per-channel spread):", ""]
     out += _kernel_table(kd["model"])
-    out += ["", f"![kernel, this model]({_kernel_fig(kd['model'], 'this model', folder, 'fig17_kernel_model.png')})",
-            ""]
+    png = _kernel_fig(kd["model"], "this model's layers", folder, "fig17_kernel_model.png")
+    out += ["", f"![kernel, this model]({png})", ""]
     if kd["llama3_8b"]:
         png = _kernel_fig(kd["llama3_8b"], "Llama-3-8B shapes", folder, "fig17_kernel_8b.png")
         out += ["Llama-3-8B shapes, random weights and residuals (`localllm bench qdec`):", ""]

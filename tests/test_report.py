@@ -178,3 +178,29 @@ def test_gpu_sections_fill_the_report(tmp_path, tiny_ckpt, cache):
     md = (out / "report.md").read_text()
     assert "Skipped" not in md and (out / "fig18_pareto.png").read_bytes()[:8] == PNG_MAGIC
     assert (out / "fig17_kernel_model.png").exists() and not (out / "fig17_kernel_8b.png").exists()
+
+
+def test_gpu_sections_render(report, tmp_path):
+    """The GPU sections' pages from measurements shaped as measure_kernel / measure_pareto return them (made-up
+    values: only the rendering is under test here; the GPU test above measures them)."""
+    from localllm.report_render import render
+    _, rep = report
+    rep = json.loads(json.dumps(rep))
+    gpu = {"name": "Some GPU", "compute_capability": "9.0", "sm_count": 132, "memory_bytes": 1, "driver": "CUDA 13.0",
+           "torch_cuda": "13.0"}
+    rep["runs"].append({**rep["runs"][0], "sections": ["kernel", "pareto"],
+                        "machine": {**rep["runs"][0]["machine"], "gpu": gpu}})
+    layer = {"N": 4096, "K": 4096, "base_us": 3.0, "ratio": {"1": {"2": 1.1, "8": 1.3}, "4": {"2": 1.05, "8": 1.2}}}
+    rep["sections"]["kernel"] = {"bits": 3, "model": {k: layer for k in ("qkv", "o", "gate_up", "down")},
+                                 "llama3_8b": {"qkv": layer}, "run": 1}
+    point = {"budget": 0.05, "n_tb_max": 4, "k_chunk": {"qkv": 0, "o": 0, "gate_up": 8, "down": 2}, "predicted": 0.04,
+             "slowdown": 0.03, "ms": 1.03, "ms_off": 1.0, "ppl": 50.0}
+    rep["sections"]["pareto"] = {"budgets": [0.05], "bits": {"3": {"ms_off": 1.0, "ppl_off": 60.0, "points": [point]}},
+                                 "run": 1}
+    rep["skipped"] = {}
+    render(rep, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "Skipped" not in md and "Some GPU" in md and "| W3 | 5% | 4 / (0, 0, 8, 2) | +3.0% | 1.030 | 50 |" in md
+    assert "| qkv | 4096→4096 | 3.00 | 4 | 1.05 | 1.20 |" in md
+    for name in ("fig17_kernel_model.png", "fig17_kernel_8b.png", "fig18_pareto.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
