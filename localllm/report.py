@@ -421,7 +421,7 @@ def make_report(o: Options) -> Path:
         raise LocalLLMError(f"the report in {out} is of another model (sha256 {old.get('model', {}).get('sha256')}"
                             f"); --update adds sections of the same model: use another --out")
 
-    t0 = time.perf_counter()
+    t0, commit = time.perf_counter(), git_commit()  # the code that measures, before any edit during a long run
     with progress(total=_steps(o, sections), desc="report", unit="step") as bar:
         r = Run(o, ckpt, sha, name, src, bar)
         measured = {}
@@ -432,7 +432,7 @@ def make_report(o: Options) -> Path:
                            "seconds": round(time.perf_counter() - ts, 1)}
     cfg = ckpt.config
     runs = (old or {}).get("runs", [])
-    runs.append({"command": command_of(o), "sections": list(sections), "commit": git_commit(), "localllm": __version__,
+    runs.append({"command": command_of(o), "sections": list(sections), "commit": commit, "localllm": __version__,
                  "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                  "machine": machine(any(s in GPU_SECTIONS for s in sections)), "seconds": round(time.perf_counter() - t0),
                  "settings": {"bits": list(o.bits), "k_chunks": list(o.k_chunks), "compare_bits": o.compare_bits,
