@@ -22,7 +22,8 @@ CHUNK = 1024
 N_BUCKETS = 32  # one per warp lane in the kernel
 _HALF = N_BUCKETS // 2
 _MIN_WIDTH = 1e-12  # bucket widths never reach 0, so nothing divides by 0
-# Elements per token block: [T_block, K] copies in ActStats.update().
+# Elements per token block: [T_block, k, N] gathered residual rows in compensate(),
+# [T_block, K] copies in ActStats.update().
 _BLOCK_ELEMS = 1 << 24
 
 
@@ -73,11 +74,19 @@ def bucket_index(a: Tensor, b0: float, b15: float) -> Tensor:
     return torch.where(a >= b15_t, upper, lower).to(torch.uint8)
 
 
-def _fmix32(h: np.ndarray) -> np.ndarray:
-    """MurmurHash3's 32-bit finalizer on uint32 arrays (numpy's uint32 arithmetic wraps mod 2^32, as the kernel's)."""
-    h = (h ^ (h >> np.uint32(16))) * np.uint32(0x85EBCA6B)
-    h = (h ^ (h >> np.uint32(13))) * np.uint32(0xC2B2AE35)
-    return h ^ (h >> np.uint32(16))
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(a: Tensor, c: int) -> Tensor:
+    """a * c mod 2^32 for int64 a in [0, 2^32), without overflowing int64."""
+    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 values in [0, 2^32)."""
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
 
 
 def boundary_order(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -88,10 +97,9 @@ def boundary_order(x: Tensor) -> tuple[Tensor, Tensor]:
     seed = fmix32(sum_i fmix32(i * 65536 + u_i) mod 2^32), u_i the fp16 bits of x_i, so the choice is a fixed
     function of the input (the same on CPU and GPU, in eager and graph replay) that changes with it.
     """
-    u = x.detach().half().cpu().view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
-    i = np.arange(x.shape[-1], dtype=np.uint32)
-    h = _fmix32(_fmix32(i * np.uint32(65536) + u).sum(-1, keepdims=True, dtype=np.uint32))
-    h = torch.from_numpy(h.astype(np.int64)).to(x.device)
+    u = x.half().view(torch.int16).long() & 0xFFFF
+    i = torch.arange(x.shape[-1], dtype=torch.int64, device=x.device)
+    h = _fmix32(_fmix32(i * 65536 + u).sum(-1, keepdim=True) & _M32)
     return 2 * (h & 511) + 1, (h >> 9) & 1023
 
 
@@ -145,13 +153,17 @@ def select_random(t: int, in_features: int, k_chunk: int, generator: torch.Gener
 
 
 def compensate(x: Tensor, idx: Tensor, residual: QuantResidual) -> Tensor:
-    """o_dec[t] = sum_j R_hat[:, idx[t, j]] * x[t, idx[t, j]]: x [T, K], idx [T, k] -> float32 [T, N].
-
-    Computed as x masked to its selected channels times the whole R_hat (residual.by_input, dequantized once): on a
-    CPU one dense product beats gathering k rows per token for all but the smallest k."""
-    xf = x.float()
-    masked = torch.zeros_like(xf).scatter_(1, idx, xf.gather(1, idx))
-    return masked @ residual.by_input
+    """o_dec[t] = sum_j R_hat[:, idx[t, j]] * x[t, idx[t, j]]: x [T, K], idx [T, k] -> float32 [T, N]."""
+    t, k = idx.shape
+    n = residual.scales.shape[0]
+    out = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    step = max(1, _BLOCK_ELEMS // max(1, k * n))
+    for t0 in range(0, t, step):
+        blk = slice(t0, t0 + step)
+        rows = residual.rows(idx[blk])  # [tb, k, N]
+        xs = x[blk].float().gather(1, idx[blk])  # [tb, k]
+        out[blk] = torch.bmm(xs.unsqueeze(1), rows).squeeze(1)
+    return out
 
 
 class ActStats:

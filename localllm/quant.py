@@ -259,11 +259,6 @@ class QuantResidual:
         """R_hat as float32 [N, K]."""
         return self.rows(torch.arange(self.packed.shape[0], device=self.packed.device)).T.contiguous()
 
-    @functools.cached_property
-    def by_input(self) -> Tensor:
-        """R_hat as float32 [K, N] (input-channel-major, as stored), made once: the CPU path compensates with it."""
-        return self.rows(torch.arange(self.packed.shape[0], device=self.packed.device))
-
 
 def residual_scale_search(r: Tensor, grid: int = 100, qmax: int = RESIDUAL_QMAX) -> Tensor:
     """Per-row scale S minimising sum_j (clip(round(r_j / S), -qmax, qmax) * S - r_j)^2: r [N, K] -> fp16 [N].
