@@ -153,7 +153,8 @@ def cmd_report(a) -> None:
     from .tuner.profile import parse_budgets
     sections = tuple(s.strip() for s in a.sections.split(",") if s.strip()) if a.sections is not None else None
     o = Options(model=a.model, out=a.out, tokens=a.tokens, ctx=a.ctx, bits=_ints("--bits", a.bits),
-                k_chunks=_ints("--k-chunk", a.k_chunk), compare_bits=a.compare_bits, group_size=a.group_size,
+                k_chunks=_ints("--k-chunk", a.k_chunk), compare_bits=a.compare_bits,
+                residual_bits=_ints("--residual-bits", a.residual_bits), group_size=a.group_size,
                 budgets=tuple(parse_budgets(a.budget)), sections=sections, seed=a.seed, text=a.text,
                 gguf_file=a.gguf_file, force=a.force, update=a.update, argv=a.argv[1:])
     out = make_report(o)
@@ -265,6 +266,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--k-chunk", default="8,16,32,64,128", help="k_chunk values (default 8,16,32,64,128)")
     r.add_argument("--compare-bits", type=int, default=3,
                    help="base width of the selection-mode, residual-width and outlier sections (default 3)")
+    r.add_argument("--residual-bits", default="2,8,16",
+                   help="residual widths compared with 4 bits at equal PCIe bytes (default 2,8,16; 16 = fp16; "
+                        "empty to skip; 8 is slow to quantize on billion-weight models)")
     r.add_argument("--group-size", type=int, default=128)
     r.add_argument("--budget", default="2.5,5,10,20", help="tuner budgets in percent for the GPU Pareto section")
     r.add_argument("--sections", help="comma-separated: quality, outliers, kernel, pareto (default: all; the GPU "

@@ -38,7 +38,6 @@ FORMAT = 1
 SECTIONS = ("quality", "outliers", "kernel", "pareto")
 GPU_SECTIONS = ("kernel", "pareto")
 SELECTION_MODES = ("exact", "static", "random")  # compared with approx at --compare-bits (Fig. 15, 16)
-OTHER_WIDTHS = (2, 8, 16)  # residual widths compared with the runtime's 4 bits (Table 1; 16: fp16)
 KERNEL_K = (2, 4, 8, 16, 32, 64, 128)  # k_chunk values of the kernel sweep (Fig. 17)
 KERNEL_MAX_N_TB = 6  # n_tb values per layer type in the kernel sweep, spread over the viable ones
 ALL_CHANNELS = 1024  # k_chunk that selects every channel of a chunk
@@ -53,6 +52,9 @@ class Options:
     bits: tuple = (2, 3, 4)
     k_chunks: tuple = (8, 16, 32, 64, 128)
     compare_bits: int = 3  # the base width of the selection-mode and residual-width comparisons
+    # residual widths compared with the runtime's 4 bits (Table 1; 16: fp16). Quantizing R at many levels is slow
+    # (the MSE scale search at 8 bits takes ~10 us per weight): leave 8 out for models of a billion weights
+    residual_bits: tuple = (2, 8, 16)
     group_size: int = 128
     budgets: tuple = (0.025, 0.05, 0.1, 0.2)
     sections: tuple | None = None  # None: all, the GPU ones only where a GPU is usable
@@ -86,7 +88,7 @@ def gpu_unusable() -> str | None:
 
 
 def _check(o: Options) -> None:
-    from .quant import BASE_BITS, GROUP_SIZES
+    from .quant import BASE_BITS, GROUP_SIZES, RESIDUAL_BITS, RESIDUAL_WIDTHS
     if not o.bits or any(b not in BASE_BITS for b in o.bits):
         raise LocalLLMError(f"--bits takes base widths from {', '.join(map(str, BASE_BITS))}; got {o.bits}")
     if o.compare_bits not in BASE_BITS:
@@ -95,6 +97,9 @@ def _check(o: Options) -> None:
         raise LocalLLMError(f"--k-chunk takes channels per 1024 within 1..{ALL_CHANNELS}; got {o.k_chunks}")
     if o.group_size not in GROUP_SIZES:
         raise LocalLLMError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}; got {o.group_size}")
+    if any(b not in RESIDUAL_WIDTHS or b == RESIDUAL_BITS for b in o.residual_bits):
+        raise LocalLLMError(f"--residual-bits takes widths from {', '.join(str(b) for b in RESIDUAL_WIDTHS if b != 4)}"
+                            f" (4 is always there); got {o.residual_bits}")
     if o.tokens < 2:
         raise LocalLLMError(f"--tokens must be at least 2; got {o.tokens}")
     bad = [s for s in (o.sections or ()) if s not in SECTIONS]
@@ -232,7 +237,7 @@ def width_k(k4: int, bits: int) -> int | None:
 def quality_evals(o: Options) -> int:
     n = 1 + len(o.bits) * (1 + len(o.k_chunks))
     n += (0 if o.compare_bits in o.bits else 1 + len(o.k_chunks)) + len(SELECTION_MODES) * len(o.k_chunks)
-    return n + sum(1 for b in OTHER_WIDTHS for k in o.k_chunks if width_k(k, b)) + 1
+    return n + sum(1 for b in o.residual_bits for k in o.k_chunks if width_k(k, b)) + (16 in o.residual_bits)
 
 
 def measure_quality(r: Run) -> dict:
@@ -251,7 +256,8 @@ def measure_quality(r: Run) -> dict:
         probe = SelectionRecall() if mode != "off" else None
         lm.set_qdec("off" if mode == "off" else {"mode": mode, "k_chunk": k})
         lm.settings.observer = probe
-        desc = f"eval W{bits} {mode}" + (f" k={k}" if mode != "off" else "") + (f" R{res_bits}" if res_bits != 4 else "")
+        desc = f"eval W{bits} {mode}" + (f" k={k}" if mode != "off" else "")
+        desc += f" R{res_bits}" if res_bits != 4 else ""
         try:
             ppl = r.perplexity(lm, desc)
         finally:
@@ -276,7 +282,7 @@ def measure_quality(r: Run) -> dict:
             for k in o.k_chunks:
                 run(lm, bits, mode, k)
         # Table 1: the true residual R = W - W_hat at other widths, k_chunk scaled to the bytes of 4-bit residuals
-        for res_bits in OTHER_WIDTHS:
+        for res_bits in o.residual_bits:
             for i, blk in enumerate(lm.model.blocks):
                 dense = r.ckpt.block_tensors(i)
                 for kind in KINDS:
@@ -434,10 +440,12 @@ def make_report(o: Options) -> Path:
     runs = (old or {}).get("runs", [])
     runs.append({"command": command_of(o), "sections": list(sections), "commit": commit, "localllm": __version__,
                  "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 "machine": machine(any(s in GPU_SECTIONS for s in sections)), "seconds": round(time.perf_counter() - t0),
+                 "machine": machine(any(s in GPU_SECTIONS for s in sections)),
+                 "seconds": round(time.perf_counter() - t0),
                  "settings": {"bits": list(o.bits), "k_chunks": list(o.k_chunks), "compare_bits": o.compare_bits,
-                              "group_size": o.group_size, "budgets": list(o.budgets), "tokens": o.tokens,
-                              "ctx": o.ctx, "seed": o.seed, "calibration": _calibration(r)},
+                              "residual_bits": list(o.residual_bits), "group_size": o.group_size,
+                              "budgets": list(o.budgets), "tokens": o.tokens, "ctx": o.ctx, "seed": o.seed,
+                              "calibration": _calibration(r)},
                  "data": r.text_info})
     report = {
         "format": FORMAT,

@@ -215,7 +215,8 @@ def quality_md(q: dict, s: dict, folder: Path) -> list[str]:
     out += ["", f"![selection modes]({fig16(q, s, folder)})", ""]
     for k in ks:
         st = _ppl(q, bits=b, mode="static", k_chunk=k, residual_bits=4)
-        dyn = [kk for kk in ks if (_ppl(q, bits=b, mode="approx", k_chunk=kk, residual_bits=4) or math.inf) <= (st or 0)]
+        dyn = [kk for kk in ks
+               if (_ppl(q, bits=b, mode="approx", k_chunk=kk, residual_bits=4) or math.inf) <= (st or 0)]
         if st and dyn:
             out.append(f"- static selection at k_chunk {k} ({_f(st)}) is matched by dynamic selection at k_chunk "
                        f"{dyn[0]}.")

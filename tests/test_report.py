@@ -136,7 +136,8 @@ def test_an_existing_report_is_kept_unless_asked(report, tiny_ckpt, capsys):
 
 def test_bad_input_is_one_line(tiny_ckpt, tiny_quant, tmp_path, capsys, monkeypatch):
     cases = [(["--bits", "5"], "--bits takes"), (["--k-chunk", "8,x"], "comma-separated integers"),
-             (["--sections", "quality,bogus"], "--sections takes"), (["--force", "--update"], "exclude each other"),
+             (["--sections", "quality,bogus"], "--sections takes"), (["--residual-bits", "4"], "--residual-bits takes"),
+             (["--force", "--update"], "exclude each other"),
              (["--update"], "--update needs the report.json")]
     for args, msg in cases:
         (tmp_path / "old").mkdir(exist_ok=True)
