@@ -159,6 +159,9 @@ def fig_table1(q: dict, s: dict, folder: Path) -> str:
     ax.axhline(_ppl(q, bits=s["compare_bits"], mode="off"), ls=":", color="tab:red", lw=1, label="QDEC off")
     ax.axhline(q["source_ppl"], ls="--", color="k", lw=1, label="source model")
     ax.set_xscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ax.set_xlabel("residual bytes read per token over PCIe (MB, all layers)")
     ax.set_ylabel("perplexity")
     ax.set_title(f"W{s['compare_bits']}: residual width at equal PCIe bytes (paper Table 1)")
@@ -217,9 +220,10 @@ def quality_md(q: dict, s: dict, folder: Path) -> list[str]:
         st = _ppl(q, bits=b, mode="static", k_chunk=k, residual_bits=4)
         dyn = [kk for kk in ks
                if (_ppl(q, bits=b, mode="approx", k_chunk=kk, residual_bits=4) or math.inf) <= (st or 0)]
-        if st and dyn:
+        if st and dyn and dyn[0] < k:
             out.append(f"- static selection at k_chunk {k} ({_f(st)}) is matched by dynamic selection at k_chunk "
-                       f"{dyn[0]}.")
+                       f"{dyn[0]} ({_f(_ppl(q, bits=b, mode='approx', k_chunk=dyn[0], residual_bits=4))}), "
+                       f"{k // dyn[0]}x fewer channels.")
     out.append("")
 
     out += [f"## 4. Residual bit width at equal PCIe bytes (paper Table 1), W{b}", "",
@@ -390,7 +394,8 @@ def pareto_md(pd: dict, report: dict, folder: Path) -> list[str]:
 # --- the report -------------------------------------------------------------------------------------------------
 
 def _machine(m: dict) -> str:
-    s = f"{m['cpu']} ({m['cpu_threads']} threads), torch {m['torch']}, Python {m['python']}"
+    n = m["cpu_threads"]
+    s = f"{m['cpu']} ({n} thread{'s' if n != 1 else ''}), torch {m['torch']}, Python {m['python']}"
     if m.get("gpu"):
         g = m["gpu"]
         s += f"; GPU {g['name']} (sm {g['compute_capability']}, {g['sm_count']} SMs, driver {g.get('driver')})"
