@@ -109,6 +109,36 @@ def bench_gemv(bits_list=(4, 3, 2), group_size: int = 128) -> list[dict]:
     return rows
 
 
+def bench_gemv_lut(bits_list=(4, 3), group_size: int = 128) -> list[dict]:
+    """The non-uniform (table) GEMV on the 8B shapes next to the uniform GEMV of the same bits, in one run."""
+    from .kernels.gemv import gemv
+    from .kernels.gemv_lut import gemv as gemv_lut
+    from .quant import QuantLUT, pack_codes
+    bw = copy_bandwidth()
+    rows = []
+    for name, (N, K) in LLAMA3_8B.items():
+        x = torch.randn(K, device="cuda").half()
+        for bits in bits_list:
+            sets, nbytes = gemv_sets(N, K, bits, group_size)
+            t_uni = time_graph([lambda s=s: gemv(x, s[0], out=s[1]) for s in sets])
+            del sets
+            luts = [(QuantLUT(pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits),
+                              torch.randn(N, 2**bits, device="cuda").sort(1).values.half(), bits, K),
+                     torch.empty(N, device="cuda", dtype=torch.float16)) for _ in range(_copies(N * K * bits // 8))]
+            lut_bytes = luts[0][0].nbytes + K * 2 + N * 2
+            t = time_graph([lambda s=s: gemv_lut(x, s[0], out=s[1]) for s in luts])
+            del luts
+            rows.append({"layer": name, "N": N, "K": K, "bits": bits, "us": t * 1e6, "of_copy_bw": lut_bytes / t / bw,
+                         "uniform_us": t_uni * 1e6, "uniform_of_copy_bw": nbytes / t_uni / bw})
+    print(f"\nNon-uniform (table) GEMV vs the uniform GEMV (group size {group_size}), batch 1, inside CUDA graphs "
+          f"(measured copy bandwidth {bw / 1e9:.0f} GB/s)")
+    print(f"{'layer':8} {'N x K':>13} {'bits':>4} {'table us':>9} {'% copy bw':>9} {'uniform us':>10} {'% copy bw':>9}")
+    for r in rows:
+        print(f"{r['layer']:8} {r['N']:>6}x{r['K']:<6} {r['bits']:>4} {r['us']:9.2f} {100 * r['of_copy_bw']:8.1f}% "
+              f"{r['uniform_us']:10.2f} {100 * r['uniform_of_copy_bw']:8.1f}%")
+    return rows
+
+
 def pcie_bandwidth(nbytes: int = 64 << 20) -> float:
     """Pinned host -> device memcpy bandwidth, bytes/s."""
     src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
@@ -440,8 +470,8 @@ def main(argv: list[str] | None = None) -> None:
         raise LocalLLMError("localllm bench measures the GPU kernels and needs a CUDA GPU; none is visible")
     import sys
     parts = (sys.argv[1:] if argv is None else argv) or ["gemv", "e2e", "demo"]
-    runs = {"gemv": bench_gemv, "gemv-sweep": gemv_sweep, "e2e": bench_e2e, "demo": bench_demo,
-            "breakdown": bench_breakdown, "qdec": bench_qdec, "e2e-qdec": bench_e2e_qdec, "tune": bench_tune}
+    runs = {"gemv": bench_gemv, "gemv-lut": bench_gemv_lut, "gemv-sweep": gemv_sweep, "e2e": bench_e2e,
+            "demo": bench_demo, "breakdown": bench_breakdown, "qdec": bench_qdec, "e2e-qdec": bench_e2e_qdec, "tune": bench_tune}
     bad = [p for p in parts if p not in runs]
     if bad:
         raise LocalLLMError(f"unknown benchmark {', '.join(bad)}; choose from {', '.join(runs)}")

@@ -60,7 +60,7 @@ def cmd_info(a) -> None:
     mb = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
     print(f"model        {d['path']}")
     print(f"             {d['architecture']}, {d['parameters'] / 1e6:.1f}M parameters")
-    print(f"bits         {d['bits']}" + (f" (group size {d['group_size']})" if d['group_size'] else " (not quantized)"))
+    print(f"bits         {d['quantization']}")
     print(f"GPU memory   {mb(d['gpu_bytes'])} (weights + embeddings, without KV cache)")
     print(f"pinned host  {mb(d['pinned_host_bytes'])} (QDEC residuals)")
     if d["calibration"]:
@@ -76,7 +76,7 @@ def cmd_info(a) -> None:
 def cmd_quantize(a) -> None:
     from .quantize import quantize
     out = quantize(a.source, a.output, bits=a.bits, group_size=a.group_size, residuals=not a.no_residuals,
-                   calib_text=a.calib_text, calib_tokens=a.calib_tokens, gguf_file=a.gguf_file)
+                   calib_text=a.calib_text, calib_tokens=a.calib_tokens, gguf_file=a.gguf_file, method=a.method)
     print(f"wrote {out}")
 
 
@@ -211,8 +211,12 @@ def parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="quantize a checkpoint (+ QDEC residuals and calibration)")
     q.add_argument("source", help="checkpoint folder (safetensors), .gguf file, or hub id")
     q.add_argument("-o", "--output", required=True, help="new model folder (must not exist)")
-    q.add_argument("--bits", type=int, default=4, choices=(2, 3, 4))
-    q.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES)
+    q.add_argument("--bits", default="4", choices=("2", "2.5", "3", "3.5", "4"),
+                   help="bits per weight; 2.5 / 3.5: half the blocks one bit lower, chosen by KL sensitivity")
+    q.add_argument("--method", default="rtn", choices=("rtn", "awq", "squeezellm"),
+                   help="base quantizer: rtn (round to nearest), awq (activation-aware scaling, then rtn), "
+                        "squeezellm (non-uniform per-channel tables by sensitivity-weighted k-means)")
+    q.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES, help="rtn and awq only")
     q.add_argument("--no-residuals", action="store_true", help="skip QDEC residuals")
     q.add_argument("--calib-text", help="UTF-8 text file for calibration (default: built-in sample)")
     q.add_argument("--calib-tokens", type=int, default=4096)
@@ -235,7 +239,8 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="GPU benchmarks: low-bit GEMV kernels vs memory bandwidth and fp16")
     b.add_argument("parts", nargs="*", metavar="PART",
-                   help="gemv, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune (default: gemv e2e demo)")
+                   help="gemv, gemv-lut, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune "
+                        "(default: gemv e2e demo)")
     b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("tune", help="measure this GPU and pick QDEC's k_chunk and n_tb per layer type for "

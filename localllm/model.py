@@ -14,7 +14,7 @@ from torch import nn
 
 from . import ops, qdec
 from .config import ModelConfig, rope_inv_freq
-from .quant import QuantResidual, QuantWeight
+from .quant import QuantLUT, QuantResidual, QuantWeight
 
 KINDS = ("qkv", "o", "gate_up", "down")
 QDEC_MODES = ("off", "exact", "approx", "static", "random")
@@ -38,7 +38,7 @@ class Linear(nn.Module):
     """y = W x (+ b), W either dense or dequantized from `quant`; plus R_hat[:, S] x[S] when QDEC is on."""
 
     def __init__(self, kind: str, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 quant: QuantWeight | None = None, residual: QuantResidual | None = None,
+                 quant: QuantWeight | QuantLUT | None = None, residual: QuantResidual | None = None,
                  stats: qdec.ActStats | None = None, settings: QdecSettings | None = None):
         super().__init__()
         assert (weight is None) != (quant is None), "give dense weights or quantized weights"
@@ -89,7 +89,9 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(self.bias.to(device, dtype), requires_grad=False)
         if self.quant is not None and device.type == "cuda":
             from .kernels.gemv import Packed
-            self.packed, self.quant, self._dequantized = Packed.from_quant(self.quant, device), None, None
+            q = self.quant
+            self.packed = q.to(device) if isinstance(q, QuantLUT) else Packed.from_quant(q, device)
+            self.quant, self._dequantized = None, None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: "RMSNorm | None" = None,
                 glu: bool = False) -> torch.Tensor:
@@ -107,8 +109,7 @@ class Linear(nn.Module):
             compensate = False  # prompts on the GPU run uncompensated (as in the paper)
         x = self.input_of(x, norm, glu)
         if self.packed is not None:  # a prompt on the GPU: dequantize to fp16, then cuBLAS
-            from .kernels.gemv import dequantize
-            y = F.linear(x, dequantize(self.packed), self.bias)
+            y = F.linear(x, _kernels(self.packed).dequantize(self.packed), self.bias)
         else:
             y = F.linear(x, self.dense().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if residual is not None:
@@ -130,14 +131,21 @@ class Linear(nn.Module):
               comp=None) -> torch.Tensor:
         """One token on the GPU: the low-bit GEMV kernel, with the input transform, (without a bias) the residual
         add and QDEC (comp: kernels.qdec.Call) fused."""
-        from .kernels import gemv
         fuse = residual is not None and self.bias is None
-        y = gemv.gemv(x.reshape(-1), self.packed, residual=residual.reshape(-1).contiguous() if fuse else None,
+        kern = _kernels(self.packed)
+        y = kern.gemv(x.reshape(-1), self.packed, residual=residual.reshape(-1).contiguous() if fuse else None,
                       norm=None if norm is None else (norm.weight, norm.eps), glu=glu,
                       comp=comp).view(*x.shape[:-1], -1)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None or fuse else y + residual
+
+
+def _kernels(w):
+    """The kernel module of a GPU weight: kernels.gemv_lut for tables (QuantLUT), else kernels.gemv (its Packed).
+    Both have gemv() and dequantize()."""
+    from .kernels import gemv, gemv_lut
+    return gemv_lut if isinstance(w, QuantLUT) else gemv
 
 
 def select_channels(lin: Linear, x: torch.Tensor, k_chunk: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The quantized model folder: safetensors files + a JSON manifest + the tokenizer.
 
-    localllm.json            manifest: format version, source (+ sha256), config, bits, group size,
-                             residual and calibration info, size + sha256 of every file
-    model.safetensors        fp16 embeddings / norms / lm_head; packed low-bit weights (+ qkv bias)
+    localllm.json            manifest: format version, source (+ sha256), config, method, bits (per block),
+                             group size, residual and calibration info, size + sha256 of every file
+    model.safetensors        fp16 embeddings / norms / lm_head; packed low-bit weights (+ qkv bias), with
+                             group scales + zeros (uniform) or per-channel tables (non-uniform)
     residuals.safetensors    4-bit QDEC residuals, input-channel-major (optional)
     calibration.safetensors  activation statistics for QDEC bucket boundaries (optional)
     tokenizer files          incl. the chat template
@@ -27,10 +28,14 @@ from .errors import LocalLLMError
 from .loader import MANIFEST
 from .model import KINDS, Block, QdecSettings, RMSNorm, Transformer, build_block
 from .qdec import ActStats
-from .quant import QuantResidual, QuantWeight
+from .quant import BASE_BITS, QuantLUT, QuantResidual, QuantWeight
 
-FORMAT_VERSION = 1
-WEIGHT_LAYOUT = "rtn-mma-v3"        # quant.pack_codes: 16x64 tiles in tensor-core operand order
+# Version 2: per-block bit widths (quant.block_bits) and the non-uniform layout. Version 1 files (uniform bits,
+# WEIGHT_LAYOUT) still load.
+FORMAT_VERSION = 2
+WEIGHT_LAYOUT = "rtn-mma-v3"        # quant.pack_codes: 16x64 tiles in tensor-core operand order, group scale + zero
+LUT_LAYOUT = "lut-mma-v3"           # the same packed codes, one fp16 table of 2^bits values per output channel
+READABLE = {1: (WEIGHT_LAYOUT,), 2: (WEIGHT_LAYOUT, LUT_LAYOUT)}  # format version -> weight layouts it may hold
 RESIDUAL_LAYOUT = "sym4-inmajor-v1"  # quant.QuantResidual: [K, N/8] int32 of (q + 8) nibbles
 FILES = ("model.safetensors", "residuals.safetensors", "calibration.safetensors")
 
@@ -52,7 +57,11 @@ def block_state(i: int, blk: Block) -> tuple[dict, dict, dict]:
     for kind in KINDS:
         lin = getattr(blk, kind)
         q = lin.quant
-        model |= {p + kind + ".qweight": q.qweight, p + kind + ".scales": q.scales, p + kind + ".zeros": q.zeros}
+        model[p + kind + ".qweight"] = q.qweight
+        if isinstance(q, QuantLUT):
+            model[p + kind + ".lut"] = q.lut
+        else:
+            model |= {p + kind + ".scales": q.scales, p + kind + ".zeros": q.zeros}
         if lin.bias is not None:
             model[p + kind + ".bias"] = lin.bias.half()
         if lin.residual is not None:
@@ -95,9 +104,32 @@ def read_manifest(path: Path) -> dict:
     if v > FORMAT_VERSION:
         raise LocalLLMError(f"{path} was written by a newer localllm (format {v}, this one reads {FORMAT_VERSION}); "
                             "upgrade localllm")
-    if v < FORMAT_VERSION or m["quant"].get("layout") != WEIGHT_LAYOUT:
+    layout = m.get("quant", {}).get("layout")
+    if v < 1 or (v == 1 and layout != WEIGHT_LAYOUT):
         raise LocalLLMError(f"{path} uses an older format (version {v}); re-run `localllm quantize` on the source")
+    if layout not in READABLE[v]:
+        raise LocalLLMError(f"{path} holds weights in layout '{layout}', which this localllm cannot read (it reads "
+                            f"{', '.join(READABLE[v])}); upgrade localllm or re-run `localllm quantize`")
     return m
+
+
+def block_bits(m: dict, num_layers: int) -> list[int]:
+    """Bit width of each decoder block: the manifest's block_bits (format 2), else its one bit width."""
+    q = m["quant"]
+    bits = q.get("block_bits") or [q["bits"]] * num_layers
+    if len(bits) != num_layers or any(b not in BASE_BITS for b in bits):
+        raise LocalLLMError(f"the manifest's block bit widths {bits} do not fit {num_layers} blocks of "
+                            f"{'/'.join(map(str, BASE_BITS))} bits; re-run `localllm quantize`")
+    return bits
+
+
+METHOD_NAMES = {"rtn": "", "awq": " AWQ", "squeezellm": " SqueezeLLM"}
+
+
+def quant_label(q: dict) -> str:
+    """The manifest's quantization in a few words: "3-bit, group 64", "3.5-bit AWQ, group 128", "4-bit SqueezeLLM"."""
+    name = f"{q['bits']}-bit{METHOD_NAMES.get(q.get('method', 'rtn'), ' ' + str(q.get('method')))}"
+    return name + (f", group {q['group_size']}" if q.get("group_size") else "")
 
 
 def _load_checked(path: Path, name: str, meta: dict, verify: bool) -> dict:
@@ -124,7 +156,8 @@ def load(path: str | Path, verify: bool = True, settings: QdecSettings | None = 
     cfg = ModelConfig.from_dict(m["config"])
     files = {n: _load_checked(path, n, meta, verify) for n, meta in m["files"].items()}
     w, res, cal = (files.get(n, {}) for n in FILES)
-    bits, g = m["quant"]["bits"], m["quant"]["group_size"]
+    g, lut = m["quant"]["group_size"], m["quant"]["layout"] == LUT_LAYOUT
+    bits_of = block_bits(m, cfg.num_layers)
     settings = settings or QdecSettings()
 
     def take(d: dict, name: str, shape: tuple, fname: str) -> torch.Tensor:
@@ -138,14 +171,17 @@ def load(path: str | Path, verify: bool = True, settings: QdecSettings | None = 
     D = cfg.hidden_size
     blocks = []
     for i in range(cfg.num_layers):
-        p = f"blocks.{i}."
+        p, bits = f"blocks.{i}.", bits_of[i]
         t = {"attn_norm": take(w, p + "attn_norm", (D,), FILES[0]), "mlp_norm": take(w, p + "mlp_norm", (D,), FILES[0])}
         for kind in KINDS:
             N, K = linear_shape(cfg, kind)
             q = p + kind + "."
-            quant = QuantWeight(take(w, q + "qweight", (N // 16, K * bits // 2), FILES[0]),
-                                take(w, q + "scales", (N, math.ceil(K / g)), FILES[0]),
-                                take(w, q + "zeros", (N, math.ceil(K / g)), FILES[0]), bits, g, K)
+            qweight = take(w, q + "qweight", (N // 16, K * bits // 2), FILES[0])
+            if lut:
+                quant = QuantLUT(qweight, take(w, q + "lut", (N, 2**bits), FILES[0]), bits, K)
+            else:
+                quant = QuantWeight(qweight, take(w, q + "scales", (N, math.ceil(K / g)), FILES[0]),
+                                    take(w, q + "zeros", (N, math.ceil(K / g)), FILES[0]), bits, g, K)
             bias = take(w, q + "bias", (N,), FILES[0]) if kind == "qkv" and cfg.qkv_bias else None
             residual = None
             if res:

@@ -183,6 +183,35 @@ class QuantWeight:
         return out
 
 
+def _rtn_groups(w: Tensor, bits: int, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Group-wise RTN of rows w [n, K]: (codes float [n, G, gs], fp16 scales [n, G], zeros float [n, G]).
+
+    Zero padding of the partial last group is harmless: the range includes 0 anyway."""
+    maxq = 2**bits - 1
+    g = math.ceil(w.shape[1] / group_size)
+    wg = F.pad(w.float(), (0, g * group_size - w.shape[1])).view(-1, g, group_size)  # [n, G, gs]
+    lo = wg.amin(-1).clamp(max=0)  # [n, G]
+    hi = wg.amax(-1).clamp(min=0)
+    scale16 = ((hi - lo) / maxq).clamp(min=_FP16_MIN_NORMAL).half()
+    if torch.isinf(scale16).any():
+        raise ValueError("weight range too large for fp16 scales")
+    scale = scale16.float()
+    zero = (-lo / scale).round().clamp(0, maxq)  # [n, G]
+    codes = ((wg / scale[..., None]).round() + zero[..., None]).clamp(0, maxq)  # [n, G, gs]
+    return codes, scale16, zero
+
+
+def _check_rtn_args(w: Tensor, bits: int, group_size: int) -> None:
+    _check_bits(bits)
+    if w.ndim != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be positive, got {group_size}")
+    _check_shape(*w.shape)
+    if group_size % TILE_K:
+        raise ValueError(f"group_size must be a multiple of {TILE_K}, got {group_size}")
+
+
 def quantize_rtn(w: Tensor, bits: int, group_size: int = 128) -> QuantWeight:
     """Round-to-nearest asymmetric quantization over groups of `group_size` input channels per row.
 
@@ -192,31 +221,14 @@ def quantize_rtn(w: Tensor, bits: int, group_size: int = 128) -> QuantWeight:
     otherwise be clipped). Codes use the fp16-rounded scale, so dequantize() is exactly the
     stored representation.
     """
-    _check_bits(bits)
-    if w.ndim != 2:
-        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(w.shape)}")
-    if group_size < 1:
-        raise ValueError(f"group_size must be positive, got {group_size}")
+    _check_rtn_args(w, bits, group_size)
     n, k = w.shape
-    _check_shape(n, k)
-    if group_size % TILE_K:
-        raise ValueError(f"group_size must be a multiple of {TILE_K}, got {group_size}")
-    maxq = 2**bits - 1
     g = math.ceil(k / group_size)
     qweight = torch.empty(n // TILE_N, k * bits // 2, dtype=torch.int32)
     scales = torch.empty(n, g, dtype=torch.float16)
     zeros = torch.empty(n, g, dtype=torch.uint8)
     for rows in _row_blocks(n, k, TILE_N):
-        # Zero padding of the partial last group is harmless: the range includes 0 anyway.
-        wg = F.pad(w[rows].float(), (0, g * group_size - k)).view(-1, g, group_size)  # [n, G, gs]
-        lo = wg.amin(-1).clamp(max=0)  # [n, G]
-        hi = wg.amax(-1).clamp(min=0)
-        scale16 = ((hi - lo) / maxq).clamp(min=_FP16_MIN_NORMAL).half()
-        if torch.isinf(scale16).any():
-            raise ValueError("weight range too large for fp16 scales")
-        scale = scale16.float()
-        zero = (-lo / scale).round().clamp(0, maxq)  # [n, G]
-        codes = ((wg / scale[..., None]).round() + zero[..., None]).clamp(0, maxq)  # [n, G, gs]
+        codes, scale16, zero = _rtn_groups(w[rows], bits, group_size)
         qweight[rows.start // TILE_N: rows.stop // TILE_N] = pack_codes(codes.flatten(1)[:, :k].to(torch.uint8), bits)
         scales[rows] = scale16
         zeros[rows] = zero.to(torch.uint8)
@@ -228,6 +240,110 @@ def residual_qmax(bits: int) -> int:
     if bits not in RESIDUAL_WIDTHS or bits == 16:
         raise ValueError(f"integer residual widths are {RESIDUAL_WIDTHS[:-1]}, got {bits}")
     return 2 ** (bits - 1) - 1
+
+
+def rtn_dequantized(w: Tensor, bits: int, group_size: int = 128) -> Tensor:
+    """quantize_rtn(w, bits, group_size).dequantize() without packing: float32 [N, K] (searches call it often)."""
+    _check_rtn_args(w, bits, group_size)
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=torch.float32, device=w.device)
+    for rows in _row_blocks(n, k):
+        codes, scale16, zero = _rtn_groups(w[rows], bits, group_size)
+        out[rows] = ((codes - zero[..., None]) * scale16.float()[..., None]).flatten(1)[:, :k]
+    return out
+
+
+@dataclass
+class QuantLUT:
+    """Non-uniform weight, one codebook per output channel (SqueezeLLM-style): W_hat[n, c] = lut[n, code[n, c]].
+
+    The codes use the same packed layout as QuantWeight (mma-v3), so the GPU kernels read them the same way and
+    look the values up in the row's table instead of scaling them."""
+
+    qweight: Tensor  # int32 [N / 16, K * bits / 2], layout mma-v3 (pack_codes)
+    lut: Tensor  # fp16 [N, 2^bits], ascending per row
+    bits: int
+    in_features: int  # K
+
+    @property
+    def out_features(self) -> int:
+        return self.lut.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() * 4 + self.lut.numel() * 2
+
+    def to(self, device: torch.device | str) -> "QuantLUT":
+        """On a GPU this is also the kernels' form (kernels/gemv_lut.py reads both tensors as they are)."""
+        return QuantLUT(self.qweight.to(device).contiguous(), self.lut.to(device).contiguous(), self.bits,
+                        self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """W_hat as [N, K]: the fp16 table entries, cast to `dtype`."""
+        n, k = self.out_features, self.in_features
+        out = torch.empty(n, k, dtype=dtype, device=self.qweight.device)
+        for rows in _row_blocks(n, k, TILE_N):
+            tiles = slice(rows.start // TILE_N, -(-rows.stop // TILE_N))
+            codes = unpack_codes(self.qweight[tiles], self.bits).long()  # [n, K]
+            out[rows] = self.lut[rows].gather(1, codes).to(dtype)
+        return out
+
+
+def _nearest(w: Tensor, centroids: Tensor) -> Tensor:
+    """Index of the nearest of each row's ascending centroids [n, C] for every value of w [n, K] (ties: lower)."""
+    mids = ((centroids[:, 1:] + centroids[:, :-1]) / 2).contiguous()  # [n, C-1]
+    return torch.searchsorted(mids, w.contiguous())
+
+
+def lut_centroids(w: Tensor, bits: int, importance: Tensor | None = None, iters: int = 100) -> Tensor:
+    """Weighted k-means of each row of w [n, K] into 2^bits centroids -> fp16 [n, 2^bits], ascending.
+
+    Minimizes sum_c importance[c] * (w[n, c] - centroid)^2 per row (importance: [K] per input channel, or [n, K];
+    default 1). 1-D Lloyd iterations from the weighted quantiles (i + 1/2) / 2^bits, until no weight changes
+    cluster; an empty cluster keeps its centroid. In 1-D a cluster is a run of the sorted row, so each iteration
+    only places the 2^bits - 1 midpoints in the sorted row and takes the clusters' weighted sums from prefix sums
+    (float64), instead of touching every weight."""
+    n, k = w.shape
+    c = 2**bits
+    imp = torch.ones(n, k) if importance is None else importance.float().expand(n, k)
+    imp = imp.clamp(min=1e-12)  # every weight pulls a little: zero-importance channels still get a nearby value
+    srt, order = w.float().sort(dim=1)
+    imp = imp.gather(1, order).double()
+    pw = F.pad(imp.cumsum(1), (1, 0))  # [n, K+1]
+    pwx = F.pad((imp * srt.double()).cumsum(1), (1, 0))
+    targets = ((torch.arange(c, dtype=torch.float64) + 0.5) / c * pw[:, -1:]).contiguous()  # [n, C]
+    cent = srt.gather(1, torch.searchsorted(pw[:, 1:].contiguous(), targets).clamp(max=k - 1)).double()
+    edges = None
+    for _ in range(iters):
+        mids = ((cent[:, 1:] + cent[:, :-1]) / 2).float().contiguous()
+        # cluster m holds the sorted positions [e_m, e_m+1); a value equal to a midpoint goes to the lower cluster
+        e = F.pad(F.pad(torch.searchsorted(srt, mids, right=True), (1, 0), value=0), (0, 1), value=k)  # [n, C+1]
+        if edges is not None and torch.equal(e, edges):
+            break
+        edges = e
+        den = pw.gather(1, e).diff(dim=1)
+        num = pwx.gather(1, e).diff(dim=1)
+        cent = torch.where(den > 0, num / den.clamp(min=1e-300), cent).sort(dim=1).values
+    return cent.half().sort(dim=1).values
+
+
+def quantize_lut(w: Tensor, bits: int, importance: Tensor | None = None) -> QuantLUT:
+    """Per-output-channel non-uniform quantization: lut_centroids, then every weight takes the code of its
+    nearest fp16 centroid (so dequantize() is exactly the stored representation)."""
+    _check_bits(bits)
+    if w.ndim != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    _check_shape(n, k)
+    qweight = torch.empty(n // TILE_N, k * bits // 2, dtype=torch.int32)
+    lut = torch.empty(n, 2**bits, dtype=torch.float16)
+    for rows in _row_blocks(n, k * 4, TILE_N):  # k-means keeps a few [n, K] temporaries
+        imp = None if importance is None else importance[rows] if importance.ndim == 2 else importance
+        cent = lut_centroids(w[rows], bits, imp)
+        codes = _nearest(w[rows].float(), cent.float())
+        qweight[rows.start // TILE_N: rows.stop // TILE_N] = pack_codes(codes.to(torch.uint8), bits)
+        lut[rows] = cent
+    return QuantLUT(qweight, lut, bits, k)
 
 
 @dataclass

@@ -1,27 +1,44 @@
 """`localllm quantize`: checkpoint -> low-bit weights + 4-bit residuals + calibration -> model folder.
 
-Block by block, so only one block of the source is ever dense in memory: quantize its projections (RTN),
-quantize the residuals W - W_hat, then run the calibration text through the quantized block (QDEC off,
-as the runtime sees activations) to record the statistics QDEC's bucket boundaries come from.
+Block by block, so only one block of the source is ever dense in memory: quantize its projections, quantize the
+residuals W - W_hat, then run the calibration text through the quantized block (QDEC off, as the runtime sees
+activations) to record the statistics QDEC's bucket boundaries come from.
+
+Methods (the base quantizer; QDEC works on top of each):
+    rtn         group-wise asymmetric round-to-nearest
+    awq         rtn after AWQ's per-input-channel scaling, found on the block's calibration inputs and folded into
+                the block (awq.py), so the runtime is unchanged
+    squeezellm  non-uniform: per output channel, 2^bits fp16 values by k-means weighted by each weight's
+                sensitivity, the square root of the Fisher diagonal on the calibration text (fisher.py,
+                quant.quantize_lut)
+Mixed bits (3.5): every block is quantized alone and scored by the KL divergence of the model's output from the
+source model's (kl_sensitivity); the less sensitive half gets 3 bits, the rest 4.
 """
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from . import modelfile
+from . import awq, modelfile
 from .errors import LocalLLMError
+from .fisher import fisher_diagonal
 from .loader import Checkpoint, open_checkpoint
 from .config import rope_inv_freq
-from .model import KINDS, Linear, QdecSettings, attention_mask, build_block, rope_tables
+from .model import KINDS, Linear, QdecSettings, RMSNorm, attention_mask, build_block, rope_tables
 from .progress import progress
 from .qdec import ActStats
-from .quant import BASE_BITS, GROUP_SIZES, TILE_K, TILE_N, quantize_residual, quantize_rtn
+from .quant import (BASE_BITS, GROUP_SIZES, TILE_K, TILE_N, quantize_lut, quantize_residual, quantize_rtn,
+                    rtn_dequantized)
 
 DEFAULT_CALIB = "calibration.txt"  # shipped in localllm/data
+METHODS = ("rtn", "awq", "squeezellm")
+MIXED_BITS = (2.5, 3.5)  # half the blocks one bit below, half one bit above, by KL sensitivity
+SENSITIVITY_TOKENS = 1024  # calibration tokens the KL sensitivity is measured on (each block costs a model pass)
 
 
 def calibration_tokens(tokenizer, text_file: str | None, n_tokens: int, seq_len: int) -> tuple[torch.Tensor, dict]:
@@ -46,22 +63,116 @@ def calibration_tokens(tokenizer, text_file: str | None, n_tokens: int, seq_len:
     return toks, info
 
 
-def quantize_block(t: dict, bits: int, group_size: int, residuals: bool) -> dict:
-    """Dense block tensors (Checkpoint.block_tensors) -> quantized ones (build_block's arguments)."""
+def run_block(blk, h: torch.Tensor, rope: tuple, pos: torch.Tensor, mask: torch.Tensor,
+              observe: Callable[[Linear, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """The block's output for calibration hidden states h [n_seq, T, D] (4 sequences at a time); observe(linear, x)
+    sees what each projection's weights multiply (the normed or gated input)."""
+    def hook(m, args, kw):
+        observe(m, Linear.input_of(args[0], kw.get("norm"), kw.get("glu", False)))
+    hooks = [lin.register_forward_pre_hook(hook, with_kwargs=True)
+             for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)] if observe else []
+    try:
+        with torch.no_grad():
+            return torch.cat([blk(hb, *rope, pos, None, mask) for hb in h.split(4)])
+    finally:
+        for hk in hooks:
+            hk.remove()
+
+
+def block_inputs(cfg, i: int, t: dict, h: torch.Tensor, rope: tuple, pos: torch.Tensor, mask: torch.Tensor
+                 ) -> dict[str, torch.Tensor]:
+    """The calibration inputs [tokens, K] of each projection of the source (dense) block i."""
+    acc: dict[str, list] = {kind: [] for kind in KINDS}
+    run_block(build_block(cfg, i, t, QdecSettings()), h, rope, pos, mask,
+              lambda lin, x: acc[lin.kind].append(x.reshape(-1, x.shape[-1])))
+    return {kind: torch.cat(v) for kind, v in acc.items()}
+
+
+def quantize_block(t: dict, bits: int, group_size: int, residuals: bool, method: str = "rtn",
+                   calib: dict[str, torch.Tensor] | None = None, cfg=None) -> tuple[dict, dict]:
+    """Dense block tensors (Checkpoint.block_tensors) -> (build_block's arguments for the quantized block, what the
+    method found: AWQ's alpha per kind). calib, per kind: for awq the block's calibration inputs (block_inputs; awq
+    also needs the model config), for squeezellm the weights' sensitivity (fisher.fisher_diagonal)."""
+    info = {}
+    if method == "awq":
+        t, info = awq.awq_block(t, cfg, calib, lambda w: rtn_dequantized(w, bits, group_size))
     out = {"attn_norm": t["attn_norm"], "mlp_norm": t["mlp_norm"]}
     for kind in KINDS:
         w = t[kind]["weight"]
-        q = quantize_rtn(w, bits, group_size)
+        if method == "squeezellm":  # k-means weighted by sqrt(Fisher): see fisher.py for why the square root
+            q = quantize_lut(w, bits, calib[kind].sqrt())
+        else:
+            q = quantize_rtn(w, bits, group_size)
         res = quantize_residual(w - q.dequantize()) if residuals else None
         out[kind] = {"quant": q, "bias": t[kind].get("bias"), "residual": res}
-    return out
+    return out, info
 
 
-def quantize(src: str, out: str, bits: int = 4, group_size: int = 128, residuals: bool = True,
+def parse_bits(bits) -> int | float:
+    """--bits: one of BASE_BITS, or a MIXED_BITS value (half the blocks one bit below, half one above)."""
+    try:
+        b = float(bits)
+    except (TypeError, ValueError):
+        b = None
+    if b in BASE_BITS:
+        return int(b)
+    if b in MIXED_BITS:
+        return b
+    raise LocalLLMError(f"--bits {bits} is not supported; use one of "
+                        f"{', '.join(map(str, sorted((*BASE_BITS, *MIXED_BITS))))}")
+
+
+def kl_sensitivity(ckpt: Checkpoint, toks: torch.Tensor, quantize_one: Callable[[int, dict, torch.Tensor], dict]
+                   ) -> list[float]:
+    """Per block i: the mean per-token KL divergence of the final next-token distribution of the source model from
+    that of the source model with only block i quantized (quantize_one(i, block tensors, block input) -> build_block's
+    arguments), on the calibration tokens [n_seq, T] (ZeroQ's sensitivity; the QDEC paper's 3.5-bit allocation).
+    Only one block is dense in memory at a time; the source blocks run L(L+1)/2 times."""
+    cfg = ckpt.config
+    settings = QdecSettings()
+    pos = torch.arange(toks.shape[1])
+    rope, mask = rope_tables(rope_inv_freq(cfg), pos), attention_mask(pos, None)
+    norm = RMSNorm(ckpt.final_norm(), cfg.rms_norm_eps)
+    head = ckpt.lm_head()
+    head = ckpt.embed() if head is None else head
+    dense = lambda i, h: run_block(build_block(cfg, i, ckpt.block_tensors(i), settings), h, rope, pos, mask)  # noqa
+
+    def log_probs(h):
+        with torch.no_grad():
+            return [F.log_softmax(F.linear(norm(hb), head), dim=-1) for hb in h.split(1)]
+
+    h = ckpt.embed()[toks]
+    inputs = []
+    for i in progress(range(cfg.num_layers), desc="sensitivity: source model", unit="block"):
+        inputs.append(h)
+        h = dense(i, h)
+    ref = log_probs(h)
+    kls = []
+    for i in progress(range(cfg.num_layers), desc="sensitivity: KL per quantized block", unit="block"):
+        h = run_block(build_block(cfg, i, quantize_one(i, ckpt.block_tensors(i), inputs[i]), settings), inputs[i],
+                      rope, pos, mask)
+        for j in range(i + 1, cfg.num_layers):
+            h = dense(j, h)
+        kl = sum(F.kl_div(q, p, log_target=True, reduction="sum").item() for p, q in zip(ref, log_probs(h)))
+        kls.append(kl / toks.numel())
+    return kls
+
+
+def mixed_bits(kls: list[float], bits: float) -> list[int]:
+    """Half the blocks (the least sensitive, the lower half rounded down) at floor(bits), the others at ceil."""
+    lo = int(bits)
+    order = sorted(range(len(kls)), key=lambda i: kls[i])
+    low = set(order[: len(kls) // 2])
+    return [lo if i in low else lo + 1 for i in range(len(kls))]
+
+
+def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, residuals: bool = True,
              calib_text: str | None = None, calib_tokens: int = 4096, seq_len: int = 512, kmax: int = 256,
-             gguf_file: str | None = None, ckpt: Checkpoint | None = None) -> Path:
-    if bits not in BASE_BITS:
-        raise LocalLLMError(f"--bits {bits} is not supported; use one of {', '.join(map(str, BASE_BITS))}")
+             gguf_file: str | None = None, ckpt: Checkpoint | None = None, method: str = "rtn",
+             sensitivity_tokens: int = SENSITIVITY_TOKENS) -> Path:
+    bits = parse_bits(bits)
+    if method not in METHODS:
+        raise LocalLLMError(f"--method {method} is not supported; use one of {', '.join(METHODS)}")
     if group_size not in GROUP_SIZES:
         raise LocalLLMError(f"--group-size {group_size} is not supported; use one of "
                             f"{', '.join(map(str, GROUP_SIZES))}")
@@ -76,31 +187,50 @@ def quantize(src: str, out: str, bits: int = 4, group_size: int = 128, residuals
                                 f"out_features % {TILE_N} == 0 (the GPU kernels' tiles)")
     toks, calib = calibration_tokens(ckpt.tokenizer, calib_text, calib_tokens, seq_len)
     fingerprint = ckpt.fingerprint()
+    pos = torch.arange(toks.shape[1])
+    rope = rope_tables(rope_inv_freq(cfg), pos)
+    mask = attention_mask(pos, None)
+
+    fisher = fisher_diagonal(ckpt, toks) if method == "squeezellm" else None
+
+    def calib_of(i, t, h):  # what the method needs of block i besides its weights (h: the block's input)
+        return block_inputs(cfg, i, t, h, rope, pos, mask) if method == "awq" else fisher[i] if fisher else None
+
+    quant = {"method": method, "bits": bits, "group_size": None if method == "squeezellm" else group_size,
+             "layout": modelfile.LUT_LAYOUT if method == "squeezellm" else modelfile.WEIGHT_LAYOUT}
+    if isinstance(bits, float):
+        n_seq = max(1, min(toks.shape[0], sensitivity_tokens // toks.shape[1]))
+        sens = toks[:n_seq]
+        kls = kl_sensitivity(ckpt, sens, lambda i, t, h: quantize_block(
+            t, int(bits), group_size, False, method, calib_of(i, t, h), cfg)[0])
+        block_bits = mixed_bits(kls, bits)
+        quant["sensitivity"] = {"metric": "kl", "tokens": sens.numel(), "kl": kls}
+    else:
+        block_bits = [bits] * cfg.num_layers
+    quant["block_bits"] = block_bits
+    if method == "squeezellm":
+        quant["weight_sensitivity"] = "sqrt of the Fisher diagonal (squared next-token-loss gradients per token) on " \
+                                      "the calibration text"
 
     embed = ckpt.embed()
     h = embed[toks]  # [n_seq, seq_len, D]: calibration hidden states, pushed through block by block
     settings = QdecSettings()
     tensors = ({}, {}, {})
-    pos = torch.arange(toks.shape[1])
-    rope = rope_tables(rope_inv_freq(cfg), pos)
-    mask = attention_mask(pos, None)
-    for i in progress(range(cfg.num_layers), desc="quantizing blocks", unit="block"):
-        qt = quantize_block(ckpt.block_tensors(i), bits, group_size, residuals)
+    found = []
+    for i in progress(range(cfg.num_layers), desc=f"quantizing blocks ({method})", unit="block"):
+        t = ckpt.block_tensors(i)
+        qt, info = quantize_block(t, block_bits[i], group_size, residuals, method, calib_of(i, t, h), cfg)
+        found.append(info)
         for kind in KINDS:
             qt[kind]["stats"] = ActStats(modelfile.linear_shape(cfg, kind)[1], kmax)
         blk = build_block(cfg, i, qt, settings)
-        # the statistics are of what the weights multiply: the normed or gated input
-        def observe(m, args, kw):
-            m.stats.update(Linear.input_of(args[0], kw.get("norm"), kw.get("glu", False)))
-        hooks = [lin.register_forward_pre_hook(observe, with_kwargs=True)
-                 for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)]
-        with torch.no_grad():
-            h = torch.cat([blk(hb, *rope, pos, None, mask) for hb in h.split(4)])
-        for hk in hooks:
-            hk.remove()
+        # the statistics are of what the weights multiply (after AWQ's folding: the GEMV's actual input)
+        h = run_block(blk, h, rope, pos, mask, lambda lin, x: lin.stats.update(x))
         for acc, part in zip(tensors, modelfile.block_state(i, blk)):
             acc.update(part)
         del blk, qt
+    if method == "awq":
+        quant["awq_alpha"] = found
     tensors[0]["embed"] = embed.half()
     tensors[0]["norm"] = ckpt.final_norm().half()
     if (lm_head := ckpt.lm_head()) is not None:
@@ -109,7 +239,7 @@ def quantize(src: str, out: str, bits: int = 4, group_size: int = 128, residuals
         "source": {**ckpt.source, "sha256": fingerprint},
         "config": cfg.to_dict(),
         "eos_token_ids": ckpt.eos_ids,
-        "quant": {"method": "rtn", "bits": bits, "group_size": group_size, "layout": modelfile.WEIGHT_LAYOUT},
+        "quant": quant,
         "residual": {"bits": 4, "layout": modelfile.RESIDUAL_LAYOUT} if residuals else None,
         "calibration": {**calib, "kmax": kmax, "model_state": "quantized, QDEC off"},
     }

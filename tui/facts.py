@@ -7,6 +7,7 @@ import torch
 
 from localllm.generate import Stats
 from localllm.model import KINDS
+from localllm.modelfile import quant_label
 from localllm.runtime import LocalModel
 
 NONE = "—"
@@ -23,7 +24,7 @@ def model_name(lm: LocalModel) -> str:
 def summary(lm: LocalModel) -> str:
     """The model in one line: name, bits, device, QDEC."""
     q = lm.manifest["quant"] if lm.manifest else None
-    bits = f"{q['bits']}-bit, group {q['group_size']}" if q else "not quantized"
+    bits = quant_label(q) if q else "not quantized"
     qdec = "QDEC off" if lm.settings.mode == "off" else f"QDEC {lm.settings.mode}"
     return f"{model_name(lm)} ({bits}) on {device_name(lm)}, {qdec}"
 

@@ -47,7 +47,8 @@ def problem_of(lm, sm_count: int | None = None, smem: int | None = None, grid_of
         lins = [lin for lin in lm.model.linears() if lin.kind == kind and lin.residual is not None]
         if not lins:
             continue
-        w = lins[0].packed or lins[0].quant
+        # mixed bits (--bits 3.5): the widest layer of the kind needs the most shared memory
+        w = max((lin.packed or lin.quant for lin in lins), key=lambda q: q.bits)
         N, K = lins[0].out_features, lins[0].in_features
         grid = grid_of(N)
         k_max = largest_k(lambda k: qdec.shared_bytes_total(w, k, grid), smem, kmax)  # noqa: B023

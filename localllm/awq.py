@@ -1,0 +1,107 @@
+"""AWQ (activation-aware weight quantization, Lin et al. 2024): per-input-channel scales s found on calibration
+activations, folded into the block so the runtime and the GPU kernels run it unchanged.
+
+A linear layer y = W x becomes y = (W diag(s)) (x / s): the weight is quantized after scaling its input channels
+by s, which shrinks the relative rounding error of the channels with large activations. s = mean|x|^alpha
+(normalized), alpha from a grid, minimizing the layer's output error ||x W^T - (x / s) Q(W s)^T||^2 on the
+calibration inputs (alpha = 0 is plain RTN, so the search never does worse than RTN there). The 1 / s is folded
+into whatever produces x:
+
+    qkv, gate_up   the preceding RMSNorm weight (both read the same normed input, so one s each)
+    o              the v rows of qkv (attention output = softmax weights x V, linear in V); under GQA one v channel
+                   feeds every q head of its group, so s is tied across the group (the group's mean |x|)
+    down           the up rows of gate_up (silu(gate) * up is linear in up)
+
+o is searched before qkv and down before gate_up, because their folds change the v / up rows that qkv / gate_up
+then quantize. The folded block computes the same function as the source block (tests check it in float64).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .config import ModelConfig
+
+ALPHAS = tuple(i / 20 for i in range(20))  # 0, 0.05, ..., 0.95 (AWQ's grid)
+SEARCH_TOKENS = 512  # calibration vectors the error is measured on (evenly spaced over the calibration text)
+
+
+def scales_of(mean_abs: Tensor, alpha: float) -> Tensor:
+    """s = mean|x|^alpha, normalized so that max(s) * min(s) = 1 (AWQ's normalization)."""
+    s = mean_abs.double().clamp(min=1e-5) ** alpha
+    return s / (s.max() * s.min()).sqrt()
+
+
+def search(w: Tensor, x: Tensor, quantize: Callable[[Tensor], Tensor], mean_abs: Tensor | None = None
+           ) -> tuple[Tensor, float]:
+    """The scales s [K] (float64) minimizing ||x W^T - (x / s) Q(W s)^T||^2 over ALPHAS, and their alpha.
+
+    w [N, K]; x [T, K] calibration inputs; quantize: W -> W_hat (the base quantizer, dequantized); mean_abs [K]:
+    the per-channel mean |x| the scales come from (default: x's; o passes its GQA-tied one)."""
+    x = x.float()
+    if x.shape[0] > SEARCH_TOKENS:
+        x = x[torch.linspace(0, x.shape[0] - 1, SEARCH_TOKENS).long()]
+    mean_abs = x.abs().mean(0) if mean_abs is None else mean_abs
+    w = w.double()
+    ref = x.double() @ w.T
+    best = (float("inf"), None, 0.0)
+    for alpha in ALPHAS:
+        s = scales_of(mean_abs, alpha)
+        # (x / s) Q(W s)^T = x (Q(W s) / s)^T
+        w_hat = quantize((w * s).float()).double() / s
+        err = (x.double() @ w_hat.T - ref).square().mean().item()
+        if err < best[0]:
+            best = (err, s, alpha)
+    return best[1], best[2]
+
+
+def tied_mean_abs(x: Tensor, cfg: ModelConfig) -> Tensor:
+    """mean|x| [q_size] of o's input, averaged over the q heads that share a kv head (GQA) and repeated back."""
+    group = cfg.num_heads // cfg.num_kv_heads
+    m = x.float().abs().mean(0).view(cfg.num_kv_heads, group, cfg.head_dim).mean(1, keepdim=True)
+    return m.expand(-1, group, -1).reshape(-1)
+
+
+def fold(t: dict, cfg: ModelConfig, s: dict[str, Tensor]) -> dict:
+    """Block tensors (Checkpoint.block_tensors' form) with the scales s[kind] [K] folded in: W[:, c] * s[c], and
+    1 / s into the producer of the input (see the module doc). Computed in float64; returns new tensors."""
+    d = lambda v: None if v is None else v.double().clone()  # noqa: E731 (the folds below work in place)
+    out = {"attn_norm": d(t["attn_norm"]), "mlp_norm": d(t["mlp_norm"]),
+           **{k: {"weight": d(t[k]["weight"]), "bias": d(t[k].get("bias"))} for k in ("qkv", "o", "gate_up", "down")}}
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    if "o" in s:
+        so = s["o"].double()
+        group = cfg.num_heads // cfg.num_kv_heads
+        sv = so.view(cfg.num_kv_heads, group, cfg.head_dim)[:, 0].reshape(-1)  # tied: one value per v channel
+        if not torch.equal(sv.view(cfg.num_kv_heads, 1, -1).expand(-1, group, -1).reshape(-1), so):
+            raise ValueError("o's scales must be tied across the q heads of a kv group (GQA)")
+        out["o"]["weight"] = out["o"]["weight"] * so
+        out["qkv"]["weight"][q + kv:] /= sv[:, None]
+        if out["qkv"]["bias"] is not None:
+            out["qkv"]["bias"][q + kv:] /= sv
+    if "down" in s:
+        sd = s["down"].double()
+        out["down"]["weight"] = out["down"]["weight"] * sd
+        out["gate_up"]["weight"][inter:] /= sd[:, None]
+    for kind, norm in (("qkv", "attn_norm"), ("gate_up", "mlp_norm")):
+        if kind in s:
+            out[kind]["weight"] = out[kind]["weight"] * s[kind].double()
+            out[norm] = out[norm] / s[kind].double()
+    return out
+
+
+def awq_block(t: dict, cfg: ModelConfig, inputs: dict[str, Tensor], quantize: Callable[[Tensor], Tensor]
+              ) -> tuple[dict, dict[str, float]]:
+    """Search and fold one block's scales: t (block tensors), inputs[kind] [T, K] the calibration inputs of each
+    projection in the source block (folding leaves the block's function, so these, unchanged) ->
+    (folded float32 tensors, alpha per kind)."""
+    s, alphas, cur = {}, {}, t
+    for kind in ("o", "qkv", "down", "gate_up"):  # the producer's weights are searched after their fold
+        mean = tied_mean_abs(inputs[kind], cfg) if kind == "o" else None
+        s[kind], alphas[kind] = search(cur[kind]["weight"], inputs[kind], quantize, mean)
+        cur = fold(t, cfg, s)
+    f = lambda v: None if v is None else v.float()  # noqa: E731
+    return {k: ({"weight": f(v["weight"]), "bias": f(v["bias"])} if isinstance(v, dict) else f(v))
+            for k, v in cur.items()}, alphas

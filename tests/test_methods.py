@@ -1,0 +1,335 @@
+"""Base quantizers beyond RTN: AWQ (scale search + folding), SqueezeLLM-style tables, mixed 3.5-bit by KL."""
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from localllm import awq
+from localllm.config import ModelConfig, rope_inv_freq
+from localllm.errors import LocalLLMError
+from localllm.model import KINDS, QdecSettings, attention_mask, build_block, rope_tables
+from localllm.quant import QuantLUT, lut_centroids, pack_codes, quantize_lut, quantize_rtn, rtn_dequantized
+from localllm.quantize import block_inputs, kl_sensitivity, mixed_bits, quantize, quantize_block
+from localllm.runtime import load
+
+
+@pytest.fixture
+def seed() -> int:
+    return torch.seed()
+
+
+CFG = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=192, num_layers=1, num_heads=4,
+                  num_kv_heads=2, head_dim=32, qkv_bias=True)
+
+
+def random_block(cfg: ModelConfig, dtype=torch.float64) -> dict:
+    D, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    r = lambda *s: torch.randn(*s, dtype=dtype) * 0.1  # noqa: E731
+    return {"attn_norm": 1 + r(D), "mlp_norm": 1 + r(D), "qkv": {"weight": r(q + 2 * kv, D), "bias": r(q + 2 * kv)},
+            "o": {"weight": r(D, q)}, "gate_up": {"weight": r(2 * inter, D)}, "down": {"weight": r(D, inter)}}
+
+
+def ref_block(t: dict, cfg: ModelConfig, h: torch.Tensor) -> torch.Tensor:
+    """A Llama block written out in float64 (RMSNorm, RoPE, causal GQA attention, SwiGLU): h [T, D] -> [T, D]."""
+    T = h.shape[0]
+    norm = lambda x, w: x * torch.rsqrt(x.square().mean(-1, keepdim=True) + cfg.rms_norm_eps) * w  # noqa: E731
+    qkv = norm(h, t["attn_norm"]) @ t["qkv"]["weight"].T + t["qkv"]["bias"]
+    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * rope_inv_freq(cfg).double()[None]
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+
+    def rope(x, heads):
+        x = x.view(T, heads, cfg.head_dim)
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+    q, k, v = rope(q, cfg.num_heads), rope(k, cfg.num_kv_heads), v.view(T, cfg.num_kv_heads, cfg.head_dim)
+    g = cfg.num_heads // cfg.num_kv_heads
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    att = torch.einsum("thd,shd->hts", q, k) / math.sqrt(cfg.head_dim)
+    att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    a = torch.einsum("hts,shd->thd", att, v).reshape(T, cfg.q_size)
+    h = h + a @ t["o"]["weight"].T
+    gate, up = (norm(h, t["mlp_norm"]) @ t["gate_up"]["weight"].T).chunk(2, dim=-1)
+    return h + (F.silu(gate) * up) @ t["down"]["weight"].T
+
+
+def test_reference_block_is_the_model_block():
+    """The float64 reference below computes what model.Block computes (so it can judge the fold)."""
+    t = random_block(CFG)
+    h = torch.randn(12, CFG.hidden_size, dtype=torch.float64)
+    pos = torch.arange(12)
+    blk = build_block(CFG, 0, {k: ({kk: vv.float() for kk, vv in v.items()} if isinstance(v, dict) else v.float())
+                               for k, v in t.items()}, QdecSettings())
+    with torch.no_grad():
+        got = blk(h.float()[None], *rope_tables(rope_inv_freq(CFG), pos), pos, None, attention_mask(pos, None))[0]
+    assert (got.double() - ref_block(t, CFG, h)).abs().max() < 1e-4
+
+
+def test_awq_fold_computes_the_same_function(seed):
+    t = random_block(CFG)
+    h = torch.randn(16, CFG.hidden_size, dtype=torch.float64)
+    x_o = torch.rand(8, CFG.q_size) * 3  # any positive statistics: the scales below come from them
+    s = {"qkv": awq.scales_of(torch.rand(CFG.hidden_size) + 0.1, 0.7),
+         "o": awq.scales_of(awq.tied_mean_abs(x_o, CFG), 0.5),
+         "gate_up": awq.scales_of(torch.rand(CFG.hidden_size) * 5, 0.4),
+         "down": awq.scales_of(torch.rand(CFG.intermediate_size) + 0.01, 0.9)}
+    folded = awq.fold(t, CFG, s)
+    assert not torch.equal(folded["qkv"]["weight"], t["qkv"]["weight"])
+    want, got = ref_block(t, CFG, h), ref_block(folded, CFG, h)
+    assert (got - want).abs().max() < 1e-10 * want.abs().max(), f"seed={seed}"
+    # GQA: the v channel of a kv head feeds every q head of its group, so o's scales must be tied across the group
+    with pytest.raises(ValueError, match="tied"):
+        awq.fold(t, CFG, {"o": torch.rand(CFG.q_size) + 0.5})
+
+
+def test_awq_search_beats_rtn_on_outlier_channels(seed):
+    torch.manual_seed(seed % 2**31)
+    w = torch.randn(64, 256) * 0.02
+    x = torch.randn(2048, 256)
+    x[:, :4] *= 30  # a few salient input channels
+    q = lambda v: rtn_dequantized(v, 3, 64)  # noqa: E731
+    s, alpha = awq.search(w, x, q)
+    err = lambda w_hat: ((x @ (w_hat - w).T) ** 2).mean().item()  # noqa: E731
+    assert alpha > 0, f"seed={seed}"
+    assert err((q((w * s).float()).double() / s).float()) < 0.7 * err(q(w)), f"seed={seed}"
+    # alpha = 0 is RTN: s = 1
+    assert torch.equal(awq.scales_of(torch.rand(7), 0.0), torch.ones(7, dtype=torch.float64))
+
+
+def test_awq_block_quantizes_the_folded_weights(seed):
+    cfg, t = CFG, random_block(CFG, torch.float32)
+    inputs = {k: torch.randn(300, n) * torch.rand(n) * 4 for k, n in
+              (("qkv", 128), ("o", 128), ("gate_up", 128), ("down", 192))}
+    qt, alphas = quantize_block(t, 3, 64, True, "awq", inputs, cfg)
+    assert set(alphas) == set(KINDS)
+    folded, _ = awq.awq_block(t, cfg, inputs, lambda w: rtn_dequantized(w, 3, 64))
+    for kind in KINDS:  # the stored weights are the RTN of the folded weights, the residual of what was stored
+        assert torch.equal(qt[kind]["quant"].dequantize(), quantize_rtn(folded[kind]["weight"], 3, 64).dequantize())
+        r = folded[kind]["weight"] - qt[kind]["quant"].dequantize()
+        assert ((r - qt[kind]["residual"].dequantize()) ** 2).mean() < 0.05 * (r ** 2).mean(), f"seed={seed}"
+    assert torch.equal(qt["attn_norm"], folded["attn_norm"])
+
+
+# ------------------------------------------------------------------------------------------- SqueezeLLM tables
+
+def naive_lloyd(row: torch.Tensor, imp: torch.Tensor, c: int, iters: int = 300) -> torch.Tensor:
+    """Weighted Lloyd on one row with Python loops, from the same weighted-quantile start."""
+    order = row.argsort()
+    srt, wts = row[order].double(), imp[order].double()
+    cw = wts.cumsum(0) / wts.sum()
+    cent = [srt[min(int((cw < (i + 0.5) / c).sum()), len(srt) - 1)].item() for i in range(c)]
+    for _ in range(iters):
+        mids = [(a + b) / 2 for a, b in zip(cent, cent[1:])]
+        num, den = [0.0] * c, [0.0] * c
+        for x, wt in zip(srt.tolist(), wts.tolist()):
+            j = sum(x > m for m in mids)
+            num[j] += wt * x
+            den[j] += wt
+        new = sorted(num[j] / den[j] if den[j] > 0 else cent[j] for j in range(c))
+        if new == cent:
+            break
+        cent = new
+    return torch.tensor(cent, dtype=torch.float64)
+
+
+def test_lut_centroids_are_weighted_kmeans(seed):
+    torch.manual_seed(seed % 2**31)
+    w = torch.randn(3, 192) * 0.02
+    imp = torch.rand(192) ** 3
+    got = lut_centroids(w, 3, imp)
+    assert got.dtype == torch.float16 and got.shape == (3, 8)
+    for r in range(3):
+        want = naive_lloyd(w[r], imp, 8).half()
+        assert torch.allclose(got[r].float(), want.float(), rtol=2e-3, atol=1e-5), f"seed={seed} row={r}"
+
+
+@pytest.mark.parametrize("bits", (2, 3, 4))
+def test_quantize_lut(bits, seed):
+    w = torch.randn(32, 256) * 0.05
+    imp = torch.rand(256)
+    q = quantize_lut(w, bits, imp)
+    assert isinstance(q, QuantLUT) and q.lut.shape == (32, 2**bits) and q.lut.dtype == torch.float16
+    assert q.qweight.shape == (2, 256 * bits // 2) and q.nbytes == q.qweight.numel() * 4 + 32 * 2**bits * 2
+    assert (q.lut.diff(dim=1) >= 0).all(), "tables ascend"
+    w_hat = q.dequantize()
+    # every weight took its nearest table value
+    dist = (w[:, :, None] - q.lut.float()[:, None, :]).abs()
+    assert torch.allclose((w - w_hat).abs(), dist.min(-1).values), f"seed={seed}"
+    assert torch.equal(q.dequantize(torch.float16), w_hat.half())
+    # the codes are stored in the packed layout of the uniform weights
+    codes = (w_hat[:, :, None] == q.lut.float()[:, None, :]).float().argmax(-1)
+    assert torch.equal(pack_codes(codes.to(torch.uint8), bits), q.qweight)
+
+
+def test_lut_importance_protects_the_important_channels(seed):
+    w = torch.randn(64, 512) * 0.02
+    imp = torch.ones(512)
+    imp[:32] = 1000.0
+    plain, weighted = quantize_lut(w, 3).dequantize(), quantize_lut(w, 3, imp).dequantize()
+    e = lambda w_hat, sl: ((w - w_hat)[:, sl] ** 2).mean().item()  # noqa: E731
+    assert e(weighted, slice(0, 32)) < 0.8 * e(plain, slice(0, 32)), f"seed={seed}"
+    # and a non-uniform table fits a Gaussian row better than a uniform grid of as many levels
+    assert ((w - plain) ** 2).mean() < ((w - rtn_dequantized(w, 3, 512)) ** 2).mean(), f"seed={seed}"
+
+
+# ----------------------------------------------------------------------------------------------- mixed bits
+
+def test_mixed_bits_takes_the_least_sensitive_half():
+    assert mixed_bits([0.5, 0.1, 0.9, 0.2], 3.5) == [4, 3, 4, 3]
+    assert mixed_bits([0.3, 0.1, 0.2], 3.5) == [4, 3, 4]
+    assert mixed_bits([0.3, 0.1], 2.5) == [3, 2]
+
+
+def test_kl_sensitivity_measures_each_blocks_damage(tiny_ckpt):
+    from localllm.loader import open_checkpoint
+    ckpt = open_checkpoint(tiny_ckpt)
+    toks = torch.randint(0, ckpt.config.vocab_size, (2, 32))
+
+    def noisy(scale):
+        def quantize_one(i, t, h):
+            for k in KINDS:
+                t[k] = {"weight": t[k]["weight"] + scale[i] * torch.randn_like(t[k]["weight"]),
+                        "bias": t[k].get("bias")}
+            return t
+        return quantize_one
+
+    assert kl_sensitivity(ckpt, toks, noisy([0.0, 0.0])) == pytest.approx([0.0, 0.0], abs=1e-6)
+    kls = kl_sensitivity(ckpt, toks, noisy([0.0, 0.2]))
+    assert kls[0] == pytest.approx(0.0, abs=1e-6) and kls[1] > 1e-3
+    kls = kl_sensitivity(ckpt, toks, noisy([0.3, 0.01]))
+    assert kls[0] > kls[1] > 0
+
+
+def test_block_inputs_are_what_the_projections_multiply(tiny_ckpt):
+    from localllm.loader import open_checkpoint
+    ckpt = open_checkpoint(tiny_ckpt)
+    cfg, t = ckpt.config, ckpt.block_tensors(0)
+    h = torch.randn(2, 16, cfg.hidden_size)
+    pos = torch.arange(16)
+    x = block_inputs(cfg, 0, t, h, rope_tables(rope_inv_freq(cfg), pos), pos, attention_mask(pos, None))
+    assert {k: v.shape for k, v in x.items()} == {"qkv": (32, 64), "o": (32, 64), "gate_up": (32, 64),
+                                                   "down": (32, 192)}
+    n = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + cfg.rms_norm_eps) * t["attn_norm"]
+    assert torch.allclose(x["qkv"], n.reshape(32, -1), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- end to end on the tiny model
+
+@pytest.fixture(scope="module", params=["awq", "squeezellm"])
+def method_quant(request, tiny_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param) / "m"
+    return request.param, quantize(str(tiny_ckpt), str(out), bits=3.5, method=request.param, group_size=64,
+                                   calib_tokens=512, seq_len=128)
+
+
+def test_methods_end_to_end(method_quant, tiny_ckpt):
+    method, path = method_quant
+    m = json.loads((path / "localllm.json").read_text())
+    q = m["quant"]
+    assert q["method"] == method and q["bits"] == 3.5 and sorted(q["block_bits"]) == [3, 4]
+    assert len(q["sensitivity"]["kl"]) == 2 and q["sensitivity"]["tokens"] > 0
+    assert q["layout"] == ("lut-mma-v3" if method == "squeezellm" else "rtn-mma-v3")
+    lm, src = load(path, qdec="off"), load(tiny_ckpt).model
+    for blk, bits in zip(lm.model.blocks, q["block_bits"]):
+        assert {lin.quant.bits for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)} == {bits}
+        assert all(isinstance(lin.quant, QuantLUT) == (method == "squeezellm") for lin in (blk.qkv, blk.down))
+    toks = torch.randint(0, src.cfg.vocab_size, (1, 48))
+    with torch.no_grad():
+        ref = src(toks)
+        off = (lm.model(toks) - ref).norm() / ref.norm()
+        lm.set_qdec({"mode": "exact", "k_chunk": 1024})  # every channel: the residuals are of the stored weights
+        full = (lm.model(toks) - ref).norm() / ref.norm()
+        lm.set_qdec({"mode": "approx", "k_chunk": 16})  # the calibration statistics are there for approx
+        some = (lm.model(toks) - ref).norm() / ref.norm()
+    assert full < 0.3 * off and some < off, (off, some, full)
+
+
+def test_files_of_other_formats(method_quant, tmp_path):
+    method, path = method_quant
+    dst = tmp_path / "copy"
+    shutil.copytree(path, dst)
+    m = json.loads((dst / "localllm.json").read_text())
+    m["quant"]["layout"] = "lut-mma-v9"
+    (dst / "localllm.json").write_text(json.dumps(m))
+    with pytest.raises(LocalLLMError, match="layout 'lut-mma-v9', which this localllm cannot read"):
+        load(dst)
+    m["quant"]["layout"], m["format_version"] = "lut-mma-v3", 1  # version 1 had no tables
+    (dst / "localllm.json").write_text(json.dumps(m))
+    with pytest.raises(LocalLLMError, match="older format"):
+        load(dst)
+
+
+def test_version_1_files_still_load(tiny_quant, tmp_path):
+    dst = tmp_path / "v1"
+    shutil.copytree(tiny_quant, dst)
+    m = json.loads((dst / "localllm.json").read_text())
+    m["format_version"] = 1
+    del m["quant"]["block_bits"]
+    (dst / "localllm.json").write_text(json.dumps(m))
+    lm = load(dst, qdec="off")
+    assert {lin.quant.bits for lin in lm.model.linears()} == {3}
+    m["quant"]["block_bits"] = [3, 5]
+    m["format_version"] = 2
+    (dst / "localllm.json").write_text(json.dumps(m))
+    with pytest.raises(LocalLLMError, match="block bit widths"):
+        load(dst)
+
+
+def test_quantize_command_methods_and_bits(tiny_ckpt, tmp_path, capsys):
+    from localllm.cli import main
+    out = tmp_path / "sq"
+    assert main(["quantize", str(tiny_ckpt), "-o", str(out), "--bits", "3", "--method", "squeezellm",
+                 "--calib-tokens", "512"]) == 0
+    assert main(["info", str(out)]) == 0
+    assert "3-bit SqueezeLLM" in capsys.readouterr().out
+    with pytest.raises(LocalLLMError, match="--method bogus"):
+        quantize(str(tiny_ckpt), str(tmp_path / "x"), method="bogus")
+    with pytest.raises(LocalLLMError, match="--bits 3.25 is not supported"):
+        quantize(str(tiny_ckpt), str(tmp_path / "x"), bits=3.25)
+
+
+def test_tuner_bounds_k_chunk_by_the_widest_layer_of_a_kind(tiny_ckpt, tmp_path):
+    """With mixed bits the 4-bit layers need the most shared memory for a k_chunk: they set the bound."""
+    from localllm.kernels import qdec
+    from localllm.tuner.timing import problem_of
+    path = quantize(str(tiny_ckpt), str(tmp_path / "m"), bits=3.5, group_size=64, calib_tokens=512, seq_len=128)
+    lm = load(path, qdec="off")
+    grid_of = lambda N: min(N // 16, 132)  # noqa: E731 - kernels.gemv.grid_of on an H100
+    downs = [lin for lin in lm.model.linears() if lin.kind == "down"]
+    assert sorted(lin.quant.bits for lin in downs) == [3, 4]
+    need = {lin.quant.bits: qdec.shared_bytes_total(lin.quant, 10, grid_of(lin.out_features)) for lin in downs}
+    assert need[4] > need[3]
+    for blocks in (list(lm.model.blocks), list(lm.model.blocks)[::-1]):  # whichever comes first
+        lm.model.blocks = torch.nn.ModuleList(blocks)
+        p = problem_of(lm, sm_count=132, smem=need[4], grid_of=grid_of)
+        assert {lay.kind: lay.k_max for lay in p.layers}["down"] == 10
+
+
+def test_fisher_diagonal_is_the_squared_gradient(tiny_ckpt):
+    """With one predicted token per sequence, the per-token Fisher diagonal sum_t (dL/dy_n x_c)^2 is the square of the
+    weight gradient: check it against autograd's weight gradients, sequence by sequence."""
+    from localllm.fisher import fisher_diagonal
+    from localllm.loader import open_checkpoint
+    from localllm.runtime import dense_model
+    ckpt = open_checkpoint(tiny_ckpt)
+    toks = torch.randint(0, ckpt.config.vocab_size, (3, 2))
+    got = fisher_diagonal(ckpt, toks)
+    model = dense_model(ckpt)
+    lins = list(model.linears())
+    for lin in lins:
+        lin.weight.requires_grad_(True)
+    want = [torch.zeros_like(lin.weight) for lin in lins]
+    for seq in toks:
+        for lin in lins:
+            lin.weight.grad = None
+        F.cross_entropy(model(seq[None, :-1])[0], seq[1:], reduction="sum").backward()
+        for acc, lin in zip(want, lins):
+            acc += lin.weight.grad.square()
+    flat = [blk[kind] for blk in got for kind in KINDS]  # the order of model.linears()
+    assert len(flat) == len(want)
+    for f, w in zip(flat, want):
+        assert torch.allclose(f, w, rtol=1e-3, atol=1e-9 * w.max().item()), (f - w).abs().max()
