@@ -24,6 +24,8 @@ class HostResidual:
 
     @classmethod
     def pin(cls, r: QuantResidual) -> "HostResidual":
+        if r.bits != 4:  # other widths are the CPU path's emulation (the report's Table 1), not a kernel format
+            raise ValueError(f"the QDEC kernel reads 4-bit residuals, not {r.bits}-bit ones")
         try:
             return cls(r.packed.contiguous().pin_memory(), r.scales.contiguous().pin_memory())
         except RuntimeError as e:

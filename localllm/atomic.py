@@ -51,24 +51,38 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 @contextlib.contextmanager
-def new_folder(path: str | os.PathLike):
+def new_folder(path: str | os.PathLike, replace: bool = False):
     """Yield a temp folder beside `path`; on success it is renamed to `path`, on failure removed.
 
-    Refuses to replace an existing `path`: nothing the user saved is overwritten.
+    Refuses to replace an existing `path` (nothing the user saved is overwritten) unless `replace`: then the old
+    folder is moved aside only once the new one is complete, and removed after the new one took its name.
     """
     path = Path(path).expanduser().resolve()
-    if path.exists():
+    if path.exists() and not replace:
         raise LocalLLMError(f"{path} already exists; choose another output path or remove it first")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    old = None
     try:
         yield tmp
         for f in tmp.iterdir():  # data on disk before the rename makes it visible
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
         if path.exists():
-            raise LocalLLMError(f"{path} appeared while writing; the new copy was discarded, nothing was replaced")
-        os.rename(tmp, path)
+            if not replace:
+                raise LocalLLMError(f"{path} appeared while writing; the new copy was discarded, nothing was replaced")
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.rename(path, old / path.name)
+            try:
+                os.rename(tmp, path)
+            except OSError:
+                os.rename(old / path.name, path)  # put the old one back
+                raise
+        else:
+            os.rename(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

@@ -141,6 +141,26 @@ def cmd_tune(a) -> None:
         print(f"{'replaced' if old else 'wrote'} {path}" + (f" (tuned {old.get('created', '?')})" if old else ""))
 
 
+def _ints(flag: str, text: str) -> tuple:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise LocalLLMError(f"{flag} takes comma-separated integers, e.g. 2,3,4; got {text!r}") from None
+
+
+def cmd_report(a) -> None:
+    from .report import Options, make_report
+    from .tuner.profile import parse_budgets
+    sections = tuple(s.strip() for s in a.sections.split(",") if s.strip()) if a.sections is not None else None
+    o = Options(model=a.model, out=a.out, tokens=a.tokens, ctx=a.ctx, bits=_ints("--bits", a.bits),
+                k_chunks=_ints("--k-chunk", a.k_chunk), compare_bits=a.compare_bits,
+                residual_bits=_ints("--residual-bits", a.residual_bits), group_size=a.group_size,
+                budgets=tuple(parse_budgets(a.budget)), sections=sections, seed=a.seed, text=a.text,
+                gguf_file=a.gguf_file, force=a.force, update=a.update, argv=a.argv[1:])
+    out = make_report(o)
+    print(f"wrote {out / 'report.md'}")
+
+
 def _model_options(p: argparse.ArgumentParser) -> None:
     """How `generate` and `chat` load their model: QDEC setting, tuning budget, GGUF file, device."""
     p.add_argument("--qdec", type=_qdec_arg, default="on",
@@ -236,11 +256,41 @@ def parser() -> argparse.ArgumentParser:
                    help="replace a file at a profile's name even when it is not this GPU/model/budget's profile")
     t.add_argument("--reps", type=int, default=20, help="CUDA graph replays per GEMV timing point (default 20)")
     t.set_defaults(func=cmd_tune)
+
+    r = sub.add_parser("report", help="the QDEC paper's experiments on a model: a Markdown report with plots",
+                       description="localllm report [MODEL]: quantizes MODEL (a checkpoint; default: the demo model) "
+                                   "at each --bits, measures perplexity and activation statistics on the CPU, and "
+                                   "the QDEC kernel and the tuner's budgets on the GPU when one is usable; writes "
+                                   "report.md, report.json and PNG plots into a new folder (needs matplotlib: pip "
+                                   "install 'localllm[report]').")
+    r.add_argument("model", nargs="?", help="checkpoint folder, .gguf file or hub id (default: the demo model)")
+    r.add_argument("--out", help="new folder for the report (default: report-<model name>)")
+    r.add_argument("--tokens", type=int, default=2048, help="predicted tokens of the evaluation text (default 2048)")
+    r.add_argument("--ctx", type=int, default=512, help="tokens per evaluation window (default 512)")
+    r.add_argument("--bits", default="2,3,4", help="base widths to compare (default 2,3,4)")
+    r.add_argument("--k-chunk", default="8,16,32,64,128", help="k_chunk values (default 8,16,32,64,128)")
+    r.add_argument("--compare-bits", type=int, default=3,
+                   help="base width of the selection-mode, residual-width and outlier sections (default 3)")
+    r.add_argument("--residual-bits", default="2,8,16",
+                   help="residual widths compared with 4 bits at equal PCIe bytes (default 2,8,16; 16 = fp16; "
+                        "empty to skip; 8 is slow to quantize on billion-weight models)")
+    r.add_argument("--group-size", type=int, default=128)
+    r.add_argument("--budget", default="2.5,5,10,20", help="tuner budgets in percent for the GPU Pareto section")
+    r.add_argument("--sections", help="comma-separated: quality, outliers, kernel, pareto (default: all; the GPU "
+                                      "ones, kernel and pareto, only where a GPU is usable)")
+    r.add_argument("--text", help="UTF-8 evaluation text (default: the one shipped with localllm)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the random picks (default 0)")
+    r.add_argument("--gguf-file", help="which GGUF file of a folder to use")
+    r.add_argument("--force", action="store_true", help="replace --out when it exists")
+    r.add_argument("--update", action="store_true",
+                   help="replace --out, keeping the sections of its report that this run does not measure")
+    r.set_defaults(func=cmd_report)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    a.argv = sys.argv[1:] if argv is None else list(argv)  # how it was called (the report records it)
     if a.command == "generate" and len(a.args) > 2:
         parser().error("generate takes [MODEL] PROMPT: quote the prompt")
     try:

@@ -20,8 +20,11 @@ class SamplingParams:
 
     def check(self) -> None:
         # written as what must hold, so that NaN (which fails every comparison) is refused too
-        if not (self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0 and self.repetition_penalty > 0):
-            raise LocalLLMError(f"bad sampling settings {self}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, "
+        ok = {"temperature": self.temperature >= 0, "top_p": 0 < self.top_p <= 1, "top_k": self.top_k >= 0,
+              "repetition_penalty": self.repetition_penalty > 0}
+        bad = ", ".join(f"{k}={getattr(self, k)}" for k, good in ok.items() if not good)
+        if bad:
+            raise LocalLLMError(f"bad sampling settings ({bad}): need temperature >= 0, 0 < top_p <= 1, top_k >= 0, "
                                 "repetition_penalty > 0")
 
 

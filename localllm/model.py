@@ -5,6 +5,7 @@ weights (a source checkpoint) or low-bit weights with QDEC residuals (a quantize
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,9 @@ class QdecSettings:
     mode: str = "off"
     k_chunk: dict = field(default_factory=lambda: {k: 0 for k in KINDS})
     generator: torch.Generator | None = None  # randomness of boundary-bucket / random picks
+    # observer(linear, x [T, K], idx [T, k]): called with each CPU compensation's input and selected channels
+    # (measurements such as the recall of the selection; localllm.outliers)
+    observer: Callable[["Linear", torch.Tensor, torch.Tensor], None] | None = None
 
     def k_for(self, kind: str) -> int:
         return 0 if self.mode == "off" else self.k_chunk.get(kind, 0)
@@ -113,6 +117,8 @@ class Linear(nn.Module):
         if compensate:
             x2 = x.reshape(-1, x.shape[-1])
             idx = select_channels(self, x2, k)
+            if self.settings.observer is not None:
+                self.settings.observer(self, x2, idx)
             y = y + qdec.compensate(x2, idx, self.residual).to(y.dtype).reshape(y.shape)
         return y
 

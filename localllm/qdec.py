@@ -123,21 +123,15 @@ def select_approx(x: Tensor, k_chunk: int, b0: float, b15: float) -> Tensor:
     k - count channels are taken in the pseudo-random order of boundary_order.
     """
     a = x.float().abs()
-    t = a.shape[0]
 
     def pick(s: int, e: int, k: int) -> Tensor:
-        bucket = bucket_index(a[:, s:e], b0, b15).long()  # [T, c]
-        counts = torch.zeros(t, N_BUCKETS, dtype=torch.long, device=a.device)
-        counts.scatter_add_(1, bucket, torch.ones_like(bucket))
-        # Boundary bucket: the first whose cumulative count exceeds k (N_BUCKETS if k == c).
-        boundary = (counts.cumsum(1) <= k).sum(1, keepdim=True)  # [T, 1]
-        # Whole buckets score 2, the boundary bucket 1 - (p + 1) / 1025 in (0, 1) (lower priority p first),
-        # the rest -1: top-k then takes every whole bucket plus the first boundary channels in p order.
+        # The rule takes the k smallest keys bucket * 1024 + p, p the boundary order's priority (a permutation of
+        # 0..1023, so keys are distinct): every bucket before the boundary one is smaller than any key from there
+        # on, and inside the boundary bucket lower p goes first.
         A, off = boundary_order(x[:, s:e])
         p = (torch.arange(e - s, dtype=torch.int64, device=a.device) * A + off) & (CHUNK - 1)
-        order = 1.0 - (p + 1).double() / (CHUNK + 1)
-        score = torch.where(bucket < boundary, 2.0, torch.where(bucket == boundary, order, -1.0))
-        return score.topk(k, dim=-1).indices
+        key = bucket_index(a[:, s:e], b0, b15).float() * CHUNK + p  # < 2^15: exact in float32
+        return key.topk(k, dim=-1, largest=False).indices
 
     return _per_chunk(x.shape[-1], k_chunk, pick)
 

@@ -3,7 +3,9 @@
 A linear weight W is [N, K] (N = out_features, K = in_features), as in torch's nn.Linear.
 The base weight W_hat is group-wise asymmetric b-bit RTN; the residual R = W - W_hat is
 quantized to 4-bit symmetric per output channel and stored input-channel-major so that
-one selected input channel is one contiguous read (QDEC paper sec. 4.2).
+one selected input channel is one contiguous read (QDEC paper sec. 4.2). Other residual
+widths (2, 8, or 16 = plain fp16) exist for the paper's Table 1 comparison on the CPU path;
+models on disk and the GPU kernel use 4 bits.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ BASE_BITS = (2, 3, 4)
 GROUP_SIZES = (64, 128, 256, 512)  # powers of two: the GPU GEMV takes log2(group_size / 64) at compile time
 RESIDUAL_BITS = 4
 RESIDUAL_QMAX = 7  # residual codes are clip(round(r / S), -7, 7)
+RESIDUAL_WIDTHS = (2, 4, 8, 16)  # 16: the residual in fp16, no scale (Table 1's FP16 column)
 
 # Row blocks hold about this many elements, bounding temporaries to tens of MB.
 _BLOCK_ELEMS = 1 << 22
@@ -232,6 +235,13 @@ def quantize_rtn(w: Tensor, bits: int, group_size: int = 128) -> QuantWeight:
     return QuantWeight(qweight, scales, zeros, bits, group_size, k)
 
 
+def residual_qmax(bits: int) -> int:
+    """Largest residual code magnitude at `bits` bits: codes are clip(round(r / S), -qmax, qmax)."""
+    if bits not in RESIDUAL_WIDTHS or bits == 16:
+        raise ValueError(f"integer residual widths are {RESIDUAL_WIDTHS[:-1]}, got {bits}")
+    return 2 ** (bits - 1) - 1
+
+
 def rtn_dequantized(w: Tensor, bits: int, group_size: int = 128) -> Tensor:
     """quantize_rtn(w, bits, group_size).dequantize() without packing: float32 [N, K] (searches call it often)."""
     _check_rtn_args(w, bits, group_size)
@@ -338,14 +348,16 @@ def quantize_lut(w: Tensor, bits: int, importance: Tensor | None = None) -> Quan
 
 @dataclass
 class QuantResidual:
-    """4-bit symmetric per-output-channel residual: R_hat[n, c] = q[n, c] * scales[n], q in [-7, 7].
+    """b-bit symmetric per-output-channel residual: R_hat[n, c] = q[n, c] * scales[n], q in [-qmax, qmax]
+    (qmax = 7 at the default 4 bits); at 16 bits R_hat is R in fp16 and the scales are 1.
 
-    Stored input-channel-major: packed[c] holds the N codes of input channel c as nibbles
-    (q + 8) in [1, 15], output channel 8j+i at bits 4i..4i+3 of word j.
+    Stored input-channel-major: packed[c] holds the N codes of input channel c, biased to q + qmax + 1 and packed
+    32 / bits to a word (4 bits: output channel 8j+i at bits 4i..4i+3 of word j); 16 bits: the fp16 values.
     """
 
-    packed: Tensor  # int32 [K, N // 8]
+    packed: Tensor  # int32 [K, N * bits // 32]
     scales: Tensor  # fp16 [N]
+    bits: int = RESIDUAL_BITS
 
     @property
     def nbytes(self) -> int:
@@ -354,42 +366,45 @@ class QuantResidual:
 
     def rows(self, idx: Tensor) -> Tensor:
         """idx long [...] of input channels -> float32 [..., N], i.e. R_hat[:, idx] moved to the last dim."""
-        q = _unpack_words(self.packed[idx], RESIDUAL_BITS)  # [..., N], nibbles q + 8
-        return (q - 8).float() * self.scales.float()
+        if self.bits == 16:
+            return self.packed[idx].view(torch.float16).float()
+        q = _unpack_words(self.packed[idx], self.bits)  # [..., N], biased codes q + qmax + 1
+        return (q - 2 ** (self.bits - 1)).float() * self.scales.float()
 
     def dequantize(self) -> Tensor:
         """R_hat as float32 [N, K]."""
-        return self.rows(torch.arange(self.packed.shape[0])).T.contiguous()
+        return self.rows(torch.arange(self.packed.shape[0], device=self.packed.device)).T.contiguous()
 
 
-def residual_scale_search(r: Tensor, grid: int = 100) -> Tensor:
-    """Per-row scale S minimising sum_j (clip(round(r_j / S), -7, 7) * S - r_j)^2: r [N, K] -> fp16 [N].
+def residual_scale_search(r: Tensor, grid: int = 100, qmax: int = RESIDUAL_QMAX) -> Tensor:
+    """Per-row scale S minimising sum_j (clip(round(r_j / S), -qmax, qmax) * S - r_j)^2: r [N, K] -> fp16 [N].
 
-    Candidates are alpha * max|r| / 7 for `grid` alphas linspace(0.2, 1.0), each rounded to
+    Candidates are alpha * max|r| / qmax for `grid` alphas linspace(0.2, 1.0), each rounded to
     fp16 before its error is measured (the stored scale is what gets evaluated); ties go to
     the smallest alpha. An all-zero row gets the finite scale 2^-24.
 
     Instead of quantizing the row once per candidate, sort |r| once: for scale S the values
     between thresholds (m - 0.5) S and (m + 0.5) S take level m, so each candidate's error
-    follows from prefix sums at 7 searchsorted thresholds. Sums are float64 so near-tied
+    follows from prefix sums at qmax searchsorted thresholds. Sums are float64 so near-tied
     candidates are ranked exactly as a direct float64 evaluation would rank them.
     """
     n, k = r.shape
     alphas = torch.linspace(0.2, 1.0, grid, dtype=torch.float32)  # [g]
-    levels = torch.arange(RESIDUAL_QMAX + 1, dtype=torch.float64)  # [8]: q = 0..7
+    levels = torch.arange(qmax + 1, dtype=torch.float64)  # q = 0..qmax
     out = torch.empty(n, dtype=torch.float16)
-    for rows in _row_blocks(n, k * 2):  # float64 temporaries: half the usual rows
+    # float64 temporaries [n, K] and [n, g, qmax + 2]: rows per block sized by the larger
+    for rows in _row_blocks(n, max(k, grid * (qmax + 2)) * 2):
         a = r[rows].float().abs().sort(dim=1).values  # [n, K] ascending
-        cand16 = (alphas * a[:, -1:] / RESIDUAL_QMAX).clamp(min=_FP16_MIN_SUBNORMAL).half()  # [n, g]
+        cand16 = (alphas * a[:, -1:] / qmax).clamp(min=_FP16_MIN_SUBNORMAL).half()  # [n, g]
         s = cand16.double()
         a = a.double()
         prefix = F.pad(a.cumsum(1), (1, 0))  # [n, K+1]: prefix[:, j] = sum of the j smallest |r|
-        thr = s[..., None] * (levels[:-1] + 0.5)  # [n, g, 7]: |r| >= thr[m] rounds to at least m+1
-        cut = torch.searchsorted(a, thr.flatten(1)).view(thr.shape)  # [n, g, 7]
-        edges = F.pad(F.pad(cut, (1, 0), value=0), (0, 1), value=k)  # [n, g, 9]: level m is [edges[m], edges[m+1])
-        sums = prefix.gather(1, edges.flatten(1)).view(edges.shape).diff(dim=-1)  # [n, g, 8]: sum |r| per level
-        counts = edges.diff(dim=-1).double()  # [n, g, 8]
-        ms = levels * s[..., None]  # [n, g, 8]: dequantized level m * S
+        thr = s[..., None] * (levels[:-1] + 0.5)  # [n, g, qmax]: |r| >= thr[m] rounds to at least m+1
+        cut = torch.searchsorted(a, thr.flatten(1)).view(thr.shape)  # [n, g, qmax]
+        edges = F.pad(F.pad(cut, (1, 0), value=0), (0, 1), value=k)  # [n, g, qmax+2]: level m is [edges[m], edges[m+1])
+        sums = prefix.gather(1, edges.flatten(1)).view(edges.shape).diff(dim=-1)  # [n, g, qmax+1]: sum |r| per level
+        counts = edges.diff(dim=-1).double()  # [n, g, qmax+1]
+        ms = levels * s[..., None]  # [n, g, qmax+1]: dequantized level m * S
         # sum over a level of (m S - |r|)^2 = m^2 S^2 count - 2 m S sum|r| + sum r^2; the last
         # term is the same for every candidate, so it is left out of the comparison.
         err = (ms * (ms * counts - 2 * sums)).sum(-1)  # [n, g]
@@ -397,17 +412,24 @@ def residual_scale_search(r: Tensor, grid: int = 100) -> Tensor:
     return out
 
 
-def quantize_residual(r: Tensor) -> QuantResidual:
-    """Quantize a residual r [N, K] (N a multiple of 8) to 4-bit per-output-channel symmetric codes."""
+def quantize_residual(r: Tensor, bits: int = RESIDUAL_BITS) -> QuantResidual:
+    """Quantize a residual r [N, K] (N a multiple of 8) to `bits`-bit per-output-channel symmetric codes (4 unless
+    emulating another width, RESIDUAL_WIDTHS; 16 keeps r in fp16)."""
     if r.ndim != 2:
         raise ValueError(f"residual must be 2-D [N, K], got shape {tuple(r.shape)}")
+    if bits not in RESIDUAL_WIDTHS:
+        raise ValueError(f"residual bits must be one of {RESIDUAL_WIDTHS}, got {bits}")
     n, k = r.shape
-    if n % 8:
-        raise ValueError(f"out_features must be a multiple of 8 for residual packing, got {n}")
-    scales = residual_scale_search(r)
-    packed = torch.empty(k, n // 8, dtype=torch.int32)
-    for rows in _row_blocks(n, k, multiple=8):
+    per = 32 // bits  # output channels per word
+    if n % max(8, per):
+        raise ValueError(f"out_features must be a multiple of {max(8, per)} for residual packing, got {n}")
+    if bits == 16:
+        return QuantResidual(r.T.contiguous().half().view(torch.int32), torch.ones(n, dtype=torch.float16), 16)
+    qmax = residual_qmax(bits)
+    scales = residual_scale_search(r, qmax=qmax)
+    packed = torch.empty(k, n * bits // 32, dtype=torch.int32)
+    for rows in _row_blocks(n, k, multiple=max(8, per)):
         s = scales[rows].float()[:, None]  # [n, 1]
-        q = (r[rows].float() / s).round().clamp(-RESIDUAL_QMAX, RESIDUAL_QMAX)  # [n, K]
-        packed[:, rows.start // 8 : rows.stop // 8] = _pack_words((q + 8).T, RESIDUAL_BITS)
-    return QuantResidual(packed, scales)
+        q = (r[rows].float() / s).round().clamp(-qmax, qmax)  # [n, K]
+        packed[:, rows.start // per: rows.stop // per] = _pack_words((q + qmax + 1).T, bits)
+    return QuantResidual(packed, scales, bits)

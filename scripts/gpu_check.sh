@@ -26,5 +26,15 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
 fi
 python3 -m localllm.bench "$@" 2>&1 | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
-echo "gpu tests rc=$tests_rc bench rc=$bench_rc"
-exit $(( tests_rc | bench_rc ))
+# REPORT=DIR (a report made on a CPU, e.g. docs/report-demo): add the GPU sections of `localllm report` to it, with
+# REPORT_ARGS for its model and settings (as its report.md states), and bring the folder back as $OUT/report.tgz
+report_rc=0
+if [ -n "${REPORT:-}" ]; then
+  # shellcheck disable=SC2086
+  python3 -m localllm.cli report ${REPORT_ARGS:-} --out "$REPORT" --sections kernel,pareto --update 2>&1 \
+    | tee "$OUT/report.txt"
+  report_rc=${PIPESTATUS[0]}
+  tar czf "$OUT/report.tgz" -C "$(dirname "$REPORT")" "$(basename "$REPORT")"
+fi
+echo "gpu tests rc=$tests_rc bench rc=$bench_rc report rc=$report_rc"
+exit $(( tests_rc | bench_rc | report_rc ))

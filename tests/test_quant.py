@@ -251,3 +251,48 @@ def test_residual_compensation_shrinks_error(seed):
         base = ((w - w_hat) ** 2).mean()
         comp = ((w - w_hat - r_hat) ** 2).mean()
         assert comp < 0.02 * base, f"seed={seed} bits={bits} base={base} comp={comp}"
+
+
+def test_residual_widths_for_the_table1_comparison(seed):
+    """Other residual widths (the report emulates them on the CPU path): the same quantizer at b bits, codes in
+    [-(2^(b-1) - 1), 2^(b-1) - 1] with the MSE-searched scale; 16 bits keeps R in fp16."""
+    n, k = 32, 256
+    r = torch.randn(n, k) * 0.01
+    r[:, 9] *= 30  # an outlier input channel
+    errs = {}
+    for bits in (2, 4, 8):
+        qmax = 2 ** (bits - 1) - 1
+        res = quantize_residual(r, bits)
+        assert res.bits == bits and res.packed.shape == (k, n * bits // 32)
+        assert torch.equal(res.scales, residual_scale_search(r, qmax=qmax)), f"seed={seed} bits={bits}"
+        want = torch.clamp(torch.round(r / res.scales.float()[:, None]), -qmax, qmax) * res.scales.float()[:, None]
+        r_hat = res.dequantize()
+        assert torch.equal(r_hat, want), f"seed={seed} bits={bits}"
+        idx = torch.tensor([[0, 9, 255], [4, 4, 1]])
+        assert torch.equal(res.rows(idx), r_hat[:, idx].permute(1, 2, 0))
+        errs[bits] = ((r - r_hat) ** 2).mean().item()
+    assert errs[2] > errs[4] > errs[8], f"seed={seed} {errs}"
+    assert torch.equal(quantize_residual(r, 4).packed, quantize_residual(r).packed), "4 bits is the default format"
+    res16 = quantize_residual(r, 16)
+    assert torch.equal(res16.dequantize(), r.half().float()) and res16.packed.shape == (k, n // 2)
+    for bad in (3, 32):
+        with pytest.raises(ValueError, match="residual bits must be one of"):
+            quantize_residual(r, bad)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_residual(torch.randn(24, 64), 2)
+
+
+def test_scale_search_at_other_widths_matches_brute_force(seed):
+    r = torch.randn(6, 128) * 0.01
+    r[2, 5] = 0.5
+    for qmax in (1, 127):
+        got = residual_scale_search(r, qmax=qmax)
+        for i in range(6):
+            amax, best, best_err = r[i].abs().max(), None, math.inf
+            for a in ALPHAS:
+                s16 = torch.clamp(a * amax / qmax, min=2.0**-24).half()
+                q = torch.clamp(torch.round(r[i].double() / s16.double()), -qmax, qmax)
+                err = ((q * s16.double() - r[i].double()) ** 2).sum().item()
+                if err < best_err:
+                    best, best_err = s16, err
+            assert got[i] == best, f"seed={seed} qmax={qmax} row={i}"

@@ -29,3 +29,22 @@ def test_progress_can_be_observed_instead_of_printed(capsys):
     for _ in progress(range(3), "plain"):  # outside observe(): a terminal bar again, the observer sees nothing
         pass
     assert seen == []
+
+
+def test_new_folder_replaces_only_when_asked_and_only_when_complete(tmp_path):
+    from localllm.errors import LocalLLMError
+    out = tmp_path / "report"
+    with atomic.new_folder(out) as tmp:
+        (tmp / "a.txt").write_text("one")
+    with pytest.raises(LocalLLMError, match="already exists"):
+        with atomic.new_folder(out):
+            pass
+    with pytest.raises(RuntimeError):  # a failure while writing the new one leaves the old one whole
+        with atomic.new_folder(out, replace=True) as tmp:
+            (tmp / "a.txt").write_text("half")
+            raise RuntimeError("interrupted")
+    assert (out / "a.txt").read_text() == "one"
+    with atomic.new_folder(out, replace=True) as tmp:
+        (tmp / "b.txt").write_text("two")
+    assert [f.name for f in out.iterdir()] == ["b.txt"]
+    assert [f.name for f in tmp_path.iterdir()] == ["report"], "no temp or old folder left"

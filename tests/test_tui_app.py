@@ -325,3 +325,21 @@ async def test_a_failing_reply_is_a_message_and_the_chat_goes_on(tiny_quant, mon
         monkeypatch.setattr("localllm.tui.session.generate", generate)
         ok = await done(pilot, await send(pilot, replies, "Hello"))
         assert ok.error is None and ok.prompt == [{"role": "user", "content": "Hello"}]
+
+
+@pytest.mark.gpu
+@scenario
+async def test_on_the_gpu_the_status_bar_shows_the_gpu_and_pinned_residuals(tiny_quant, replies):
+    import torch
+    app = ChatApp(str(tiny_quant), device="cuda", settings=ReplySettings(max_new_tokens=12, seed=3))
+    async with app.run_test(size=SIZE) as pilot:
+        session = await loaded(pilot)
+        assert session.lm.model.device.type == "cuda" and session.lm.settings.mode == "approx"
+        reply = await done(pilot, await send(pilot, replies, "Hello"))
+        want = generate(session.lm, [{"role": "user", "content": "Hello"}], max_new_tokens=12, temperature=0.7,
+                        top_p=0.9, seed=3)
+        assert reply.error is None and reply.text == want and shown(app) == printable(want)
+        status = str(app.query_one("#status", Static).render())
+        pinned = sum(lin.residual.nbytes for lin in session.lm.model.linears() if lin.host_residual is not None)
+        assert status.startswith(torch.cuda.get_device_name()) and pinned > 0
+        assert "GPU mem —" not in status and " pinned" in status and "QDEC overhead" in status
