@@ -31,7 +31,6 @@ def test_perplexity_matches_transformers_on_a_dense_checkpoint(tiny_ckpt):
 
 def test_sweep_reproducible_and_full_compensation_approaches_the_dense_model(tiny_ckpt, tiny_quant):
     dense_lm = load(tiny_ckpt)
-    dense = perplexity(dense_lm, tokenize(dense_lm, read_text(None)[0], max_tokens=400), ctx=128)
     lm = load(tiny_quant)
     ids = tokenize(lm, read_text(None)[0], max_tokens=400)
     modes = ["off", "exact", "approx", "static", "random"]
@@ -40,9 +39,16 @@ def test_sweep_reproducible_and_full_compensation_approaches_the_dense_model(tin
     assert [(r.mode, r.k_chunk) for r in a] == [("off", 0)] + [(m, k) for m in modes[1:] for k in (4, 64)]
     assert [r.perplexity for r in a] == [r.perplexity for r in b], "same seed, same numbers (random picks included)"
     assert all(math.isfinite(r.perplexity) and r.perplexity > 1 for r in a)
-    off = a[0].perplexity
-    full = sweep(lm, ids, ["exact"], [1024], ctx=128)[0].perplexity  # every channel compensated
-    assert abs(full - dense) < abs(off - dense), (off, full, dense)
+    # every channel compensated brings the logits near the dense model's (compared on logits, not perplexity: on a
+    # random model quantization can leave perplexity where it was, and the comparison would be noise)
+    toks = torch.tensor(ids[:128])[None]
+    with torch.inference_mode():
+        ref = dense_lm.model(toks).float()
+        lm.set_qdec("off")
+        off = (lm.model(toks).float() - ref).norm()
+        lm.set_qdec({"mode": "exact", "k_chunk": 1024})
+        full = (lm.model(toks).float() - ref).norm()
+    assert full < 0.5 * off, (float(off), float(full))
 
 
 def test_eval_command_prints_a_table(tiny_quant):
