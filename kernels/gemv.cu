@@ -23,6 +23,8 @@
 typedef unsigned int uint32_t;
 typedef unsigned char uint8_t;
 
+#include "mma.cuh"
+
 #include "qdec.cuh"
 
 // A predicated copy (no branch, so no divergence bookkeeping around it).
@@ -99,14 +101,6 @@ __device__ __forceinline__ void lane_words(const uint32_t* p, uint32_t (&w)[BITS
 #pragma unroll
         for (int b = 0; b < BITS; b++) w[b] = p[b];
     }
-}
-
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 zeros; rows 0, 8, 1, 9, ..., 7, 15

@@ -19,6 +19,8 @@
 typedef unsigned int uint32_t;
 typedef unsigned char uint8_t;
 
+#include "mma.cuh"
+
 // Where quant._SLOT puts register j of mma tile m: 32 * word + bit position of half 0 (half 1 is 16 bits higher),
 // or -1 for the 3-bit register spread over bit 15 of words 0, 1, 2 (code bit b in word b).
 __host__ __device__ constexpr int lut_slot(int bits, int m, int j) {
@@ -62,14 +64,6 @@ __device__ __forceinline__ void lut_words(const uint32_t* __restrict__ p, uint32
     }
 }
 
-__device__ __forceinline__ void lut_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // One step: c += W_hat[tile rows, 64 channels] . xs[64 channels]. tab: the tile's 16 tables (rows 0..15, C values
 // each); xs: the step's 64 channels of f(x). A's fragment: lut_row, lut_col; B's fragment is x at channels 2t, 2t + 1
 // (b0) and 2t + 8, 2t + 9 (b1) of mma tile m.
@@ -88,7 +82,7 @@ __device__ __forceinline__ void lut_step(const uint32_t (&w)[BITS], const __half
         }
         const uint32_t b0 = *reinterpret_cast<const uint32_t*>(xs + 16 * m + 2 * t);
         const uint32_t b1 = *reinterpret_cast<const uint32_t*>(xs + 16 * m + 2 * t + 8);
-        lut_mma(c, a, b0, b1);
+        mma16816(c, a, b0, b1);
     }
 }
 
