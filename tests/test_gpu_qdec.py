@@ -45,16 +45,21 @@ def setup(N, K, bits, k_chunk, n_tb=None, x=None):
     return q, r, w, x, comp
 
 
-def check_selection(x, comp, K, k_chunk):
-    """Per chunk: the CPU reference's channels (as a set), x at them, and the bucket rule."""
+def check_selection(x, comp, K, k_chunk, same_x=True):
+    """Per chunk: the CPU reference's channels (as a set), x at them, and the bucket rule. same_x=False: the kernel
+    made x itself (fused norm or gate), so its x may differ from the CPU's by an fp16 rounding step, and with it the
+    hash that orders the boundary bucket: then only the bucket rule and x at the chosen channels are compared."""
     from localllm.kernels import qdec
     got = qdec.selection(comp.sel_out, K, k_chunk)
     want = ref.select_approx(x[None].float(), k_chunk, comp.b0, comp.b15)[0].tolist()
     col = 0
     for c, (idx, xs) in enumerate(got):
         k = len(idx)
-        assert sorted(idx) == want[col:col + k], f"chunk {c}"
-        assert xs == x.float()[idx].tolist()
+        if same_x:
+            assert sorted(idx) == want[col:col + k], f"chunk {c}"
+            assert xs == x.float()[idx].tolist()
+        else:
+            torch.testing.assert_close(torch.tensor(xs), x.float()[idx], rtol=2e-3, atol=1e-4)
         col += k
     ref_idx = torch.tensor(sorted(sum((i for i, _ in got), [])))[None]
     from test_qdec import check_bucket_rule
@@ -128,7 +133,7 @@ def test_qdec_gemv_with_input_transform_and_residual(mode):
     res = torch.randn(N).half()
     got = gemv(xx.cuda(), w, residual=res.cuda() if mode == "residual" else None, comp=comp,
                norm=(nw.cuda(), 1e-5) if mode == "norm" else None, glu=mode == "glu").cpu()
-    S = check_selection(xin, comp, K, 8)
+    S = check_selection(xin, comp, K, 8, same_x=mode == "residual")
     want = q.dequantize(torch.float64) @ xin.double() + r.rows(S).double().T @ xin.double()[S]
     if mode == "residual":
         want = want + res.double()
