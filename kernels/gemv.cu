@@ -15,6 +15,11 @@
 // through its own ring of DEPTH shared-memory slots with cp.async (no registers held by loads in flight, no block
 // barrier in the stream). x, in B-fragment order, and its per-step sums are staged once per block. The warps'
 // partial sums of a tile meet in shared memory at the tile's end (one barrier per tile).
+//
+// Table (non-uniform, SqueezeLLM) weights, LUT = true: the same codes layout, W_hat[n, c] = lut[n][code] with one fp16
+// table of 2^BITS values per output channel (quant.QuantLUT). The meta record is then the tile's 16 tables (rows 0..15,
+// 32 << BITS bytes), fetched with every step like the uniform record; a lane looks each of its codes up in it
+// (lut.cuh), and there is no scale, zero or factor to apply: the mma sums are the result.
 #include <cuda_fp16.h>
 
 #include "pdl.cuh"
@@ -24,6 +29,8 @@ typedef unsigned int uint32_t;
 typedef unsigned char uint8_t;
 
 #include "mma.cuh"
+
+#include "lut.cuh"
 
 #include "qdec.cuh"
 
@@ -110,8 +117,8 @@ constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 z
 // (K/64 float4), then the warps' rings (WARPS x DEPTH slots of one step's weights + one meta record), then with QDEC
 // the block's fp32 results (16 per tile), the selection (k_chunk ints, k_chunk floats), 1024 bucket bytes and
 // QW * 36 ints. Without QDEC, registers are capped at 64 so that 32 warps fit on an SM.
-// Group size = 64 << GSHIFT.
-template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW>
+// Group size = 64 << GSHIFT (uniform weights; LUT: GSHIFT 0, G = 1).
+template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT>
 __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
     gemv(const uint8_t* __restrict__ qw, const uint8_t* __restrict__ meta, const __half* __restrict__ x,
          const __half* __restrict__ res, __half* __restrict__ y, int N, int K, int G, uint32_t magic,
@@ -119,7 +126,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
          const __half* __restrict__ rs, float* __restrict__ part, unsigned long long* __restrict__ state,
          int* __restrict__ sel_out, int k_chunk, int n_tb, float b0, float b15, float inv_hi,
          float inv_lo) {
-    constexpr int STEP_BYTES = 128 * BITS, SLOT = STEP_BYTES + META_BYTES;
+    constexpr int STEP_BYTES = 128 * BITS, MREC = LUT ? 32 << BITS : META_BYTES, SLOT = STEP_BYTES + MREC;
     extern __shared__ __align__(16) unsigned char smem[];
     const int S = K / 64;
     uint32_t* xs = reinterpret_cast<uint32_t*>(smem);  // [step][t][m][2] half2 words
@@ -168,19 +175,19 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
     const uint32_t ring0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + lane * 16;
     const uint32_t ring_last = ring0 + (DEPTH - 1) * SLOT;
     const uint8_t* src = qw + ((size_t)t_begin * S + lo) * STEP_BYTES + lane * 16;
-    const uint8_t* mtile = meta + (size_t)t_begin * G * META_BYTES + lane * 16;
+    const uint8_t* mtile = meta + (size_t)t_begin * G * MREC + lane * 16;
     const size_t skip = (size_t)(S - (hi - lo)) * STEP_BYTES;  // at a tile's end: the other warps' steps
     int in_step = lo, issued = 0;
     uint32_t in_slot = ring0;
     auto issue = [&]() {
         const bool live = issued++ < items;
         cp_async16(in_slot, src, live && lane < STEP_BYTES / 16);
-        cp_async16(in_slot + STEP_BYTES, mtile + (in_step >> GSHIFT) * META_BYTES, live && lane < META_BYTES / 16);
+        cp_async16(in_slot + STEP_BYTES, mtile + (LUT ? 0 : (in_step >> GSHIFT) * META_BYTES), live && lane < MREC / 16);
         cp_async_commit();
         const bool wrap = ++in_step == hi;
         in_step = wrap ? lo : in_step;
         src += wrap ? STEP_BYTES + skip : STEP_BYTES;
-        mtile += wrap ? (size_t)G * META_BYTES : 0;
+        mtile += wrap ? (size_t)G * MREC : 0;
         in_slot = in_slot == ring_last ? ring0 : in_slot + SLOT;
     };
 
@@ -275,12 +282,32 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
         c_off = c_off + SLOT == DEPTH * SLOT ? 0 : c_off + SLOT;
         uint32_t w[BITS];
         lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot) + lane * BITS, w);
+        const uint4 b01 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t];
+        const uint4 b23 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t + 1];
+        if constexpr (LUT) {  // every element looked up in its row's table; the mma sums are W_hat x
+            const __half* tab = reinterpret_cast<const __half*>(slot + STEP_BYTES);
+            uint32_t a[4][4];
+#pragma unroll
+            for (int m = 0; m < 4; m++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const __half* row = tab + (lut_row(g, j) << BITS);
+                    const __half2 v = __halves2half2(row[lut_code<BITS>(w, m, j, 0)], row[lut_code<BITS>(w, m, j, 1)]);
+                    a[m][j] = *reinterpret_cast<const uint32_t*>(&v);
+                }
+            float c[4][4] = {};
+            mma16816(c[0], a[0], b01.x, b01.y);
+            mma16816(c[1], a[1], b01.z, b01.w);
+            mma16816(c[2], a[2], b23.x, b23.y);
+            mma16816(c[3], a[3], b23.z, b23.w);
+            acc0 += (c[0][0] + c[1][0]) + (c[2][0] + c[3][0]);
+            acc1 += (c[0][2] + c[1][2]) + (c[2][2] + c[3][2]);
+            return;
+        }
         // rows g and g + 8 sit side by side in the record: one load each for the scales and the zeros
         const float2 sc = __half22float2(reinterpret_cast<const __half2*>(slot + STEP_BYTES)[g]);
         const uint32_t zp = reinterpret_cast<const unsigned short*>(slot + STEP_BYTES + 32)[g];
         const float s0 = sc.x, s1 = sc.y, z0 = (float)(zp & 0xFFu), z1 = (float)(zp >> 8);
-        const uint4 b01 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t];
-        const uint4 b23 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t + 1];
         uint32_t a[4][4];
         decode<BITS>(w, magic, a);
         float c[4][4] = {};  // four independent accumulators: the mma instructions pipeline
@@ -405,8 +432,34 @@ template __global__ void dequant<2>(const uint32_t*, const uint8_t*, __half*, in
 template __global__ void dequant<3>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 template __global__ void dequant<4>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 
+// Table weights as dense fp16 [N, K], as quant.QuantLUT.dequantize(torch.float16): one thread per (tile, step, lane).
+template <int BITS>
+__global__ void dequant_lut(const uint32_t* __restrict__ qw, const __half* __restrict__ lut, __half* __restrict__ out,
+                            int N, int K) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    const int steps = K / 64;
+    if (idx >= N / 16 * steps * 32) return;
+    const int lane = idx & 31, step = (idx >> 5) % steps, tile = (idx >> 5) / steps;
+    const int g = lane >> 2, t = lane & 3;
+    uint32_t w[BITS];
+    lane_words<BITS>(qw + (size_t)idx * BITS, w);
+#pragma unroll
+    for (int m = 0; m < 4; m++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int row = tile * 16 + lut_row(g, j), col = step * 64 + lut_col(t, m, j, h);
+                out[(size_t)row * K + col] = lut[((size_t)row << BITS) + lut_code<BITS>(w, m, j, h)];
+            }
+}
+template __global__ void dequant_lut<2>(const uint32_t*, const __half*, __half*, int, int);
+template __global__ void dequant_lut<3>(const uint32_t*, const __half*, __half*, int, int);
+template __global__ void dequant_lut<4>(const uint32_t*, const __half*, __half*, int, int);
+
 // (warps per block, ring depth) variants, chosen by gemv.py; QDEC (QW = 4) with the first
-#define INST(B, W, D, GS, QW) template __global__ void gemv<B, W, D, GS, QW>(const uint8_t*, const uint8_t*, \
+#define INST(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false)
+#define INST_L(B, W, D, GS, QW, L) template __global__ void gemv<B, W, D, GS, QW, L>(const uint8_t*, const uint8_t*, \
     const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, int, const uint32_t*, \
     const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
 #define INST_GS(B, W, D, QW) INST(B, W, D, 0, QW) INST(B, W, D, 1, QW) INST(B, W, D, 2, QW) INST(B, W, D, 3, QW)
@@ -414,3 +467,7 @@ template __global__ void dequant<4>(const uint32_t*, const uint8_t*, __half*, in
 INST_BITS(16, 7, 0)
 INST_BITS(8, 9, 0)
 INST_BITS(16, 7, 4)
+// table weights: the first variant, with and without QDEC
+#define INST_LUT(QW) INST_L(2, 16, 7, 0, QW, true) INST_L(3, 16, 7, 0, QW, true) INST_L(4, 16, 7, 0, QW, true)
+INST_LUT(0)
+INST_LUT(4)

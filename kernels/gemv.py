@@ -1,4 +1,5 @@
-"""Launchers of the low-bit GEMV and dequantize kernels (gemv.cu), and the GPU-resident weight they read."""
+"""Launchers of the low-bit GEMV and dequantize kernels (gemv.cu), and the GPU-resident weight they read: Packed
+for uniform (RTN/AWQ) weights, quant.QuantLUT as it is for table (SqueezeLLM) weights."""
 from __future__ import annotations
 
 import functools
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from localllm.quant import GROUP_SIZES, QuantWeight
+from localllm.quant import GROUP_SIZES, QuantLUT, QuantWeight
 
 from . import cuda, qdec
 
@@ -17,9 +18,12 @@ META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
 # (warps per block, ring depth in steps per warp): the compiled variants of gemv.cu. The first, at one block per SM,
 # won on every Llama-3-8B shape in `localllm bench gemv-sweep` on the H100; the sweep still times the others.
 VARIANTS = ((16, 7), (8, 9))
-NAMES = tuple(f"gemv<{b},{w},{d},{gs},0>" for b in (2, 3, 4) for w, d in VARIANTS for gs in range(len(GROUP_SIZES))) \
-    + tuple(f"gemv<{b},{w},{d},{gs},{qdec.QW}>" for b in (2, 3, 4) for w, d in VARIANTS[:1]
-            for gs in range(len(GROUP_SIZES))) + tuple(f"dequant<{b}>" for b in (2, 3, 4))
+NAMES = tuple(f"gemv<{b},{w},{d},{gs},0,false>" for b in (2, 3, 4) for w, d in VARIANTS
+              for gs in range(len(GROUP_SIZES))) \
+    + tuple(f"gemv<{b},{w},{d},{gs},{qdec.QW},false>" for b in (2, 3, 4) for w, d in VARIANTS[:1]
+            for gs in range(len(GROUP_SIZES))) \
+    + tuple(f"gemv<{b},{w},{d},0,{qw},true>" for b in (2, 3, 4) for w, d in VARIANTS[:1] for qw in (0, qdec.QW)) \
+    + tuple(f"dequant<{b}>" for b in (2, 3, 4)) + tuple(f"dequant_lut<{b}>" for b in (2, 3, 4))
 
 
 @dataclass
@@ -59,7 +63,19 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+def record_bytes(w: Packed | QuantWeight | QuantLUT) -> int:
+    """Bytes of one meta record: a tile's 16 tables (2^bits fp16 each) for table weights, else META_BYTES."""
+    return 32 << w.bits if isinstance(w, QuantLUT) else META_BYTES
+
+
+def _meta(w: Packed | QuantLUT) -> tuple[torch.Tensor, int, bool]:
+    """What the kernel reads besides the codes: (records, records per tile, table weight?)."""
+    if isinstance(w, QuantLUT):
+        return w.lut, 1, True  # one record per tile: its 16 rows' tables
+    return w.meta, w.meta.shape[1], False
+
+
+def gemv(x: torch.Tensor, w: Packed | QuantLUT, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, glu: bool = False, variant: tuple[int, int] | None = None,
          blocks_per_sm: int | None = None, early: bool | None = None, comp: "qdec.Call | None" = None) -> torch.Tensor:
     """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.
@@ -68,7 +84,8 @@ def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: 
     variant: one of VARIANTS (default the first), blocks_per_sm default 1.
     comp: QDEC, y += R_hat[:, S] f(x)[S] (S chosen in the kernel); needs the first variant and the grid that
     comp.state was numbered with."""
-    N, K, G = w.out_features, w.in_features, w.meta.shape[1]
+    N, K = w.out_features, w.in_features
+    meta, G, lut = _meta(w)
     assert x.dtype == torch.float16 and x.shape == ((2 * K,) if glu else (K,)) and not (glu and norm)
     assert w.qweight.shape == (N // 16, K * w.bits // 2)
     if not x.is_contiguous() or x.data_ptr() % 16:
@@ -77,7 +94,9 @@ def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: 
         out = torch.empty(N, dtype=torch.float16, device=x.device)
     warps, depth = variant or VARIANTS[0]
     qw = qdec.QW if comp is not None and comp.k_chunk > 0 else 0
-    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{GROUP_SIZES.index(w.group_size)},{qw}>", NAMES)
+    assert not lut or (warps, depth) == VARIANTS[0], "table weights: the first variant only"
+    gs = 0 if lut else GROUP_SIZES.index(w.group_size)
+    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()}>", NAMES)
     grid = grid_of(N, x.device, blocks_per_sm or 1)
     smem = shared_bytes(w, warps, depth)
     null = np.uint64(0)
@@ -90,18 +109,18 @@ def gemv(x: torch.Tensor, w: Packed, out: torch.Tensor | None = None, residual: 
     if smem + warps * 132 + 64 > 48 * 1024:  # + the static arrays (red, wsum, seq): past 48 KB needs the opt-in
         k.max_dynamic_shared_size_bytes = smem
     cuda.launch(k, (grid,), (32 * (warps + qw),), (
-        cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(x), null if residual is None else cuda.ptr(residual),
+        cuda.ptr(w.qweight), cuda.ptr(meta), cuda.ptr(x), null if residual is None else cuda.ptr(residual),
         cuda.ptr(out), np.int32(N), np.int32(K), np.int32(G), np.uint32(0x64006400),
         null if norm is None else cuda.ptr(norm[0]), np.float32(norm[1] if norm else 0.0), np.int32(glu), *extra),
         shared_mem=smem, early=w.nbytes < EARLY_BYTES if early is None else early)
     return out
 
 
-def shared_bytes(w: Packed, warps: int, depth: int) -> int:
+def shared_bytes(w: Packed | QuantWeight | QuantLUT, warps: int, depth: int) -> int:
     """Dynamic shared memory of the GEMV without QDEC: x as B fragments, its per-step sums (float4), each warp's
     ring of steps + meta records."""
     K = w.in_features
-    return K * 2 + K // 64 * 16 + warps * depth * (128 * w.bits + META_BYTES)
+    return K * 2 + K // 64 * 16 + warps * depth * (128 * w.bits + record_bytes(w))
 
 
 def grid_of(N: int, device: torch.device, blocks_per_sm: int = 1) -> int:
@@ -109,11 +128,17 @@ def grid_of(N: int, device: torch.device, blocks_per_sm: int = 1) -> int:
     return min(N // 16, _sm_count(device.index or 0) * blocks_per_sm)
 
 
-def dequantize(w: Packed) -> torch.Tensor:
-    """W_hat as fp16 [N, K] on the GPU: what quant.QuantWeight.dequantize(torch.float16) computes."""
-    N, K, G = w.out_features, w.in_features, w.meta.shape[1]
+def dequantize(w: Packed | QuantLUT) -> torch.Tensor:
+    """W_hat as fp16 [N, K] on the GPU: what quant.QuantWeight/QuantLUT.dequantize(torch.float16) computes."""
+    N, K = w.out_features, w.in_features
     out = torch.empty(N, K, dtype=torch.float16, device=w.qweight.device)
     threads = N // 16 * (K // 64) * 32
+    if isinstance(w, QuantLUT):
+        cuda.kernel("gemv", f"dequant_lut<{w.bits}>", NAMES)(
+            (-(-threads // 256),), (256,), (cuda.ptr(w.qweight), cuda.ptr(w.lut), cuda.ptr(out), np.int32(N),
+                                            np.int32(K)), stream=cuda.stream())
+        return out
+    G = w.meta.shape[1]
     cuda.kernel("gemv", f"dequant<{w.bits}>", NAMES)(
         (-(-threads // 256),), (256,), (cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(out), np.int32(N),
                                         np.int32(K), np.int32(G), np.int32(w.group_size)), stream=cuda.stream())

@@ -112,7 +112,6 @@ def bench_gemv(bits_list=(4, 3, 2), group_size: int = 128) -> list[dict]:
 def bench_gemv_lut(bits_list=(4, 3), group_size: int = 128) -> list[dict]:
     """The non-uniform (table) GEMV on the 8B shapes next to the uniform GEMV of the same bits, in one run."""
     from .kernels.gemv import gemv
-    from .kernels.gemv_lut import gemv as gemv_lut
     from .quant import QuantLUT, pack_codes
     bw = copy_bandwidth()
     rows = []
@@ -126,7 +125,7 @@ def bench_gemv_lut(bits_list=(4, 3), group_size: int = 128) -> list[dict]:
                               torch.randn(N, 2**bits, device="cuda").sort(1).values.half(), bits, K),
                      torch.empty(N, device="cuda", dtype=torch.float16)) for _ in range(_copies(N * K * bits // 8))]
             lut_bytes = luts[0][0].nbytes + K * 2 + N * 2
-            t = time_graph([lambda s=s: gemv_lut(x, s[0], out=s[1]) for s in luts])
+            t = time_graph([lambda s=s: gemv(x, s[0], out=s[1]) for s in luts])
             del luts
             rows.append({"layer": name, "N": N, "K": K, "bits": bits, "us": t * 1e6, "of_copy_bw": lut_bytes / t / bw,
                          "uniform_us": t_uni * 1e6, "uniform_of_copy_bw": nbytes / t_uni / bw})

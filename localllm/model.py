@@ -109,7 +109,8 @@ class Linear(nn.Module):
             compensate = False  # prompts on the GPU run uncompensated (as in the paper)
         x = self.input_of(x, norm, glu)
         if self.packed is not None:  # a prompt on the GPU: dequantize to fp16, then cuBLAS
-            y = F.linear(x, _kernels(self.packed).dequantize(self.packed), self.bias)
+            from .kernels.gemv import dequantize
+            y = F.linear(x, dequantize(self.packed), self.bias)
         else:
             y = F.linear(x, self.dense().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if residual is not None:
@@ -132,20 +133,13 @@ class Linear(nn.Module):
         """One token on the GPU: the low-bit GEMV kernel, with the input transform, (without a bias) the residual
         add and QDEC (comp: kernels.qdec.Call) fused."""
         fuse = residual is not None and self.bias is None
-        kern = _kernels(self.packed)
-        y = kern.gemv(x.reshape(-1), self.packed, residual=residual.reshape(-1).contiguous() if fuse else None,
+        from .kernels.gemv import gemv
+        y = gemv(x.reshape(-1), self.packed, residual=residual.reshape(-1).contiguous() if fuse else None,
                       norm=None if norm is None else (norm.weight, norm.eps), glu=glu,
                       comp=comp).view(*x.shape[:-1], -1)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None or fuse else y + residual
-
-
-def _kernels(w):
-    """The kernel module of a GPU weight: kernels.gemv_lut for tables (QuantLUT), else kernels.gemv (its Packed).
-    Both have gemv() and dequantize()."""
-    from .kernels import gemv, gemv_lut
-    return gemv_lut if isinstance(w, QuantLUT) else gemv
 
 
 def select_channels(lin: Linear, x: torch.Tensor, k_chunk: int) -> torch.Tensor:

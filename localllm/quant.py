@@ -274,7 +274,7 @@ class QuantLUT:
         return self.qweight.numel() * 4 + self.lut.numel() * 2
 
     def to(self, device: torch.device | str) -> "QuantLUT":
-        """On a GPU this is also the kernels' form (kernels/gemv_lut.py reads both tensors as they are)."""
+        """On a GPU this is also the kernels' form (kernels/gemv.py reads both tensors as they are)."""
         return QuantLUT(self.qweight.to(device).contiguous(), self.lut.to(device).contiguous(), self.bits,
                         self.in_features)
 

@@ -43,13 +43,6 @@ class LocalModel:
     def has_residuals(self) -> bool:
         return any(lin.residual is not None for lin in self.model.linears())
 
-    @property
-    def gpu_qdec_unavailable(self) -> str | None:
-        """Why QDEC cannot run on this model's GPU, or None: the non-uniform GEMV has no QDEC yet."""
-        from .kernels.gemv_lut import NO_QDEC
-        from .quant import QuantLUT
-        return NO_QDEC if any(isinstance(lin.packed, QuantLUT) for lin in self.model.linears()) else None
-
     def decoder(self, max_len: int):
         """A Decoder whose cache holds max_len tokens: the one kept from an earlier reply when it is long enough (so
         its captured CUDA graph is replayed, not captured again), else a new one, rounded up to 256 tokens."""
@@ -96,10 +89,6 @@ class LocalModel:
             self._apply("approx", DEFAULT_K_CHUNK)
             self.qdec_source = f"default k_chunk {DEFAULT_K_CHUNK} (CPU; tuning profiles are for the GPU)"
             return
-        if why := self.gpu_qdec_unavailable:  # "on" is a wish, not a demand: run without, say why once
-            print(f"localllm: warning: {why}", file=sys.stderr)
-            self.settings.mode, self.qdec_source = "off", "QDEC off: not available on the GPU for SqueezeLLM weights"
-            return
         if self._tuned is None:  # look once per budget: warnings are shown once, not at every toggle
             props = torch.cuda.get_device_properties(self.model.device)
             sel = tuning.select(self.path, props.name, props.multi_processor_count,
@@ -142,8 +131,6 @@ class LocalModel:
             s.mode, s.k_chunk, self.qdec_source = "off", ks, "QDEC off (k_chunk 0 everywhere)"
             return True
         if self.model.device.type == "cuda":
-            if why := self.gpu_qdec_unavailable:
-                raise LocalLLMError(why)
             if mode != "approx":
                 raise LocalLLMError(f"on the GPU QDEC selects by approximate top-k only, not '{mode}'; use "
                                     "mode 'approx', or device='cpu' for the other selection modes")

@@ -1,7 +1,8 @@
-// Host harness for tests/test_lut_decode.py: decode packed codes with the LUT kernel's own lut_slot / lut_code /
+// Host harness for tests/test_lut_decode.py: decode packed codes with the table GEMV's own lut_slot / lut_code /
 // lut_row / lut_col (input: "bits n k" then the int32 words as unsigned; output: the n x k codes, one a line).
-#include "gemv_lut.cu"
+#include <cstdint>
 #include <cstdio>
+#include "lut.cuh"
 #include <vector>
 template <int B>
 void run(int n, int k) {

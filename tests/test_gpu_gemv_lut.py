@@ -1,4 +1,5 @@
-"""GPU non-uniform (table) GEMV and dequantize kernels compute what the CPU reference (QuantLUT) computes."""
+"""The GEMV and dequantize kernels on table (non-uniform) weights compute what the CPU reference (QuantLUT) computes,
+with and without QDEC."""
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ def random_lut(N, K, bits, device="cuda"):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("N,K", SHAPES)
 def test_lut_gemv_matches_float64_reference(bits, N, K):
-    from localllm.kernels.gemv_lut import gemv
+    from localllm.kernels.gemv import gemv
     q = random_lut(N, K, bits)
     x = torch.randn(K, device="cuda").half()
     x[torch.randint(0, K, (4,))] *= 30  # activation outliers
@@ -35,7 +36,7 @@ def test_lut_gemv_matches_float64_reference(bits, N, K):
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (1728, 576), (48, 192)])
 def test_lut_dequant_kernel_equals_reference(bits, N, K):
-    from localllm.kernels.gemv_lut import dequantize
+    from localllm.kernels.gemv import dequantize
     q = random_lut(N, K, bits)
     assert torch.equal(dequantize(q), q.dequantize(torch.float16))
 
@@ -43,7 +44,7 @@ def test_lut_dequant_kernel_equals_reference(bits, N, K):
 @pytest.mark.parametrize("mode", ["norm", "glu", "residual"])
 def test_lut_gemv_input_transforms_and_residual(mode):
     from localllm import ops
-    from localllm.kernels.gemv_lut import gemv
+    from localllm.kernels.gemv import gemv
     N, K = 1024, 4096
     q = random_lut(N, K, 4)
     if mode == "norm":
@@ -61,6 +62,27 @@ def test_lut_gemv_input_transforms_and_residual(mode):
     assert ((got.double().cpu() - ref).norm() / ref.norm()).item() < 2e-3
 
 
+@pytest.mark.parametrize("bits,k_chunk", [(3, 8), (4, 32), (2, 2)])
+def test_lut_gemv_with_qdec_adds_the_selected_residual_rows(bits, k_chunk):
+    from test_gpu_qdec import check_selection, setup
+    from localllm.kernels.gemv import gemv
+    N, K = 6144, 4096
+    q = random_lut(N, K, bits, device="cpu")
+    _, r, _, x, comp = setup(N, K, 3, k_chunk)  # a residual, x and a QDEC launch for this shape
+    w = q.to("cuda")
+    out = torch.full((N,), float("nan"), device="cuda", dtype=torch.float16)
+    gemv(x.cuda(), w, out=out, comp=comp)
+    torch.cuda.synchronize()
+    S = check_selection(x, comp, K, k_chunk)
+    corr = r.rows(S).double().T @ x.double()[S]
+    want = q.dequantize(torch.float64) @ x.double() + corr
+    assert not out.isnan().any()
+    assert ((out.cpu().double() - want).norm() / want.norm()).item() < 1e-3
+    # the correction is there: the output moved from the uncompensated GEMV's by about R_hat[:, S] x[S]
+    moved = out.cpu().double() - gemv(x.cuda(), w).cpu().double()
+    assert ((moved - corr).norm() / corr.norm()).item() < 0.05
+
+
 @pytest.fixture(scope="module")
 def tiny_sq(tiny_ckpt, tmp_path_factory):
     from localllm.quantize import quantize
@@ -68,25 +90,30 @@ def tiny_sq(tiny_ckpt, tmp_path_factory):
                     calib_tokens=512, seq_len=128)
 
 
-def test_squeezellm_model_on_the_gpu_matches_the_cpu(tiny_sq, capsys):
+def test_squeezellm_model_on_the_gpu_matches_the_cpu(tiny_sq):
+    """A SqueezeLLM model on the GPU: prompts (dequantize kernel + cuBLAS) and graph-replayed decode steps follow the
+    CPU's logits; with QDEC on both, the GPU's steps follow the CPU's compensated ones (closer than uncompensated)."""
     from localllm.decode import Decoder
-    from localllm.errors import LocalLLMError
     from localllm.runtime import load
-    cpu = load(tiny_sq, qdec="off")
-    gpu = load(tiny_sq, device="cuda")  # qdec "on": not available for tables on the GPU, said once
-    assert gpu.settings.mode == "off" and "not available" in gpu.qdec_source
-    assert "not available on the GPU" in capsys.readouterr().err
-    with pytest.raises(LocalLLMError, match="not available on the GPU"):
-        gpu.set_qdec(8)
+    cpu, gpu = load(tiny_sq, qdec="off"), load(tiny_sq, device="cuda", qdec="off")
     toks = torch.randint(0, cpu.model.cfg.vocab_size, (1, 20))
+
+    def steps(lm):  # one token at a time, teacher-forced (with a graph, step() returns a view: keep copies)
+        dec = Decoder(lm.model, 32, use_graph=lm.model.device.type == "cuda")
+        with torch.no_grad():
+            out = [dec.prefill(toks[0, :1].tolist()).clone()] + [
+                dec.step(toks[0, p].to(lm.model.device), p).clone() for p in range(1, 8)]
+        return torch.stack(out).float().cpu()
+
     with torch.no_grad():
         want = cpu.model(toks)
-        prompt = gpu.model(toks.cuda()).cpu()  # dequantize kernel + cuBLAS
-        dec = Decoder(gpu.model, 32, use_graph=True)  # the LUT GEMV, replayed in a CUDA graph
-        # (with a graph, step() returns a view of its output buffer: keep copies)
-        steps = [dec.prefill(toks[0, :1].tolist()).clone()] + [dec.step(toks[0, p].cuda(), p).clone()
-                                                                for p in range(1, 8)]
-        one = torch.stack(steps).float().cpu()
-    for got, ref in ((prompt, want), (one[None], want[:, :8])):
-        rel = ((got - ref).norm() / ref.norm()).item()
-        assert rel < 2e-2, rel
+        prompt = gpu.model(toks.cuda()).cpu()
+    off = steps(gpu)
+    err = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert err(prompt, want) < 2e-2
+    assert err(off[None], want[:, :8]) < 2e-2
+    k = min(64, cpu.manifest["calibration"]["kmax"])
+    for lm in (cpu, gpu):
+        lm.set_qdec({"mode": "approx", "k_chunk": k})
+    comp_cpu, comp_gpu = steps(cpu), steps(gpu)
+    assert err(comp_gpu, comp_cpu) < 0.5 * err(off, comp_cpu), (err(comp_gpu, comp_cpu), err(off, comp_cpu))

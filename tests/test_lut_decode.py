@@ -1,4 +1,4 @@
-"""The LUT GEMV kernel's code extraction (kernels/gemv_lut.cu: lut_slot, lut_code, lut_row, lut_col), compiled for
+"""The table GEMV's code extraction (kernels/lut.cuh: lut_slot, lut_code, lut_row, lut_col), compiled for
 the host with nvcc and checked against quant.pack_codes on fresh random codes: the CPU-side half of the kernel's
 correctness (the GPU tests check the rest). Skipped where nvcc is not installed."""
 import shutil

@@ -177,8 +177,6 @@ def tune(lm, budgets, evaluate: bool = True, tokens: int = 512, write: bool = Tr
     from .timing import GpuBench, problem_of
     if lm.model.device.type != "cuda":
         raise LocalLLMError("localllm tune measures the GPU: load the model with device='cuda'")
-    if why := lm.gpu_qdec_unavailable:
-        raise LocalLLMError(f"nothing to tune for {lm.path}: {why}")
     if not lm.manifest or not lm.has_residuals:
         raise LocalLLMError(f"{lm.path} has no QDEC residuals, so there is nothing to tune; quantize it with "
                             "residuals (localllm quantize, without --no-residuals)")
