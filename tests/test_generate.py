@@ -121,3 +121,14 @@ def test_closing_a_stream_stops_it_and_the_model_goes_on(lm):
     done.text()
     done.close()  # closing a finished stream changes nothing
     assert done.stats.finish_reason == "length"
+
+
+def test_decoder_is_kept_and_grows_geometrically(lm):
+    """A chat's history grows each turn: the runtime keeps its Decoder while it is long enough and, past it, at least
+    doubles it (each new one costs a CUDA-graph capture on a GPU)."""
+    lm._decoder = None
+    first = lm.decoder(100)
+    assert first.max_len == 256 and lm.decoder(200) is first
+    second = lm.decoder(300)
+    assert second is not first and second.max_len == min(512, lm.model.cfg.max_position_embeddings)
+    assert lm.decoder(2000).max_len == min(2048, lm.model.cfg.max_position_embeddings)
