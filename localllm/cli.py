@@ -156,7 +156,7 @@ def cmd_report(a) -> None:
                 k_chunks=_ints("--k-chunk", a.k_chunk), compare_bits=a.compare_bits,
                 residual_bits=_ints("--residual-bits", a.residual_bits), group_size=a.group_size,
                 budgets=tuple(parse_budgets(a.budget)), sections=sections, seed=a.seed, text=a.text,
-                gguf_file=a.gguf_file, force=a.force, update=a.update, argv=a.argv[1:])
+                gguf_file=a.gguf_file, force=a.force, update=a.update, checks=a.checks, argv=a.argv[1:])
     out = make_report(o)
     print(f"wrote {out / 'report.md'}")
 
@@ -262,7 +262,8 @@ def parser() -> argparse.ArgumentParser:
                                    "at each --bits, measures perplexity and activation statistics on the CPU, and "
                                    "the QDEC kernel and the tuner's budgets on the GPU when one is usable; writes "
                                    "report.md, report.json and PNG plots into a new folder (needs matplotlib: pip "
-                                   "install 'localllm[report]').")
+                                   "install 'localllm[report]'). Measurements are saved in the folder's report.json "
+                                   "as they are made: rerunning an interrupted command resumes it.")
     r.add_argument("model", nargs="?", help="checkpoint folder, .gguf file or hub id (default: the demo model)")
     r.add_argument("--out", help="new folder for the report (default: report-<model name>)")
     r.add_argument("--tokens", type=int, default=2048, help="predicted tokens of the evaluation text (default 2048)")
@@ -275,7 +276,13 @@ def parser() -> argparse.ArgumentParser:
                    help="residual widths compared with 4 bits at equal PCIe bytes (default 2,8,16; 16 = fp16; "
                         "empty to skip; 8 is slow to quantize on billion-weight models)")
     r.add_argument("--group-size", type=int, default=128)
-    r.add_argument("--budget", default="2.5,5,10,20", help="tuner budgets in percent for the GPU Pareto section")
+    r.add_argument("--budget", default="2.5,5,10,20,50,100",
+                   help="tuner budgets in percent for the GPU Pareto section (default 2.5,5,10,20,50,100: the large "
+                        "ones show what compensation costs where QDEC's fixed cost per call exceeds the small ones)")
+    r.add_argument("--checks", default="auto", choices=("auto", "on", "off"),
+                   help="the check that every channel compensated with the FP16 residual gives the source model: an "
+                        "evaluation that gathers the whole residual per token (~17 min for 1.5B weights on one CPU "
+                        "thread); auto (default) runs it for models under 0.5e9 linear weights")
     r.add_argument("--sections", help="comma-separated: quality, outliers, kernel, pareto (default: all; the GPU "
                                       "ones, kernel and pareto, only where a GPU is usable)")
     r.add_argument("--text", help="UTF-8 evaluation text (default: the one shipped with localllm)")

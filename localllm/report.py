@@ -13,11 +13,18 @@ plots (localllm.report_render). The sections:
 The GPU sections run when a CUDA GPU (with CuPy) is usable, else the report says why they were skipped and how to
 add them later: `--sections kernel,pareto --update` measures only those and keeps the other sections of the report
 already in --out (each section records the machine and command that measured it).
+
+Long runs keep their work: report.json in --out is rewritten (atomically) after every measurement, with the run's
+identity (model digest, options, sections, evaluation text, a digest of localllm's code, torch version) and what
+it measured so far under "in_progress". Rerunning the same command resumes: what is saved is not measured again;
+another command (or changed code) is refused rather than mixed in. Once every section is measured the folder is
+written whole (report.md, plots, report.json without "in_progress").
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
+import importlib.util
 import json
 import platform
 import re
@@ -38,9 +45,14 @@ FORMAT = 1
 SECTIONS = ("quality", "outliers", "kernel", "pareto")
 GPU_SECTIONS = ("kernel", "pareto")
 SELECTION_MODES = ("exact", "static", "random")  # compared with approx at --compare-bits (Fig. 15, 16)
-KERNEL_K = (2, 4, 8, 16, 32, 64, 128)  # k_chunk values of the kernel sweep (Fig. 17)
+KERNEL_K = (1, 2, 4, 8, 16, 32, 64, 128)  # k_chunk values of the kernel sweep (Fig. 17); 1: the tuner's first step
 KERNEL_MAX_N_TB = 6  # n_tb values per layer type in the kernel sweep, spread over the viable ones
 ALL_CHANNELS = 1024  # k_chunk that selects every channel of a chunk
+BUDGETS = (0.025, 0.05, 0.1, 0.2, 0.5, 1.0)  # the Pareto section's tuner budgets: the paper's four, and two large
+# ones for models whose GEMVs are so short that QDEC's fixed cost per call exceeds the small budgets
+# --checks auto: the all-channels check gathers the whole fp16 residual for every token (~17 min for a 1.5B model on
+# one CPU thread, seconds for the demo model); auto runs it below this many weights in the linear layers
+CHEAP_CHECK_WEIGHTS = 500_000_000
 
 
 @dataclass
@@ -56,7 +68,7 @@ class Options:
     # (the MSE scale search at 8 bits takes ~10 us per weight): leave 8 out for models of a billion weights
     residual_bits: tuple = (2, 8, 16)
     group_size: int = 128
-    budgets: tuple = (0.025, 0.05, 0.1, 0.2)
+    budgets: tuple = BUDGETS
     sections: tuple | None = None  # None: all, the GPU ones only where a GPU is usable
     seed: int = 0
     text: str | None = None  # None: the evaluation text shipped with localllm
@@ -64,6 +76,7 @@ class Options:
     force: bool = False  # replace --out
     update: bool = False  # replace --out, keeping its sections that this run does not measure
     shapes_8b: bool = True  # the kernel section also times Llama-3-8B shapes (random weights)
+    checks: str = "auto"  # the all-channels check (an evaluation of its own): on, off, or auto (on for small models)
     argv: list = field(default_factory=list)  # how the command was called, for the report
 
 
@@ -105,6 +118,8 @@ def _check(o: Options) -> None:
     bad = [s for s in (o.sections or ()) if s not in SECTIONS]
     if bad or o.sections == ():
         raise LocalLLMError(f"--sections takes a comma-separated list of {', '.join(SECTIONS)}; got {bad or 'none'}")
+    if o.checks not in ("auto", "on", "off"):
+        raise LocalLLMError(f"--checks takes auto, on or off; got {o.checks!r}")
     if o.force and o.update:
         raise LocalLLMError("--force and --update exclude each other: --force replaces the report whole, --update "
                             "keeps the sections this run does not measure")
@@ -177,13 +192,54 @@ def command_of(o: Options) -> str:
     return "localllm report " + " ".join(shlex.quote(a) for a in o.argv) if o.argv else "localllm report"
 
 
-class Run:
-    """What one `localllm report` run measures: the evaluation tokens, the quantized variants, a progress bar."""
+def code_digest() -> str:
+    """sha256 of the code that measures (localllm, its kernels and tuner: sources and shipped data), so a resumed
+    run is known to compute what the interrupted one did, with or without a git checkout."""
+    h = hashlib.sha256()
+    for pkg in ("localllm", "localllm.kernels", "localllm.tuner"):
+        for root in importlib.util.find_spec(pkg).submodule_search_locations:
+            base = Path(root)
+            files = [f for pat in ("*.py", "*.cu", "*.cuh", "data/*.txt") for f in base.glob(pat)]
+            for f in sorted(files):
+                h.update(f"{pkg}/{f.relative_to(base).as_posix()}\n".encode())
+                h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
 
-    def __init__(self, o: Options, ckpt, sha: str, name: str, src: str, bar):
+
+def linear_weights(cfg) -> int:
+    """Weights in one model's linear layers (q, k, v, o, gate, up, down of every block)."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
+
+
+def full_check(o: Options, cfg) -> tuple[bool, str]:
+    """Whether the all-channels check runs, and why (for the report)."""
+    if 16 not in o.residual_bits:
+        return False, "it needs the FP16 residuals of Table 1 (--residual-bits with 16)"
+    if o.checks != "auto":
+        return o.checks == "on", f"--checks {o.checks}"
+    n = linear_weights(cfg)
+    if n < CHEAP_CHECK_WEIGHTS:
+        return True, f"--checks auto: {n / 1e9:.2g}e9 weights, under {CHEAP_CHECK_WEIGHTS / 1e9:.2g}e9"
+    return False, (f"--checks auto: the model's {n / 1e9:.2g}e9 linear weights are over the "
+                   f"{CHEAP_CHECK_WEIGHTS / 1e9:.2g}e9 below which it runs by default (it gathers the whole FP16 "
+                   "residual for every token); `--checks on` runs it")
+
+
+class Run:
+    """One `localllm report` run: what it measures (the evaluation tokens, the quantized variants, a progress bar)
+    and report.json as it grows, saved after every measurement so that the same command can resume it."""
+
+    def __init__(self, o: Options, ckpt, sha: str, name: str, src: str, text: tuple[str, str], report: dict,
+                 index: int, state: dict, out: Path, bar):
         self.o, self.ckpt, self.sha, self.name, self.src, self.bar = o, ckpt, sha, name, src, bar
+        self.text, self.report, self.index, self.state, self.out = text, report, index, state, out
+        self.record = report["runs"][index]
+        self.session = self.record["sessions"][-1]
+        self.full_check = state["key"]["settings"]["full_check"]
         self._ids = None
-        self.text_info: dict = {}
+        self._t = time.perf_counter()
+        self.section = None
 
     def variant(self, bits: int) -> Path:
         return variant(self.ckpt, self.sha, self.name, bits, self.o.group_size, self.src)
@@ -195,11 +251,11 @@ class Run:
     def ids(self, lm) -> list[int]:
         """The evaluation tokens (the first --tokens + 1 of the text), tokenized once."""
         if self._ids is None:
-            from .evaluate import read_text, tokenize
-            text, name = read_text(self.o.text)
+            from .evaluate import tokenize
+            text, name = self.text
             self._ids = tokenize(lm, text, self.o.tokens + 1)
-            self.text_info = {"text": name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
-                              "tokens": len(self._ids) - 1, "ctx": self.o.ctx, "seed": self.o.seed}
+            self.record["data"] = {"text": name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                                   "tokens": len(self._ids) - 1, "ctx": self.o.ctx, "seed": self.o.seed}
         return self._ids
 
     def perplexity(self, lm, desc: str) -> float:
@@ -208,6 +264,43 @@ class Run:
         ppl = perplexity(lm, ids, min(self.o.ctx, lm.model.cfg.max_position_embeddings), self.o.seed, desc=desc)
         self.bar.update(1)
         return ppl
+
+    def measure(self, key: str, fn, steps: int = 1):
+        """fn()'s result, measured once: saved under `key` (with the section's name in front) as soon as it is
+        made; a resumed run returns the saved value (and advances the progress bar by its steps)."""
+        key = f"{self.section}/{key}"
+        done = self.state["done"]
+        if key in done:
+            self.bar.update(steps)
+            return done[key]
+        done[key] = fn()
+        self.session["measured"].append(key)
+        self.save()
+        return done[key]
+
+    def finish(self, section: str, result: dict) -> None:
+        """The section is complete: it joins the report's sections, its single measurements leave the state."""
+        self.tick()
+        secs = self.state["seconds"].pop(section, 0.0)
+        self.report["sections"][section] = {**result, "run": self.index, "seconds": round(secs, 1)}
+        self.state["done"] = {k: v for k, v in self.state["done"].items() if not k.startswith(section + "/")}
+        self.session["sections"].append(section)
+        self.section = None
+        self.save()
+
+    def tick(self) -> None:
+        """Add the time since the last tick to the session, the run and the section under way."""
+        now = time.perf_counter()
+        dt, self._t = now - self._t, now
+        self.session["seconds"] = round(self.session["seconds"] + dt, 1)
+        self.record["seconds"] = round(sum(s["seconds"] for s in self.record["sessions"]))
+        if self.section is not None:
+            self.state["seconds"][self.section] = self.state["seconds"].get(self.section, 0.0) + dt
+
+    def save(self) -> None:
+        self.tick()
+        self.out.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(self.out / "report.json", json.dumps(self.report, indent=1) + "\n")
 
 
 def pcie_bytes(lm, k_chunk: int, bits: int) -> int:
@@ -234,25 +327,62 @@ def width_k(k4: int, bits: int) -> int | None:
     return k4 * 4 // bits if (k4 * 4) % bits == 0 and k4 * 4 >= bits else None
 
 
-def quality_evals(o: Options) -> int:
-    n = 1 + len(o.bits) * (1 + len(o.k_chunks))
-    n += (0 if o.compare_bits in o.bits else 1 + len(o.k_chunks)) + len(SELECTION_MODES) * len(o.k_chunks)
-    return n + sum(1 for b in o.residual_bits for k in o.k_chunks if width_k(k, b)) + (16 in o.residual_bits)
+def quality_plan(o: Options, kmax: dict, full: bool) -> list[tuple[int, str, int, int]]:
+    """Every (bits, mode, k_chunk, residual bits) the quality section evaluates, in order; kmax: bits -> the variant's
+    largest calibrated k_chunk. The --compare-bits model comes last: its residuals are replaced (Table 1)."""
+    plan = []
+    for bits in [b for b in o.bits if b != o.compare_bits] + [o.compare_bits]:
+        plan += [(bits, "off", 0, 4)] + [(bits, "approx", k, 4) for k in o.k_chunks if k <= kmax[bits]]
+        if bits != o.compare_bits:
+            continue
+        plan += [(bits, mode, k, 4) for mode in SELECTION_MODES for k in o.k_chunks]
+        for res_bits in o.residual_bits:  # k_chunk scaled to the bytes of 4-bit residuals
+            ks = (width_k(k4, res_bits) for k4 in o.k_chunks)
+            plan += [(bits, "approx", k, res_bits) for k in ks if k is not None and k <= kmax[bits]]
+            if res_bits == 16 and full:  # check: every channel compensated with the fp16 residual is the source
+                plan.append((bits, "exact", ALL_CHANNELS, 16))
+    return plan
+
+
+def quality_evals(o: Options, full: bool) -> int:
+    """Evaluations of the quality section (the source model and the plan; k_chunk taken as calibrated)."""
+    return 1 + len(quality_plan(o, {b: ALL_CHANNELS for b in (*o.bits, o.compare_bits)}, full))
 
 
 def measure_quality(r: Run) -> dict:
     """Perplexity of the source model, of every base width off and approx per k_chunk, and at --compare-bits the
-    other selection modes and residual widths (each selection's recall vs exact top-k per layer type)."""
+    other selection modes and residual widths (each selection's recall vs exact top-k per layer type). Each
+    evaluation is saved as it is made; models are loaded only for what is not saved yet."""
     from .model import KINDS
+    from .modelfile import read_manifest
     from .outliers import SelectionRecall
     from .quant import quantize_residual
     from .runtime import LocalModel, dense_model
-    o, rows = r.o, []
-    src_lm = LocalModel(dense_model(r.ckpt), r.ckpt.tokenizer, None, r.src, r.ckpt.eos_ids)
-    source = r.perplexity(src_lm, "eval source model")
-    del src_lm
+    o = r.o
 
-    def run(lm, bits: int, mode: str, k: int, res_bits: int = 4) -> None:
+    def source() -> float:
+        src_lm = LocalModel(dense_model(r.ckpt), r.ckpt.tokenizer, None, r.src, r.ckpt.eos_ids)
+        return r.perplexity(src_lm, "eval source model")
+
+    held = {"bits": None, "res": None, "lm": None}
+
+    def model(bits: int, res_bits: int):
+        """The variant at `bits` with `res_bits`-bit residuals (the true R = W - W_hat, requantized for Table 1)."""
+        if held["bits"] != bits or (held["res"] != res_bits and res_bits == 4):
+            held["lm"] = None  # free the old one before loading
+            held.update(bits=bits, res=4, lm=r.load(bits))
+        lm = held["lm"]
+        if held["res"] != res_bits:
+            for i, blk in enumerate(lm.model.blocks):
+                dense = r.ckpt.block_tensors(i)
+                for kind in KINDS:
+                    lin = getattr(blk, kind)
+                    lin.residual = quantize_residual(dense[kind]["weight"] - lin.dense(), res_bits)
+            held["res"] = res_bits
+        return lm
+
+    def evaluate(bits: int, mode: str, k: int, res_bits: int) -> dict:
+        lm = model(bits, res_bits)
         probe = SelectionRecall() if mode != "off" else None
         lm.set_qdec("off" if mode == "off" else {"mode": mode, "k_chunk": k})
         lm.settings.observer = probe
@@ -262,40 +392,17 @@ def measure_quality(r: Run) -> dict:
             ppl = r.perplexity(lm, desc)
         finally:
             lm.settings.observer = None
-        rows.append({"bits": bits, "mode": mode, "k_chunk": k, "residual_bits": res_bits, "ppl": ppl,
-                     "recall": probe.table() if probe else None, "pcie_bytes": pcie_bytes(lm, k, res_bits),
-                     "share": selected_share(lm, k)})
+        return {"bits": bits, "mode": mode, "k_chunk": k, "residual_bits": res_bits, "ppl": ppl,
+                "recall": probe.table() if probe else None, "pcie_bytes": pcie_bytes(lm, k, res_bits),
+                "share": selected_share(lm, k)}
 
-    order = [b for b in o.bits if b != o.compare_bits] + [o.compare_bits]  # the last one is changed in place below
-    kmax = None
-    for bits in order:
-        lm = r.load(bits)
-        kmax = lm.manifest["calibration"]["kmax"]
-        run(lm, bits, "off", 0)
-        for k in o.k_chunks:
-            if k <= kmax:
-                run(lm, bits, "approx", k)
-        if bits != o.compare_bits:
-            del lm
-            continue
-        for mode in SELECTION_MODES:
-            for k in o.k_chunks:
-                run(lm, bits, mode, k)
-        # Table 1: the true residual R = W - W_hat at other widths, k_chunk scaled to the bytes of 4-bit residuals
-        for res_bits in o.residual_bits:
-            for i, blk in enumerate(lm.model.blocks):
-                dense = r.ckpt.block_tensors(i)
-                for kind in KINDS:
-                    lin = getattr(blk, kind)
-                    lin.residual = quantize_residual(dense[kind]["weight"] - lin.dense(), res_bits)
-            for k4 in o.k_chunks:
-                k = width_k(k4, res_bits)
-                if k is not None and k <= kmax:
-                    run(lm, bits, "approx", k, res_bits)
-            if res_bits == 16:  # check: every channel compensated with the fp16 residual is the source model
-                run(lm, bits, "exact", ALL_CHANNELS, 16)
-        del lm
-    return {"source_ppl": source, "kmax": kmax, "rows": rows}
+    source_ppl = r.measure("source", source)
+    kmax = {b: read_manifest(r.variant(b))["calibration"]["kmax"] for b in dict.fromkeys((*o.bits, o.compare_bits))}
+    rows = [r.measure(f"W{b}/{mode}/k{k}/R{rb}", lambda a=(b, mode, k, rb): evaluate(*a))
+            for b, mode, k, rb in quality_plan(o, kmax, r.full_check)]
+    held["lm"] = None
+    return {"source_ppl": source_ppl, "kmax": kmax[o.compare_bits], "rows": rows,
+            "full_check": {"run": r.full_check, "why": r.state["key"]["settings"]["full_check_why"]}}
 
 
 def measure_outliers(r: Run) -> dict:
@@ -323,7 +430,7 @@ def measure_kernel(r: Run) -> dict:
         base = timer(layer.kind, layer.n_tb[0], 0)
         n_tbs = _spread(layer.n_tb, KERNEL_MAX_N_TB)
         ks = [k for k in KERNEL_K if k <= layer.k_max]
-        own[layer.kind] = {"N": layer.N, "K": layer.K, "base_us": 1e6 * base,
+        own[layer.kind] = {"N": layer.N, "K": layer.K, "count": layer.count, "base_us": 1e6 * base,
                            "ratio": {str(n): {str(k): timer(layer.kind, n, k) / base for k in ks} for n in n_tbs}}
         r.bar.update(1)
     del lm, timer
@@ -346,49 +453,55 @@ def _spread(values, n: int) -> list:
 
 def measure_pareto(r: Run) -> dict:
     """Fig. 18: per base width, the tuner's settings for each budget (measured decode time per token) and their
-    perplexity on the GPU (token by token through the decode graph, as generation computes it)."""
+    perplexity on the GPU (token by token through the decode graph, as generation computes it). Each width is saved
+    as it is done."""
+    out = {str(bits): r.measure(f"W{bits}", lambda b=bits: _pareto_width(r, b), steps=1 + len(r.o.budgets))
+           for bits in r.o.bits}
+    return {"budgets": list(r.o.budgets), "bits": out}
+
+
+def _pareto_width(r: Run, bits: int) -> dict:
     from .model import KINDS
     from .tuner.tune import tune
-    out = {}
-    for bits in r.o.bits:
-        lm = r.load(bits, device="cuda")
-        res = tune(lm, list(r.o.budgets), evaluate=False, write=False)
-        lm.set_qdec("off")
-        off = r.perplexity(lm, f"GPU eval W{bits} off")
-        points, seen = [], {}
-        for row in res.rows:
-            c = row.choice
-            key = (tuple(sorted(c.k_chunk.items())), tuple(sorted(c.n_tb.items())))
-            if not c.compensates:
-                ppl = off
-            elif key in seen:
-                ppl = seen[key]
-            else:
-                lm.set_qdec({"mode": "approx", "k_chunk": dict(c.k_chunk), "n_tb": dict(c.n_tb)})
-                ppl = seen[key] = r.perplexity(lm, f"GPU eval W{bits} {row.budget:.1%}")
-            points.append({"budget": row.budget, "n_tb_max": c.n_tb_max, "k_chunk": {k: c.k_chunk[k] for k in KINDS},
-                           "predicted": c.predicted, "slowdown": row.slowdown, "ms": 1e3 * row.decode,
-                           "ms_off": 1e3 * row.decode_off, "ppl": ppl})
-        out[str(bits)] = {"ms_off": 1e3 * res.problem.step_time, "ppl_off": off, "points": points}
-        del lm
-        torch.cuda.empty_cache()
-    return {"budgets": list(r.o.budgets), "bits": out}
+    lm = r.load(bits, device="cuda")
+    res = tune(lm, list(r.o.budgets), evaluate=False, write=False)
+    lm.set_qdec("off")
+    off = r.perplexity(lm, f"GPU eval W{bits} off")
+    points, seen = [], {}
+    for row in res.rows:
+        c = row.choice
+        key = (tuple(sorted(c.k_chunk.items())), tuple(sorted(c.n_tb.items())))
+        if not c.compensates:
+            ppl = off
+        elif key in seen:
+            ppl = seen[key]
+        else:
+            lm.set_qdec({"mode": "approx", "k_chunk": dict(c.k_chunk), "n_tb": dict(c.n_tb)})
+            ppl = seen[key] = r.perplexity(lm, f"GPU eval W{bits} {row.budget:.1%}")
+        points.append({"budget": row.budget, "n_tb_max": c.n_tb_max, "k_chunk": {k: c.k_chunk[k] for k in KINDS},
+                       "predicted": c.predicted, "slowdown": row.slowdown, "ms": 1e3 * row.decode,
+                       "ms_off": 1e3 * row.decode_off, "ppl": ppl})
+    result = {"ms_off": 1e3 * res.problem.step_time, "ppl_off": off, "points": points}
+    del lm
+    torch.cuda.empty_cache()
+    return result
 
 
 MEASURE = {"quality": measure_quality, "outliers": measure_outliers, "kernel": measure_kernel,
            "pareto": measure_pareto}
 
 
-def _steps(o: Options, sections) -> int:
+def _steps(o: Options, sections, full: bool) -> int:
     """Progress-bar steps (mostly evaluations) of the sections."""
-    n = {"quality": quality_evals(o), "outliers": 1, "kernel": 5,
-         "pareto": len(o.bits) * (1 + len(o.budgets))}
+    n = {"quality": quality_evals(o, full), "outliers": 1, "kernel": 5, "pareto": len(o.bits) * (1 + len(o.budgets))}
     return sum(n[s] for s in sections)
 
 
 def make_report(o: Options) -> Path:
-    """Measure what the options ask for and write the report folder (atomically); returns its path."""
+    """Measure what the options ask for and write the report folder (atomically); returns its path. Measurements
+    are saved in --out/report.json as they are made; an unfinished run of the same command is resumed."""
     from .demo import demo_gguf
+    from .evaluate import read_text
     from .loader import MANIFEST, open_checkpoint
     from .progress import progress
     from .report_render import render
@@ -411,42 +524,100 @@ def make_report(o: Options) -> Path:
     ckpt = open_checkpoint(src, o.gguf_file)
     name = model_name(src, ckpt)
     out = Path(o.out or f"report-{_slug(name)}").expanduser()
-    old = None
-    if out.exists():
-        if o.update:
-            try:
-                old = json.loads((out / "report.json").read_text())
-            except (OSError, ValueError):
-                raise LocalLLMError(f"--update needs the report.json of an earlier report in {out}; there is none "
-                                    "readable: run without --update (and --force to replace the folder)") from None
-        elif not o.force:
+    text = read_text(o.text)
+    prior = _read_report(out)
+    if out.exists() and "in_progress" not in (prior or {}):  # before hashing the model: a refusal comes at once
+        if o.update and prior is None:
+            raise LocalLLMError(f"--update needs the report.json of an earlier report in {out}; there is none "
+                                "readable: run without --update (and --force to replace the folder)")
+        if not (o.update or o.force):
             raise LocalLLMError(f"{out} already exists; choose another --out, --force to replace it, or --update to "
                                 "add sections to it")
     sha = ckpt.fingerprint()
-    if old is not None and old.get("model", {}).get("sha256") != sha:
-        raise LocalLLMError(f"the report in {out} is of another model (sha256 {old.get('model', {}).get('sha256')}"
-                            f"); --update adds sections of the same model: use another --out")
+    full, full_why = full_check(o, ckpt.config)
+    key = {"model": sha, "sections": list(sections), "text": hashlib.sha256(text[0].encode()).hexdigest(),
+           "code": code_digest(), "torch": torch.__version__,
+           "settings": {"bits": list(o.bits), "k_chunks": list(o.k_chunks), "compare_bits": o.compare_bits,
+                        "residual_bits": list(o.residual_bits), "group_size": o.group_size,
+                        "budgets": list(o.budgets), "tokens": o.tokens, "ctx": o.ctx, "seed": o.seed,
+                        "gguf_file": o.gguf_file, "shapes_8b": o.shapes_8b, "full_check": full,
+                        "full_check_why": full_why}}
+    report, index, state = _start(o, out, prior, key, sha, name, ckpt, sections)
 
-    t0, commit = time.perf_counter(), git_commit()  # the code that measures, before any edit during a long run
-    with progress(total=_steps(o, sections), desc="report", unit="step") as bar:
-        r = Run(o, ckpt, sha, name, src, bar)
-        measured = {}
-        for s in sections:
-            ts = time.perf_counter()
-            bar.set_description(f"report: {s}")
-            measured[s] = {**MEASURE[s](r), "run": len((old or {}).get("runs", [])),
-                           "seconds": round(time.perf_counter() - ts, 1)}
+    commit = git_commit()  # the code that measures, before any edit during a long run
+    record = report["runs"][index]
+    record["sessions"].append({"date": _now(), "commit": commit, "localllm": __version__,
+                               "machine": machine(any(s in GPU_SECTIONS for s in sections)),
+                               "seconds": 0.0, "measured": [], "sections": []})
+    record.setdefault("commit", commit)
+    record.setdefault("machine", record["sessions"][0]["machine"])
+    with progress(total=_steps(o, sections, full), desc="report", unit="step") as bar:
+        r = Run(o, ckpt, sha, name, src, text, report, index, state, out, bar)
+        try:
+            for s in sections:
+                if report["sections"].get(s, {}).get("run") == index:  # finished before the interruption
+                    bar.update(_steps(o, (s,), full))
+                    continue
+                bar.set_description(f"report: {s}")
+                r.section = s
+                r.finish(s, MEASURE[s](r))
+            record["settings"]["calibration"] = _calibration(r)
+        except BaseException:
+            if state["done"] or any(sec.get("run") == index for sec in report["sections"].values()):
+                print(f"localllm: the report's measurements so far are saved in {out / 'report.json'}; rerun the "
+                      "same command to go on from there", file=sys.stderr)
+            raise
+    r.tick()
+    report.pop("in_progress")
+    report["skipped"] = {s: why_no_gpu for s in GPU_SECTIONS if s not in report["sections"] and why_no_gpu}
+    with atomic.new_folder(out, replace=out.exists()) as tmp:  # --out existed only with --force/--update or as ours
+        (tmp / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+        render(report, tmp)
+    return out
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _read_report(out: Path) -> dict | None:
+    """The report.json in --out (None when there is none or it is unreadable)."""
+    try:
+        return json.loads((out / "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _start(o: Options, out: Path, prior: dict | None, key: dict, sha: str, name: str, ckpt,
+           sections) -> tuple[dict, int, dict]:
+    """(the report to grow, the index of this run in its runs, the in-progress state): an unfinished run of the same
+    command in --out resumes; an unfinished run of another command is refused (--force starts over); a finished
+    report (make_report refused it without --force or --update) is extended with --update, else replaced."""
+    state = (prior or {}).get("in_progress")
+    if state is not None:
+        if state.get("key") == key:
+            print(f"localllm: resuming the unfinished report in {out} ({len(state['done'])} measurements and "
+                  f"{sum(1 for s in prior['sections'].values() if s.get('run') == state['run'])} sections saved)",
+                  file=sys.stderr)
+            return prior, state["run"], state
+        if not o.force:
+            old = state.get("key") or {}
+            diff = [k for k in key if old.get(k) != key[k] and k != "settings"]
+            diff += [k for k in key["settings"] if (old.get("settings") or {}).get(k) != key["settings"][k]]
+            raise LocalLLMError(f"{out} holds an unfinished report of another run (it differs in: "
+                                f"{', '.join(diff) or '?'}); rerun the command that started it to resume it, or "
+                                "--force to start over")
+        prior = None
+    elif not o.update:
+        prior = None
+    if prior is not None and prior.get("model", {}).get("sha256") != sha:
+        raise LocalLLMError(f"the report in {out} is of another model (sha256 {prior.get('model', {}).get('sha256')}"
+                            f"); --update adds sections of the same model: use another --out")
     cfg = ckpt.config
-    runs = (old or {}).get("runs", [])
-    runs.append({"command": command_of(o), "sections": list(sections), "commit": commit, "localllm": __version__,
-                 "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 "machine": machine(any(s in GPU_SECTIONS for s in sections)),
-                 "seconds": round(time.perf_counter() - t0),
-                 "settings": {"bits": list(o.bits), "k_chunks": list(o.k_chunks), "compare_bits": o.compare_bits,
-                              "residual_bits": list(o.residual_bits), "group_size": o.group_size,
-                              "budgets": list(o.budgets), "tokens": o.tokens, "ctx": o.ctx, "seed": o.seed,
-                              "calibration": _calibration(r)},
-                 "data": r.text_info})
+    runs = (prior or {}).get("runs", [])
+    runs.append({"command": command_of(o), "sections": list(sections), "localllm": __version__, "date": _now(),
+                 "seconds": 0, "settings": {k: v for k, v in key["settings"].items() if k != "full_check_why"},
+                 "code": key["code"], "data": {}, "sessions": []})
     report = {
         "format": FORMAT,
         "model": {"name": name, "sha256": sha, "source": ckpt.source,
@@ -454,13 +625,10 @@ def make_report(o: Options) -> Path:
                                   f"intermediate {cfg.intermediate_size}, heads {cfg.num_heads}/{cfg.num_kv_heads}, "
                                   f"vocab {cfg.vocab_size}"},
         "runs": runs,
-        "sections": {**(old or {}).get("sections", {}), **measured},
+        "sections": dict((prior or {}).get("sections", {})),
+        "in_progress": {"run": len(runs) - 1, "key": key, "done": {}, "seconds": {}},
     }
-    report["skipped"] = {s: why_no_gpu for s in GPU_SECTIONS if s not in report["sections"] and why_no_gpu}
-    with atomic.new_folder(out, replace=o.force or o.update) as tmp:
-        (tmp / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-        render(report, tmp)
-    return out
+    return report, len(runs) - 1, report["in_progress"]
 
 
 def _calibration(r: Run) -> dict | None:

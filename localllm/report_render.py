@@ -262,6 +262,9 @@ def checks_md(q: dict) -> list[str]:
         out.append(f"- every channel compensated with the FP16 residual (W{full[0]['bits']}, exact, k_chunk 1024): "
                    f"{_f(f)} vs the source model's {_f(src)} ({100 * (f / src - 1):+.3f}%; the difference is the "
                    "FP16 rounding of R).")
+    elif q.get("full_check"):
+        out.append("- not run: every channel compensated with the FP16 residual gives the source model "
+                   f"({q['full_check']['why']}).")
     rnd = [r for r in q["rows"] if r["mode"] == "random" and r.get("recall")]
     if rnd:
         out.append("- recall of random selection vs the share of channels it draws (what it should come to): "
@@ -363,9 +366,10 @@ def pareto_md(pd: dict, report: dict, folder: Path) -> list[str]:
     plt = _plt()
     gpu = _run(report, "pareto")["machine"].get("gpu", {}).get("name", "the GPU")
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    budgets = "/".join(f"{100 * b:g}" for b in pd["budgets"])
     out = [f"## 7. Perplexity vs time per token (paper Fig. 18), {gpu}", "",
-           "`localllm tune` for each budget (its measured decode step, CUDA graph), then the perplexity of that "
-           "setting on the GPU, token by token through the decode graph.", "",
+           f"`localllm tune` for each budget ({budgets}% of the decode step; its measured decode step, CUDA graph), "
+           "then the perplexity of that setting on the GPU, token by token through the decode graph.", "",
            "| base | budget | n_tb_max / (k_qkv, k_o, k_gu, k_d) | measured slowdown | ms/token | perplexity |",
            "|---|---|---|---|---|---|"]
     for bits, d in pd["bits"].items():
@@ -384,11 +388,65 @@ def pareto_md(pd: dict, report: dict, folder: Path) -> list[str]:
     ax.set_yscale("log")
     ax.set_xlabel("time per token (ms)")
     ax.set_ylabel("perplexity (log scale)")
-    ax.set_title("Perplexity vs time per token: × QDEC off, ● budgets 2.5/5/10/20%")
+    ax.set_title(f"Perplexity vs time per token: × QDEC off, ● budgets {budgets}%", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     out += ["", f"![pareto]({_save(fig, folder, 'fig18_pareto.png')})", ""]
-    return out
+    return out + _budget_notes(pd, report.get("sections", {}).get("kernel"))
+
+
+def _budget_notes(pd: dict, kd: dict | None) -> list[str]:
+    """Which budgets bought nothing, and why, from the measured numbers: the cheapest compensating call of each
+    layer type in section 6 against the decode step."""
+    out = []
+    for bits, d in pd["bits"].items():
+        empty = [p for p in d["points"] if not any(p["k_chunk"].values())]
+        if not empty:
+            continue
+        bought = [p for p in d["points"] if any(p["k_chunk"].values())]
+        if not bought:
+            out.append(f"- W{bits}: no budget ({_budget_list(empty)}) bought any compensation (k_chunk 0 on every "
+                       "layer: the plain model).")
+            continue
+        p, ks = bought[0], ", ".join(str(bought[0]["k_chunk"][k]) for k in KINDS)
+        out.append(f"- W{bits}: budget{'s' if len(empty) > 1 else ''} {_budget_list(empty)} bought no compensation "
+                   f"(k_chunk 0 on every layer: the plain model); the smallest budget that bought some, "
+                   f"{100 * p['budget']:g}%, took ({ks}) at {100 * p['slowdown']:+.1f}%, perplexity "
+                   f"{_f(d['ppl_off'])} → {_f(p['ppl'])}.")
+    own = (kd or {}).get("model") or {}
+    if not out or not own or not all("count" in e for e in own.values()):
+        return out + ([""] if out else [])
+    # the cheapest compensating call of each layer type: (added µs per call, ratio, n_tb, k, entry)
+    cheap = {}
+    for kind, e in own.items():
+        ratio, n_tb, k = min((r, n, k) for n, rs in e["ratio"].items() for k, r in rs.items())
+        cheap[kind] = ((ratio - 1) * e["base_us"], ratio, n_tb, k, e)
+    ms = {b: d["ms_off"] for b, d in pd["bits"].items()}
+    step = ms.get(str(kd["bits"]), next(iter(ms.values())))
+    kind, (added, ratio, n_tb, k, e) = min(cheap.items(), key=lambda c: c[1][0] * c[1][4]["count"])
+    share = added * e["count"] / (1e3 * step)
+    lo = lambda i: min(c[i] for c in cheap.values())  # noqa: E731
+    hi = lambda i: max(c[i] for c in cheap.values())  # noqa: E731
+    base = [c[4]["base_us"] for c in cheap.values()]
+    out += ["", f"Why: in section 6 (W{kd['bits']}) the cheapest compensating call of each layer type costs "
+            f"{lo(1):.2f}–{hi(1):.2f}× its plain GEMV, +{lo(0):.1f}–{hi(0):.1f} µs per call on GEMVs of "
+            f"{min(base):.1f}–{max(base):.1f} µs: a cost per call that hardly depends on the layer's size "
+            "(selecting the channels, then fetching their residual rows over PCIe), large next to this model's "
+            f"GEMVs. The cheapest single step, {kind} at k_chunk {k} (n_tb {n_tb}), adds {e['count']} × "
+            f"{added:.1f} µs = {1e-3 * added * e['count']:.3f} ms to the {step:.3f} ms decode step (W{kd['bits']}, "
+            f"QDEC off), {_pct(share)}: a budget below about {_pct(share)} cannot compensate any layer of this model "
+            "on this GPU."]
+    eight = kd.get("llama3_8b") or {}
+    if eight:
+        r8 = [min(r for rs in e8["ratio"].values() for r in rs.values()) for e8 in eight.values()]
+        out[-1] += (f" On the Llama-3-8B shapes (section 6, second table) the cheapest call costs {min(r8):.2f}–"
+                    f"{max(r8):.2f}× a layer.")
+    return out + [""]
+
+
+def _budget_list(points: list[dict]) -> str:
+    names = [f"{100 * p['budget']:g}%" for p in points]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 # --- the report -------------------------------------------------------------------------------------------------
@@ -420,16 +478,8 @@ def render(report: dict, folder: Path) -> None:
                          f" ({run['commit'] or 'no git'}) | {_machine(run['machine'])} | {run['seconds']} |")
     lines.append("")
     for i, run in enumerate(report["runs"]):
-        if not any(sec.get("run") == i for sec in secs.values()):
-            continue
-        st, d = run["settings"], run.get("data") or {}
-        cal = st.get("calibration") or {}
-        lines += [f"Run {i}: `{run['command']}`", "",
-                  f"- Quantized variants: RTN, group size {st['group_size']}, bits {st['bits']}, 4-bit QDEC residuals; "
-                  f"calibration: {cal.get('tokens')} tokens of {cal.get('text')} (k_chunk up to {cal.get('kmax')}).",
-                  f"- Data: the first {d.get('tokens')} predicted tokens of {d.get('text')} (sha256 "
-                  f"`{str(d.get('sha256'))[:16]}…`), windows of {d.get('ctx')} tokens, seed {d.get('seed')} "
-                  "(boundary-bucket and random picks).", ""]
+        if any(sec.get("run") == i for sec in secs.values()):
+            lines += _run_md(i, run)
     if "quality" in secs:
         q, s = secs["quality"], report["runs"][secs["quality"]["run"]]["settings"]
         lines += quality_md(q, s, folder)
@@ -450,6 +500,43 @@ def render(report: dict, folder: Path) -> None:
     if "quality" in secs:
         lines += checks_md(secs["quality"])
     (folder / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _run_md(i: int, run: dict) -> list[str]:
+    """What one run used (only that: a run that timed kernels evaluated no text) and, when it was interrupted and
+    resumed, what each session measured."""
+    st, d, secs = run["settings"], run.get("data"), set(run["sections"])
+    cal = st.get("calibration") or {}
+    bits = set(st["bits"]) if secs & {"quality", "pareto"} else set()
+    bits |= {st["compare_bits"]} if secs & {"quality", "outliers", "kernel"} else set()
+    out = [f"Run {i}: `{run['command']}`", "",
+           f"- Quantized variants: RTN, group size {st['group_size']}, {', '.join(f'W{b}' for b in sorted(bits))}, "
+           f"4-bit QDEC residuals; calibration: {cal.get('tokens')} tokens of {cal.get('text')} (k_chunk up to "
+           f"{cal.get('kmax')})."]
+    if "quality" in secs:
+        widths = (" " + ", ".join(str(w) for w in sorted({4, *st["residual_bits"]})) + " bits"
+                  if "residual_bits" in st else "")  # reports before 2026-11-23 did not record them
+        out.append(f"- Evaluated: k_chunk {', '.join(map(str, st['k_chunks']))}; at W{st['compare_bits']} also the "
+                   f"other selections and residual widths{widths}.")
+    if "pareto" in secs:
+        out.append(f"- Tuner budgets: {', '.join(f'{100 * b:g}%' for b in st['budgets'])} of the decode step.")
+    if d:
+        out.append(f"- Data: the first {d['tokens']} predicted tokens of {d['text']} (sha256 `{d['sha256'][:16]}…`), "
+                   f"windows of {d['ctx']} tokens, seed {d['seed']} (boundary-bucket and random picks).")
+    sessions = run.get("sessions") or []
+    if len(sessions) > 1:
+        out.append(f"- Interrupted and resumed: the same command, options and code (sha256 `{run['code'][:12]}…`) "
+                   f"measured it in {len(sessions)} sessions:")
+        for j, ses in enumerate(sessions):
+            per = {}
+            for key in ses["measured"]:
+                per[key.split("/")[0]] = per.get(key.split("/")[0], 0) + 1
+            what = [f"{n} {s} measurement{'s' if n > 1 else ''}" for s, n in per.items()]
+            what += [f"completed section{'s' if len(ses['sections']) > 1 else ''} {', '.join(ses['sections'])}"] \
+                if ses["sections"] else []
+            out.append(f"  - session {j + 1}: {ses['date']}, {_machine(ses['machine'])}, {ses['seconds']:.0f} s: "
+                       + ("; ".join(what) or "nothing new") + ".")
+    return out + [""]
 
 
 def _model_arg(report: dict) -> str:

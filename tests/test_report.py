@@ -205,3 +205,152 @@ def test_gpu_sections_render(report, tmp_path):
     assert "| qkv | 4096→4096 | 3.00 | 4 | 1.05 | 1.20 |" in md
     for name in ("fig17_kernel_model.png", "fig17_kernel_8b.png", "fig18_pareto.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def _measured(sections: dict) -> dict:
+    """The sections' measurements, without the time they took."""
+    return {s: {k: v for k, v in d.items() if k != "seconds"} for s, d in sections.items()}
+
+
+def test_an_interrupted_report_resumes_without_measuring_again(report, tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """Every evaluation is saved as it is made: a run stopped in the quality section, then again in the outliers
+    section, finishes on the third try with the numbers of an uninterrupted run, each evaluation made once."""
+    import localllm.evaluate as evaluate
+    _, whole = report
+    out = tmp_path / "r"
+    argv = [str(tiny_ckpt), "--out", str(out), "--tokens", str(TOKENS), "--ctx", str(CTX), "--bits", "2,3",
+            "--k-chunk", "8,64"]
+    real, calls, stop = evaluate.perplexity, [], []
+
+    def counted(*a, **kw):
+        calls.append(kw.get("desc"))
+        if stop and len(calls) == stop[0]:
+            raise KeyboardInterrupt  # what Ctrl+C does in the middle of an evaluation
+        return real(*a, **kw)
+
+    monkeypatch.setattr(evaluate, "perplexity", counted)
+    total = len(whole["sections"]["quality"]["rows"]) + 2  # + the source model + the outlier statistics
+
+    stop[:] = [7]
+    assert main(["report", *argv]) == 130
+    assert "rerun the same command" in capsys.readouterr().err
+    saved = json.loads((out / "report.json").read_text())
+    assert len(saved["in_progress"]["done"]) == 6 and saved["sections"] == {} and not (out / "report.md").exists()
+    assert saved["in_progress"]["done"]["quality/source"] == whole["sections"]["quality"]["source_ppl"]
+
+    # another command (here: other --tokens) is refused in one line, and the saved work stays
+    assert main(["report", *argv, "--tokens", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "unfinished report" in err and "tokens" in err and len(err.strip().splitlines()) == 1
+    assert json.loads((out / "report.json").read_text()) == saved
+
+    calls.clear()
+    stop[:] = [total - 6]  # the quality section completes, the outlier statistics are interrupted
+    assert main(["report", *argv]) == 130
+    assert "resuming" in capsys.readouterr().err
+    saved = json.loads((out / "report.json").read_text())
+    assert set(saved["sections"]) == {"quality"} and saved["in_progress"]["done"] == {}
+    assert "eval source model" not in calls, "the saved evaluations are not made again"
+
+    calls.clear()
+    stop.clear()
+    assert main(["report", *argv]) == 0
+    assert calls == ["outlier statistics"], "the finished quality section is not measured again"
+    rep = json.loads((out / "report.json").read_text())
+    assert "in_progress" not in rep
+    assert _measured(rep["sections"]) == _measured(whole["sections"]), "the numbers of an uninterrupted run"
+    assert rep["runs"][0]["data"] == whole["runs"][0]["data"] and len(rep["runs"]) == 1
+    sessions = rep["runs"][0]["sessions"]
+    assert [len(s["measured"]) for s in sessions] == [6, total - 7, 0]
+    assert [s["sections"] for s in sessions] == [[], ["quality"], ["outliers"]]
+    md = (out / "report.md").read_text()
+    assert "Interrupted and resumed" in md and "session 2: " in md and f"{total - 7} quality measurements" in md
+    assert md.replace(re.search(r"- Interrupted and resumed.*?\n\n", md, re.S).group(0), "\n") \
+        .split("## 1.")[1] == (report[0] / "report.md").read_text().split("## 1.")[1], "the same pages"
+
+
+def test_a_run_renders_only_what_it_used(report, tmp_path):
+    """A run that only timed kernels evaluated no text: no data line for it (and no "None" anywhere)."""
+    from localllm.report_render import render
+    _, rep = report
+    rep = json.loads(json.dumps(rep))
+    layer = {"N": 64, "K": 64, "count": 2, "base_us": 3.0, "ratio": {"1": {"1": 2.0, "8": 2.5}}}
+    rep["runs"].append({**rep["runs"][0], "command": "localllm report --sections kernel --update",
+                        "sections": ["kernel"], "data": {}})
+    rep["sections"]["kernel"] = {"bits": 3, "model": {k: layer for k in ("qkv", "o", "gate_up", "down")},
+                                 "llama3_8b": {}, "run": 1}
+    render(rep, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "None" not in md
+    run0, run1 = md.split("Run 0: ")[1].split("Run 1: ")
+    run1 = run1.split("## 1.")[0]
+    assert "- Data: the first 120 predicted tokens of eval.txt (shipped)" in run0 and "W2, W3," in run0
+    assert "Data" not in run1 and "Quantized variants: RTN, group size 128, W3, " in run1, "only its W3 variant"
+
+
+def test_the_all_channels_check_is_optional(tiny_ckpt, tmp_path, cache):
+    from localllm.config import ModelConfig
+    from localllm.loader import open_checkpoint
+    from localllm.report import CHEAP_CHECK_WEIGHTS, full_check, linear_weights
+    cfg = open_checkpoint(str(tiny_ckpt)).config
+    lm = load(tiny_ckpt)
+    assert linear_weights(cfg) == sum(lin.in_features * lin.out_features for lin in lm.model.linears())
+    assert full_check(Options(), cfg)[0], "auto: on for a small model"
+    qwen15 = ModelConfig(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+                         num_kv_heads=2, head_dim=128)
+    assert linear_weights(qwen15) > CHEAP_CHECK_WEIGHTS
+    run, why = full_check(Options(), qwen15)
+    assert not run and "--checks on" in why
+    assert full_check(Options(checks="on"), qwen15)[0] and not full_check(Options(checks="off"), cfg)[0]
+    assert not full_check(Options(checks="on", residual_bits=(2,)), cfg)[0], "it needs the fp16 residuals"
+
+    out = tmp_path / "r"
+    make_report(Options(model=str(tiny_ckpt), out=str(out), tokens=40, ctx=CTX, bits=(3,), k_chunks=(8,),
+                        residual_bits=(16,), sections=("quality",), checks="off"))
+    rep = json.loads((out / "report.json").read_text())
+    q = rep["sections"]["quality"]
+    assert not [r for r in q["rows"] if r["k_chunk"] == 1024] and [r for r in q["rows"] if r["residual_bits"] == 16]
+    assert q["full_check"] == {"run": False, "why": "--checks off"}
+    assert "- not run: every channel compensated with the FP16 residual gives the source model (--checks off)" \
+        in (out / "report.md").read_text()
+
+
+def test_the_pareto_section_explains_budgets_that_buy_nothing(report, tmp_path):
+    """From the measured numbers: which budgets bought nothing, and the cheapest step's share of the decode step
+    from section 6 (made-up values shaped as the measurements; only the text is under test)."""
+    from localllm.cli import parser
+    from localllm.report import BUDGETS
+    from localllm.report_render import render
+    from localllm.tuner.profile import parse_budgets
+    assert parse_budgets(parser().parse_args(["report"]).budget) == list(BUDGETS) == list(Options().budgets)
+    assert BUDGETS[-2:] == (0.5, 1.0)
+    _, rep = report
+    rep = json.loads(json.dumps(rep))
+    gpu = {"name": "Some GPU", "compute_capability": "9.0", "sm_count": 132, "memory_bytes": 1, "driver": "x",
+           "torch_cuda": "x"}
+    rep["runs"].append({**rep["runs"][0], "sections": ["kernel", "pareto"], "data": {},
+                        "machine": {**rep["runs"][0]["machine"], "gpu": gpu}})
+    # per call: qkv +3 us (ratio 2.0 of 3 us), the others +1.5 us at best (n_tb 2, k 1: 1.5 of 3 us); 2 layers each
+    ratios = {"1": {"1": 2.0, "2": 2.1}, "2": {"1": 1.5, "2": 1.6}}
+    rep["sections"]["kernel"] = {"bits": 3, "llama3_8b": {}, "run": 1, "model": {
+        k: {"N": 64, "K": 64, "count": 2, "base_us": 3.0, "ratio": {"1": {"1": 2.0}} if k == "qkv" else ratios}
+        for k in ("qkv", "o", "gate_up", "down")}}
+    nothing = {"qkv": 0, "o": 0, "gate_up": 0, "down": 0}
+    pts = [{"budget": b, "n_tb_max": None, "k_chunk": nothing, "predicted": 0, "slowdown": 0, "ms": 0.1,
+            "ms_off": 0.1, "ppl": 60.0} for b in (0.025, 0.05)]
+    pts.append({"budget": 0.5, "n_tb_max": 2, "k_chunk": {**nothing, "o": 1}, "predicted": 0.03, "slowdown": 0.031,
+                "ms": 0.1031, "ms_off": 0.1, "ppl": 55.0})
+    rep["sections"]["pareto"] = {"budgets": [0.025, 0.05, 0.5], "run": 1,
+                                 "bits": {"3": {"ms_off": 0.1, "ppl_off": 60.0, "points": pts},
+                                          "2": {"ms_off": 0.1, "ppl_off": 900.0, "points": pts[:2]}}}
+    rep["skipped"] = {}
+    render(rep, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "for each budget (2.5/5/50% of the decode step" in md
+    assert ("- W3: budgets 2.5% and 5% bought no compensation (k_chunk 0 on every layer: the plain model); the "
+            "smallest budget that bought some, 50%, took (0, 1, 0, 0) at +3.1%, perplexity 60 → 55.") in md
+    assert "- W2: no budget (2.5% and 5%) bought any compensation" in md
+    # the cheapest step: o (first of the +1.5 us kinds) at k 1, n_tb 2: 2 x 1.5 us = 0.003 ms of 0.1 ms = 3.0%
+    assert "costs 1.50–2.00× its plain GEMV, +1.5–3.0 µs per call on GEMVs of 3.0–3.0 µs" in md
+    assert "o at k_chunk 1 (n_tb 2), adds 2 × 1.5 µs = 0.003 ms to the 0.100 ms decode step" in md
+    assert "a budget below about 3.0% cannot compensate any layer" in md
