@@ -49,16 +49,21 @@ def _copies(one_bytes: int) -> int:
     return max(2, -(-L2_FLUSH_BYTES // one_bytes))
 
 
-def gemv_sets(N: int, K: int, bits: int, group_size: int) -> tuple[list, int]:
-    """Enough random (Packed weight, output) pairs to defeat L2, and the bytes one GEMV moves."""
+def random_packed(N: int, K: int, bits: int, group_size: int):
+    """A random GPU weight (kernels.gemv.Packed) of N x K."""
     from .kernels.gemv import Packed
     from .quant import QuantWeight, pack_codes
     G = -(-K // group_size)
-    sets = [(Packed.from_quant(QuantWeight(pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits),
-                                           torch.rand(N, G, device="cuda").half(),
-                                           torch.randint(0, 2**bits, (N, G), device="cuda", dtype=torch.uint8),
-                                           bits, group_size, K)),
-             torch.empty(N, device="cuda", dtype=torch.float16)) for _ in range(_copies(N * K * bits // 8))]
+    return Packed.from_quant(QuantWeight(pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits),
+                                         torch.rand(N, G, device="cuda").half(),
+                                         torch.randint(0, 2**bits, (N, G), device="cuda", dtype=torch.uint8),
+                                         bits, group_size, K))
+
+
+def gemv_sets(N: int, K: int, bits: int, group_size: int) -> tuple[list, int]:
+    """Enough random (Packed weight, output) pairs to defeat L2, and the bytes one GEMV moves."""
+    sets = [(random_packed(N, K, bits, group_size), torch.empty(N, device="cuda", dtype=torch.float16))
+            for _ in range(_copies(N * K * bits // 8))]
     return sets, sets[0][0].nbytes + K * 2 + N * 2
 
 
@@ -464,13 +469,63 @@ def bench_demo(new_tokens: int = 32) -> None:
           f"GPU weights {sizes['gpu_bytes'] / 2**20:.0f} MiB")
 
 
+def bench_prefill(bits_list=(4, 3), lengths=(512, 2048, 8192)) -> list[dict]:
+    """Prompts with 8-bit activations (kernels/prefill_a8.cu) vs the fp16 path (dequantize per layer + cuBLAS):
+    per-GEMM time on the 8B shapes at 2048 tokens, and time to first token of a Llama-3-8B-shaped model."""
+    from .config import ModelConfig
+    from .kernels import prefill_a8
+    from .kernels.gemv import dequantize
+    rows = []
+    print("\nPrompt GEMMs, 2048 tokens, Llama-3-8B shapes: fp16 (dequantize + cuBLAS) vs int8 activations x packed "
+          "weights")
+    print(f"{'layer':8} {'N x K':>13} {'bits':>4} {'fp16 ms':>8} {'int8 ms':>8} {'int8 TOPS':>9} {'speedup':>7}")
+    x = torch.randn(2048, 4096, device="cuda").half()
+    for name, (N, K) in LLAMA3_8B.items():
+        xx = x if K == 4096 else torch.randn(2048, K, device="cuda").half()
+        for bits in bits_list:
+            w = random_packed(N, K, bits, 128)
+            t16 = time_eager(lambda: torch.nn.functional.linear(xx, dequantize(w)))
+            t8 = time_eager(lambda: prefill_a8.linear(xx, w))
+            print(f"{name:8} {N:>6}x{K:<6} {bits:>4} {t16 * 1e3:8.3f} {t8 * 1e3:8.3f} "
+                  f"{2 * 2048 * N * K / t8 / 1e12:9.0f} {t16 / t8:6.2f}x", flush=True)
+    print("\nTime to first token, Llama-3-8B shapes, random weights (eager prompt, median of 3)")
+    print(f"{'bits':>4} {'tokens':>6} {'fp16 ms':>8} {'int8 ms':>8} {'speedup':>7}")
+    cfg = ModelConfig(**LLAMA3_8B_CONFIG)
+    for bits in bits_list:
+        m = random_model(cfg, bits)
+        for T in lengths:
+            m.settings.act8 = False
+            t16 = prefill_time(m, T)
+            m.settings.act8 = True
+            t8 = prefill_time(m, T)
+            rows.append({"bits": bits, "tokens": T, "fp16_ms": t16 * 1e3, "int8_ms": t8 * 1e3})
+            print(f"{bits:>4} {T:>6} {t16 * 1e3:8.1f} {t8 * 1e3:8.1f} {t16 / t8:6.2f}x", flush=True)
+        del m
+        torch.cuda.empty_cache()
+    return rows
+
+
+def time_eager(fn, reps: int = 10) -> float:
+    """Median seconds of fn() on the GPU (CUDA events, after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise LocalLLMError("localllm bench measures the GPU kernels and needs a CUDA GPU; none is visible")
     import sys
     parts = (sys.argv[1:] if argv is None else argv) or ["gemv", "e2e", "demo"]
     runs = {"gemv": bench_gemv, "gemv-lut": bench_gemv_lut, "gemv-sweep": gemv_sweep, "e2e": bench_e2e,
-            "demo": bench_demo, "breakdown": bench_breakdown, "qdec": bench_qdec, "e2e-qdec": bench_e2e_qdec, "tune": bench_tune}
+            "demo": bench_demo, "breakdown": bench_breakdown, "qdec": bench_qdec, "e2e-qdec": bench_e2e_qdec, "tune": bench_tune, "prefill": bench_prefill}
     bad = [p for p in parts if p not in runs]
     if bad:
         raise LocalLLMError(f"unknown benchmark {', '.join(bad)}; choose from {', '.join(runs)}")

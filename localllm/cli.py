@@ -22,7 +22,8 @@ def cmd_generate(a) -> None:
     from .generate import generate
     from .runtime import load
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else a.args
-    lm = load(model, gguf_file=a.gguf_file, device=a.device, qdec=a.qdec, budget=a.budget)
+    lm = load(model, gguf_file=a.gguf_file, device=a.device, qdec=a.qdec, budget=a.budget,
+              prefill_int8=a.prefill_int8)
     if a.qdec != "off" and not lm.has_residuals:
         print(f"localllm: {lm.path} has no QDEC residuals; generating without compensation", file=sys.stderr)
     use_chat = not a.raw and getattr(lm.tokenizer, "chat_template", None)
@@ -48,7 +49,7 @@ def cmd_chat(a) -> None:
     settings.check()
     from .tui.app import ChatApp
     ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, budget=a.budget, settings=settings,
-            save_dir=a.save_dir).run()
+            save_dir=a.save_dir, prefill_int8=a.prefill_int8).run()
 
 
 def cmd_info(a) -> None:
@@ -92,7 +93,10 @@ def cmd_eval(a) -> None:
         ks = [int(k) for k in a.k_chunk.split(",") if k.strip()]
     except ValueError:
         raise LocalLLMError(f"--k-chunk takes comma-separated integers, e.g. 2,4,8; got {a.k_chunk!r}") from None
-    lm = load(a.model, gguf_file=a.gguf_file, qdec="off", device=a.device)
+    if a.prefill_int8 and a.device != "cpu":
+        raise LocalLLMError("--prefill-int8 changes prompts only, and eval on the GPU runs token by token: measure its "
+                            "effect with --device cpu (the GPU computes the same function)")
+    lm = load(a.model, gguf_file=a.gguf_file, qdec="off", device=a.device, prefill_int8=a.prefill_int8)
     text, name = read_text(a.text)
     ids = tokenize(lm, text, a.max_tokens)
     rows = sweep(lm, ids, modes, ks, ctx=a.ctx, seed=a.seed)
@@ -169,6 +173,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help="slowdown budget whose tuning profile --qdec on uses, in percent (default 5; `localllm tune`)")
     p.add_argument("--gguf-file", help="which GGUF file of a folder to load")
     p.add_argument("--device", default="auto", help="auto (GPU when usable), cpu or cuda")
+    p.add_argument("--prefill-int8", action="store_true",
+                   help="prompts with 8-bit activations on the int8 tensor cores (off by default; README)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -233,6 +239,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     e.add_argument("--seed", type=int, default=0, help="seed of the random picks (boundary bucket, random mode)")
     e.add_argument("--gguf-file", help="the .gguf file inside MODEL when MODEL is a folder of GGUF files")
+    e.add_argument("--prefill-int8", action="store_true",
+                   help="every position with 8-bit activations, as prompts run with --prefill-int8 (CPU)")
     e.add_argument("--device", default="cpu",
                    help="cpu (default; every QDEC mode), or cuda/auto (QDEC modes off and approx; token by token)")
     e.set_defaults(func=cmd_eval)

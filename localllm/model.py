@@ -30,6 +30,9 @@ class QdecSettings:
     # observer(linear, x [T, K], idx [T, k]): called with each CPU compensation's input and selected channels
     # (measurements such as the recall of the selection; localllm.outliers)
     observer: Callable[["Linear", torch.Tensor, torch.Tensor], None] | None = None
+    # prompts (2+ tokens) with 8-bit activations, per token, into the quantized layers (ops.quantize_tokens; on a
+    # GPU the int8 GEMM of kernels/prefill_a8.cu): not QDEC, but read by every Linear like it
+    act8: bool = False
 
     def k_for(self, kind: str) -> int:
         return 0 if self.mode == "off" else self.k_chunk.get(kind, 0)
@@ -109,11 +112,21 @@ class Linear(nn.Module):
                 return self._gemv(x, residual, norm, glu, self.comp if compensate else None)
             compensate = False  # prompts on the GPU run uncompensated (as in the paper)
         x = self.input_of(x, norm, glu)
-        if self.packed is not None:  # a prompt on the GPU: dequantize to fp16, then cuBLAS
+        # 8-bit activations for uniform quantized weights only (table weights have no int8 GEMM: their prompts
+        # stay fp16 on both devices)
+        act8 = self.settings.act8 and self.weight is None and x.shape[:-1].numel() > 1 and \
+            not isinstance(self.quant if self.quant is not None else self.packed, QuantLUT)
+        if self.packed is not None:  # a prompt on the GPU: the int8 GEMM, or dequantize to fp16 then cuBLAS
             from .kernels.gemv import dequantize
-            y = F.linear(x, dequantize(self.packed), self.bias)
+            if act8:
+                from .kernels import prefill_a8
+                y = prefill_a8.linear(x.reshape(-1, x.shape[-1]), self.packed).view(*x.shape[:-1], -1)
+                y = y if self.bias is None else y + self.bias
+            else:
+                y = F.linear(x, dequantize(self.packed), self.bias)
         else:
-            y = F.linear(x, self.dense().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            xin = ops.quantize_tokens(x) if act8 else x
+            y = F.linear(xin, self.dense().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if residual is not None:
             y = y + residual
         if compensate:
@@ -209,8 +222,8 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                 cache: KVCache | None, mask: torch.Tensor) -> torch.Tensor:
-        """h: [B, T, D] at positions pos [T]; mask [T, keys] from attention_mask(); with a cache the keys are
-        its first mask.shape[1] entries."""
+        """h: [B, T, D] at positions pos [T]; mask [T, keys] from attention_mask(), with a cache the keys being its
+        first mask.shape[1] entries; or mask None: the T queries are positions 0..T-1 and attend causally."""
         c = self.cfg
         B, T, _ = h.shape
         qkv = self.qkv(h, norm=self.attn_norm)  # [B, T, q + k + v]
@@ -233,13 +246,13 @@ class Block(nn.Module):
         k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         if cache is not None:
-            kv_len = mask.shape[1]
+            kv_len = T if mask is None else mask.shape[1]
             cache.k[self.layer, :B].index_copy_(2, pos, k.to(cache.k.dtype))
             cache.v[self.layer, :B].index_copy_(2, pos, v.to(cache.v.dtype))
             k, v = cache.k[self.layer, :B, :, :kv_len], cache.v[self.layer, :B, :, :kv_len]
         with sdpa_kernel(_SDPA_BACKENDS):
             a = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                               enable_gqa=c.num_kv_heads != c.num_heads)
+                                               is_causal=mask is None, enable_gqa=c.num_kv_heads != c.num_heads)
         return a.transpose(1, 2).reshape(B, T, c.q_size)
 
 
@@ -262,13 +275,16 @@ class Transformer(nn.Module):
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds the KV cache ({cache.max_len})")
         pos = torch.arange(start, start + T, device=tokens.device)
-        return self.step(tokens, pos, cache, start + T)
+        return self.step(tokens, pos, cache, start + T, causal=start == 0)
 
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache | None, kv_len: int) -> torch.Tensor:
-        """forward() with positions as a tensor: with a fixed kv_len it can be captured in a CUDA graph."""
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache | None, kv_len: int,
+             causal: bool = False) -> torch.Tensor:
+        """forward() with positions as a tensor: with a fixed kv_len it can be captured in a CUDA graph. causal: the
+        queries are positions 0..T-1 and see only each other (a prompt from the start), so attention needs no mask
+        and can take the flash kernel, which takes no explicit mask."""
         h = F.embedding(tokens, self.embed)
         cos, sin = rope_tables(self.inv_freq, pos)
-        mask = attention_mask(pos, kv_len if cache is not None else None)
+        mask = None if causal else attention_mask(pos, kv_len if cache is not None else None)
         for blk in self.blocks:
             h = blk(h, cos, sin, pos, cache, mask)
         return F.linear(self.norm(h), self.lm_head).float()

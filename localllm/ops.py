@@ -49,6 +49,15 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def quantize_tokens(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] with each row rounded to 8 bits: s = max|row| / 127 (fp32), rint(row / s) in [-127, 127], times s
+    (an all-zero row stays zero). What the int8 prompt GEMM (kernels/prefill_a8.cu) multiplies the weights by."""
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return (torch.round(xf / s).clamp(-127, 127) * s).to(x.dtype)
+
+
 def fused_decode_attention(qkv: torch.Tensor, cache_k: torch.Tensor, heads: int, kv_heads: int,
                            head_dim: int) -> bool:
     """Whether attend_decode's fused kernel serves this step: one token, fp16 on a GPU with the kernels, a

@@ -228,13 +228,14 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str | int | dict = "on",
-         verify: bool = True, device: str | torch.device = "cpu", budget: float | None = None) -> LocalModel:
+         verify: bool = True, device: str | torch.device = "cpu", budget: float | None = None,
+         prefill_int8: bool = False) -> LocalModel:
     """Load a quantized model folder, a source checkpoint (dense, no QDEC), or, with no src, the demo model.
 
     device: "cpu", "cuda" or "auto". qdec applies when the model has residuals (see LocalModel.set_qdec); on a GPU
     the residuals are pinned in host memory once the weights are placed, and qdec="on" takes the tuning profile of
     this GPU for `budget` (a fraction of the decode time; default DEFAULT_BUDGET, 5%) when `localllm tune` made
-    one."""
+    one. prefill_int8: prompts with 8-bit activations (QdecSettings.act8)."""
     dev = resolve_device(device)
     if src is None:
         from .demo import demo_model
@@ -248,6 +249,7 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
     else:
         ckpt = open_checkpoint(src, gguf_file)
         lm = LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids)
+    lm.settings.act8 = prefill_int8
     if dev.type != "cpu":
         check_gpu_memory(lm, dev)
         lm.model.place(dev)
