@@ -89,9 +89,10 @@ class ChatApp(App):
 
     def __init__(self, model: str | None = None, *, gguf_file: str | None = None, device: str = "cpu",
                  qdec: str | int = "on", budget: float | None = None, settings: ReplySettings | None = None,
-                 save_dir: str | Path = "."):
+                 save_dir: str | Path = ".", kv_bits: int = 16):
         super().__init__()
         self.model_src, self.gguf_file, self.device, self.qdec, self.budget = model, gguf_file, device, qdec, budget
+        self.kv_bits = kv_bits
         self.settings = settings or ReplySettings()
         self.save_dir = save_dir
         self.session: ChatSession | None = None
@@ -129,7 +130,7 @@ class ChatApp(App):
         try:
             with observe(self._report):
                 lm = open_model(self.model_src, self.gguf_file, qdec=self.qdec, device=self.device,
-                                budget=self.budget)
+                                budget=self.budget, kv_bits=self.kv_bits)
         except _Closing:
             return
         except Exception as e:  # noqa: BLE001 - a missing model, a full GPU...: a message in the app
