@@ -324,17 +324,18 @@ def check_kv_cache(cfg, tokens: int, bits: int, free: int) -> None:
 
 def check_gpu_memory(lm: LocalModel, dev: torch.device, context: int = 4096) -> None:
     """Refuse, in one line, a model that cannot fit with a KV cache of `context` tokens: bytes needed vs free, and
-    which kv-bits setting or weight bit width would fit."""
+    the kv-bits setting that would fit (the cheaper change) or else the weight bit width."""
     free, _ = torch.cuda.mem_get_info(dev)
     cfg = lm.model.cfg
     context = min(context, cfg.max_position_embeddings)
     sizes = lm.sizes()
     weights = sizes["gpu_bytes"] + WORKSPACE_BYTES
-    if weights <= free:  # the weights fit: the cache is what does not (or everything fits)
-        check_kv_cache(cfg, context, lm.kv_bits, free - weights)
-        return
     kv = kvquant.bytes_per_token(cfg, lm.kv_bits) * context
     need = weights + kv
+    if need <= free:
+        return
+    if weights + kvquant.bytes_per_token(cfg, min(kvquant.KV_BITS)) * context <= free:
+        check_kv_cache(cfg, context, lm.kv_bits, free - weights)  # names the kv-bits setting that fits
     bits = lm.manifest["quant"]["bits"] if lm.manifest else 16
     linear = sum(lin.in_features * lin.out_features for lin in lm.model.linears())
     fits = [b for b in (4, 3, 2) if b < bits and need - linear * (bits - b) / 8 <= free]

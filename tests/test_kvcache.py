@@ -246,6 +246,8 @@ def test_kv_bits_on_the_command_line(tiny_quant, capsys):
     assert "8-bit KV cache" in capsys.readouterr().out
     with pytest.raises(LocalLLMError, match="kv-bits 2 is not supported"):
         load(tiny_quant, kv_bits=2)
+    from localllm.tui import facts
+    assert facts.summary(load(tiny_quant, kv_bits=4)).endswith("QDEC approx, 4-bit KV cache")
     if not torch.cuda.is_available():
         with pytest.raises(LocalLLMError, match="only kv-ppl runs on the CPU"):
             bench_main(["kv"])
