@@ -1,4 +1,5 @@
-"""Launcher of the fused decode attention (attention.cu): RoPE + KV-cache append + attention for one new token."""
+"""Launcher of the fused decode attention (attention.cu): RoPE + KV-cache append + attention for one new token, over an
+fp16 cache or an 8- / 4-bit one (localllm.kvquant's format)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +8,8 @@ import torch
 from . import cuda
 
 CHUNK, GQ_MAX = 128, 8  # as in attention.cu
-NAMES = tuple(f"attend_part<{d},{g}>" for d in (64, 128) for g in range(1, GQ_MAX + 1)) + ("attend_combine",)
+NAMES = tuple(f"attend_part<{d},{g},{b}>" for d in (64, 128) for g in range(1, GQ_MAX + 1) for b in (16, 8, 4)) \
+    + ("attend_combine",)
 
 
 def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -15,21 +17,27 @@ def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           pos: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
+           pos: torch.Tensor, heads: int, kv_heads: int, scale: float, k_sz: torch.Tensor | None = None,
+           v_sz: torch.Tensor | None = None) -> torch.Tensor:
     """qkv: fp16 [(heads + 2 kv_heads) * D] of the new token (before RoPE); cos/sin: float32 [D/2] at its position;
-    k_cache/v_cache: fp16 [kv_heads, max_len, D] of one layer (the new key and value are written at pos); pos: int64
-    [1] on the GPU. Returns the attention output, fp16 [heads * D]."""
-    kvh, max_len, D = k_cache.shape
+    k_cache/v_cache: one layer's cache, fp16 [kv_heads, max_len, D], or int32 codes [kv_heads, max_len, D * bits / 32]
+    with k_sz/v_sz, fp16 [kv_heads, max_len, 2] (scale, zero); the new key and value are written (quantized) at pos;
+    pos: int64 [1] on the GPU. Returns the attention output, fp16 [heads * D]."""
+    D = qkv.numel() // (heads + 2 * kv_heads)
+    kvh, max_len, words = k_cache.shape
+    bits = 16 if k_sz is None else words * 32 // D
     chunks = -(-max_len // CHUNK)
     ws_o = torch.empty(heads, chunks, D, dtype=torch.float32, device=qkv.device)
     ws_ml = torch.empty(heads, chunks, 2, dtype=torch.float32, device=qkv.device)
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)
-    streams = CHUNK // (D // 2)
+    streams = CHUNK // (D * bits // 32)  # output streams: one thread per 32-bit word of a cache row
     smem = 4 * (GQ_MAX * D + GQ_MAX * CHUNK + (streams - 1) * GQ_MAX * D)
-    cuda.launch(cuda.kernel("attention", f"attend_part<{D},{heads // kv_heads}>", NAMES), (kvh, chunks), (CHUNK,), (
-        cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), cuda.ptr(k_cache), cuda.ptr(v_cache), cuda.ptr(pos),
-        cuda.ptr(ws_o), cuda.ptr(ws_ml), np.int32(heads), np.int32(kv_heads), np.int32(max_len), np.float32(scale)),
-        shared_mem=smem, early=True)
+    sz = (np.uint64(0), np.uint64(0)) if k_sz is None else (cuda.ptr(k_sz), cuda.ptr(v_sz))
+    cuda.launch(cuda.kernel("attention", f"attend_part<{D},{heads // kv_heads},{bits}>", NAMES), (kvh, chunks),
+                (CHUNK,), (cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz,
+                           cuda.ptr(pos), cuda.ptr(ws_o), cuda.ptr(ws_ml), np.int32(heads), np.int32(kv_heads),
+                           np.int32(max_len), np.float32(scale)),
+                shared_mem=smem, early=True)
     cuda.launch(cuda.kernel("attention", "attend_combine", NAMES), (heads,), (D,), (
         cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(pos), cuda.ptr(out), np.int32(chunks), np.int32(D)), early=True)
     return out

@@ -237,19 +237,23 @@ def weight_bytes(model) -> int:
     return n + sum(lin.nbytes for lin in model.linears())
 
 
-def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 50) -> float:
+def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 50, kv_bits: int = 16) -> float:
     """Seconds per decode step: the captured graph replayed back to back (no sampling, no host sync)."""
     from .decode import Decoder
-    dec = Decoder(model, ctx)
+    dec = Decoder(model, ctx, kv_bits=kv_bits)
     with torch.inference_mode():
         logits = dec.prefill(list(range(1, prompt + 1)))
         dec.step(logits.argmax(), prompt)  # captures the graph
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for i in range(reps):
-            dec.graph.replay()
-        b.record()
-        b.synchronize()
+        return _replay_time(dec, reps)
+
+
+def _replay_time(dec, reps: int) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for i in range(reps):
+        dec.graph.replay()
+    b.record()
+    b.synchronize()
     return a.elapsed_time(b) / 1e3 / reps
 
 
@@ -295,7 +299,7 @@ def hf_generate_tps(cfg, new_tokens: int = 64) -> float:
     return new_tokens / dt
 
 
-def bench_e2e(bits_list=(4, 3)) -> list[dict]:
+def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
     from .config import ModelConfig
     cfg = ModelConfig(**LLAMA3_8B_CONFIG)
     bw = copy_bandwidth()
@@ -312,15 +316,15 @@ def bench_e2e(bits_list=(4, 3)) -> list[dict]:
         m = random_model(cfg, bits)
         used = torch.cuda.memory_allocated() - base
         nbytes = weight_bytes(m)
-        t = decode_time(m)
+        t = decode_time(m, kv_bits=kv_bits)
         rows.append({"bits": bits, "ms": t * 1e3, "prefill512_ms": prefill_time(m) * 1e3, "tok/s": 1 / t,
                      "roofline_tok/s": bw / nbytes,
                      "of_roofline": nbytes / bw / t, "vs_fp16_graph": t16 / t, "bytes_ratio": fp16_bytes / nbytes,
                      "vs_hf": (1 / t) / hf_tps, "gpu_mem_GB": used / 1e9,
                      "packed_GB": (nbytes + m.embed.numel() * 2) / 1e9})
         del m
-    print(f"\nDecode, batch 1, Llama-3-8B shapes, random weights, context 256, CUDA graph replay "
-          f"(copy bandwidth {bw / 1e9:.0f} GB/s)")
+    print(f"\nDecode, batch 1, Llama-3-8B shapes, random weights, context 256 ({kv_bits}-bit KV cache), CUDA graph "
+          f"replay (copy bandwidth {bw / 1e9:.0f} GB/s)")
     print(f"fp16 (same decoder, CUDA graph): {1 / t16:.1f} tok/s; transformers fp16 generate: {hf_tps:.1f} tok/s")
     print(f"{'bits':>4} {'ms/tok':>7} {'tok/s':>7} {'roofline':>8} {'% roof':>7} {'vs fp16':>8} {'bytes x':>8} "
           f"{'vs HF':>6} {'GPU GB':>7} {'model GB':>9} {'prefill 512 ms':>14}")
@@ -331,7 +335,7 @@ def bench_e2e(bits_list=(4, 3)) -> list[dict]:
     return rows
 
 
-def bench_breakdown(bits: int = 4) -> None:
+def bench_breakdown(bits: int = 4, kv_bits: int = 16) -> None:
     """Where a decode step's GPU time goes: kernel times (torch.profiler) of one eager step of the 8B shape,
     summed per kernel name. Eager launches leave gaps between kernels, but each kernel's own time is what it is
     inside the graph, give or take the overlap of early launch."""
@@ -340,7 +344,7 @@ def bench_breakdown(bits: int = 4) -> None:
     from .config import ModelConfig
     from .decode import Decoder
     m = random_model(ModelConfig(**LLAMA3_8B_CONFIG), bits)
-    dec = Decoder(m, 256, use_graph=False)
+    dec = Decoder(m, 256, use_graph=False, kv_bits=kv_bits)
     with torch.inference_mode():
         logits = dec.prefill(list(range(1, 17)))
         dec.step(logits.argmax(), 16)
@@ -351,7 +355,8 @@ def bench_breakdown(bits: int = 4) -> None:
     rows = sorted(((e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0),
                   key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
-    print(f"\nOne eager decode step, Llama-3-8B shape, W{bits}: GPU time per kernel name ({total / 1e3:.2f} ms in all)")
+    print(f"\nOne eager decode step, Llama-3-8B shape, W{bits}, {kv_bits}-bit KV cache: GPU time per kernel name "
+          f"({total / 1e3:.2f} ms in all)")
     print(f"{'kernel':60} {'calls':>5} {'us':>9} {'share':>6}")
     for name, us, n in rows[:20]:
         print(f"{name[:60]:60} {n:5d} {us:9.1f} {100 * us / total:5.1f}%")
@@ -396,15 +401,15 @@ def random_local_model(cfg, bits: int, copies: int = 4):
     return lm
 
 
-def bench_e2e_qdec(bits: int = 3, k_chunk: int = 8) -> None:
+def bench_e2e_qdec(bits: int = 3, k_chunk: int = 8, kv_bits: int = 16) -> None:
     """8B-shaped decode with QDEC on every layer (k_chunk each, default n_tb; residuals pinned, one per layer kind)
     vs the same model without it."""
     from .config import ModelConfig
     cfg = ModelConfig(**LLAMA3_8B_CONFIG)
     lm = random_local_model(cfg, bits, copies=1)
-    t_off = decode_time(lm.model)
+    t_off = decode_time(lm.model, kv_bits=kv_bits)
     lm.set_qdec(k_chunk)
-    t_on = decode_time(lm.model)
+    t_on = decode_time(lm.model, kv_bits=kv_bits)
     m = lm.model
     print(f"\nDecode with QDEC, Llama-3-8B shapes W{bits}, k_chunk={k_chunk} on every layer (default n_tb): "
           f"{1 / t_on:.1f} tok/s vs {1 / t_off:.1f} without ({100 * (t_on / t_off - 1):+.1f}% per token); "
@@ -427,10 +432,10 @@ def bench_tune(bits: int = 3, budgets=(0.025, 0.05, 0.1, 0.2)) -> None:
     print(f"model set-up {t1 - t0:.0f} s (random weights, pinning residuals); tuning {res.seconds:.0f} s")
 
 
-def greedy_tokens(model, ids: list[int], n: int) -> list[int]:
+def greedy_tokens(model, ids: list[int], n: int, kv_bits: int = 16) -> list[int]:
     """n greedy tokens after ids (no stopping), through the same Decoder generate() uses."""
     from .decode import Decoder
-    dec = Decoder(model, len(ids) + n)
+    dec = Decoder(model, len(ids) + n, kv_bits=kv_bits)
     out = []
     with torch.inference_mode():
         logits = dec.prefill(ids)
@@ -446,7 +451,7 @@ DEMO_PROMPTS = ("What is the capital of France?", "Write a Python function that 
                 "Give me three tips for sleeping better.", "Explain photosynthesis to a child.")
 
 
-def bench_demo(new_tokens: int = 32) -> None:
+def bench_demo(new_tokens: int = 32, kv_bits: int = 16) -> None:
     """The demo model on the GPU: greedy agreement with the CPU reference, decode tokens/s, memory."""
     from .demo import GGUF, cache_dir, demo_model
     from .generate import encode_prompt
@@ -457,13 +462,13 @@ def bench_demo(new_tokens: int = 32) -> None:
     path = demo_model()
     cpu, gpu = load(path, qdec="off"), load(path, device="cuda", qdec="off")
     print(f"\nDemo model {path.name} on {torch.cuda.get_device_name()}: greedy tokens, GPU (fp16, CUDA graph) "
-          f"vs CPU reference (fp32), QDEC off")
+          f"vs CPU reference (fp32), QDEC off, {kv_bits}-bit KV cache")
     for p in DEMO_PROMPTS:
         ids = encode_prompt(cpu, [{"role": "user", "content": p}])
-        a, b = greedy_tokens(cpu.model, ids, new_tokens), greedy_tokens(gpu.model, ids, new_tokens)
+        a, b = greedy_tokens(cpu.model, ids, new_tokens, kv_bits), greedy_tokens(gpu.model, ids, new_tokens, kv_bits)
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         print(f"  {same:>2}/{new_tokens} identical  {p!r} -> {gpu.tokenizer.decode(b)[:60]!r}")
-    t = decode_time(gpu.model, ctx=512)
+    t = decode_time(gpu.model, ctx=512, kv_bits=kv_bits)
     sizes = gpu.sizes()
     print(f"  decode: {t * 1e3:.3f} ms/token = {1 / t:.0f} tok/s (llama.cpp Q4_1 on an H100: 923 tok/s); "
           f"GPU weights {sizes['gpu_bytes'] / 2**20:.0f} MiB")
@@ -519,20 +524,123 @@ def time_eager(fn, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> None:
-    if not torch.cuda.is_available():
-        raise LocalLLMError("localllm bench measures the GPU kernels and needs a CUDA GPU; none is visible")
-    import sys
-    parts = (sys.argv[1:] if argv is None else argv) or ["gemv", "e2e", "demo"]
-    runs = {"gemv": bench_gemv, "gemv-lut": bench_gemv_lut, "gemv-sweep": gemv_sweep, "e2e": bench_e2e,
-            "demo": bench_demo, "breakdown": bench_breakdown, "qdec": bench_qdec, "e2e-qdec": bench_e2e_qdec, "tune": bench_tune, "prefill": bench_prefill}
+KV_CONTEXTS = (1024, 8192, 32768)
+GPU_GIB = (8, 12, 16, 24, 48, 80)  # memory sizes for the longest-context table
+
+
+def fill_cache(cache) -> None:
+    """Random keys and values in every position of a KVCache (what a long prompt would have left there)."""
+    if cache.bits == 16:
+        cache.k.normal_(), cache.v.normal_()
+        return
+    for n in ("k", "v"):
+        getattr(cache, n).random_(-2**31, 2**31 - 1)
+        sz = getattr(cache, n + "_sz")
+        sz[..., 0].uniform_(0.01, 0.1)
+        sz[..., 1].uniform_(-1.0, -0.1)
+
+
+def bench_kv(bits: int = 4, contexts=KV_CONTEXTS) -> list[dict]:
+    """Decode with a 16 / 8 / 4-bit KV cache on Llama-3-8B shapes (W`bits`, random weights), the position at the end
+    of a 1k / 8k / 32k context (the cache filled with random entries): tokens/s and % of the roofline of weights +
+    cache bytes; then the longest context that fits GPUs of several sizes at each width, from the measured bytes of
+    the model and of the cache per token."""
+    from .config import ModelConfig
+    from .decode import Decoder
+    from .kvquant import KV_BITS, bytes_per_token
+    from .runtime import WORKSPACE_BYTES
+    cfg = ModelConfig(**{**LLAMA3_8B_CONFIG, "max_position_embeddings": max(contexts)})
+    bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    m = random_model(cfg, bits)
+    model_bytes = torch.cuda.memory_allocated() - base
+    wbytes = weight_bytes(m)
+    rows = []
+    for kv in KV_BITS:
+        row = {"kv_bits": kv, "tok/s": {}, "of_roofline": {}}
+        for ctx in contexts:
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated()
+            dec = Decoder(m, ctx, kv_bits=kv)
+            row["bytes_per_token"] = (torch.cuda.memory_allocated() - before) / ctx
+            fill_cache(dec.cache)
+            with torch.inference_mode():
+                dec.step(torch.tensor(1, device="cuda"), ctx - 1)  # captures the graph at the last position
+                t = _replay_time(dec, 20)
+            row["tok/s"][ctx] = 1 / t
+            row["of_roofline"][ctx] = (wbytes + bytes_per_token(cfg, kv) * ctx) / bw / t
+            del dec
+        rows.append(row)
+    del m
+    print(f"\nDecode with a quantized KV cache, Llama-3-8B shapes W{bits}, random weights, position at the end of "
+          f"the context, CUDA graph replay (copy bandwidth {bw / 1e9:.0f} GB/s); tok/s (% of the roofline of "
+          "weight + cache bytes)")
+    print(f"{'kv bits':>7} {'bytes/token':>11} " + " ".join(f"{f'ctx {c}':>16}" for c in contexts))
+    for r in rows:
+        print(f"{r['kv_bits']:>7} {r['bytes_per_token']:11.0f} " + " ".join(
+            f"{r['tok/s'][c]:8.1f} ({100 * r['of_roofline'][c]:4.1f}%)" for c in contexts))
+    print(f"\nLongest context that fits (model {model_bytes / 2**30:.2f} GiB as allocated + "
+          f"{WORKSPACE_BYTES >> 20} MiB workspace; cache bytes per token as allocated above), in tokens")
+    print(f"{'kv bits':>7} " + " ".join(f"{f'{g} GiB':>9}" for g in GPU_GIB))
+    for r in rows:
+        print(f"{r['kv_bits']:>7} " + " ".join(
+            f"{max(0, int((g * 2**30 - model_bytes - WORKSPACE_BYTES) / r['bytes_per_token'])):9d}" for g in GPU_GIB))
+    return rows
+
+
+def bench_kv_ppl(ctx: int = 4096, max_tokens: int | None = None) -> list[dict]:
+    """The demo model's perplexity (W4, QDEC off) on the longest shipped text with a 16 / 8 / 4-bit KV cache, with
+    the SmoothAttention factors folded in (the default quantization) and without (quantized again without them).
+    Runs on the CPU (the reference semantics); on a GPU machine too, still on the CPU."""
+    from .demo import demo_model
+    from .evaluate import perplexity, read_text, tokenize
+    from .kvquant import KV_BITS
+    from .runtime import load
+    rows = []
+    for smooth in (False, True):
+        lm = load(demo_model(smooth_attention=smooth), qdec="off")
+        text, name = read_text(None)
+        ids = tokenize(lm, text, max_tokens)
+        for kv in KV_BITS:
+            lm.set_kv_bits(kv)
+            ppl = perplexity(lm, ids, ctx, desc=f"kv {kv} bits, SmoothAttention {'on' if smooth else 'off'}")
+            rows.append({"smooth_attention": smooth, "kv_bits": kv, "perplexity": ppl})
+    print(f"\nDemo model (W4 g128, QDEC off), perplexity of {name} ({len(ids) - 1} predicted tokens, windows of "
+          f"{ctx}), CPU, by KV cache width")
+    print(f"{'SmoothAttention':>15} " + " ".join(f"{f'KV{b}':>15}" for b in KV_BITS))
+    for smooth in (False, True):
+        rs = [r for r in rows if r["smooth_attention"] == smooth]
+        ref = rs[0]["perplexity"]
+        print(f"{'on' if smooth else 'off':>15} " + " ".join(
+            f"{r['perplexity']:8.3f} {100 * (r['perplexity'] / ref - 1):+5.2f}%" for r in rs))
+    return rows
+
+
+CPU_PARTS = ("kv-ppl",)
+
+
+def main(parts: list[str] | None = None, kv_bits: int = 16) -> None:
+    import functools
+    parts = parts or ["gemv", "e2e", "demo"]
+    with_kv = lambda f: functools.partial(f, kv_bits=kv_bits)  # noqa: E731 - the decoders' KV cache width
+    runs = {"gemv": bench_gemv, "gemv-lut": bench_gemv_lut, "gemv-sweep": gemv_sweep, "e2e": with_kv(bench_e2e),
+            "demo": with_kv(bench_demo), "breakdown": with_kv(bench_breakdown), "qdec": bench_qdec,
+            "e2e-qdec": with_kv(bench_e2e_qdec), "tune": bench_tune, "prefill": bench_prefill, "kv": bench_kv,
+            "kv-ppl": bench_kv_ppl}
     bad = [p for p in parts if p not in runs]
     if bad:
         raise LocalLLMError(f"unknown benchmark {', '.join(bad)}; choose from {', '.join(runs)}")
-    print(f"device: {torch.cuda.get_device_name()}")
+    if not torch.cuda.is_available() and any(p not in CPU_PARTS for p in parts):
+        raise LocalLLMError(f"localllm bench measures the GPU kernels and needs a CUDA GPU; none is visible (only "
+                            f"{', '.join(CPU_PARTS)} runs on the CPU)")
+    print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
     for p in parts:
         runs[p]()
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python -m localllm.bench [PART...] [--kv-bits N]: `localllm bench` (scripts/gpu_check.sh)
+    import sys
+
+    from .cli import main as cli_main
+    sys.exit(cli_main(["bench", *sys.argv[1:]]))

@@ -22,7 +22,7 @@ def cmd_generate(a) -> None:
     from .generate import generate
     from .runtime import load
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else a.args
-    lm = load(model, gguf_file=a.gguf_file, device=a.device, qdec=a.qdec, budget=a.budget,
+    lm = load(model, gguf_file=a.gguf_file, device=a.device, qdec=a.qdec, budget=a.budget, kv_bits=a.kv_bits,
               prefill_int8=a.prefill_int8)
     if a.qdec != "off" and not lm.has_residuals:
         print(f"localllm: {lm.path} has no QDEC residuals; generating without compensation", file=sys.stderr)
@@ -37,7 +37,8 @@ def cmd_generate(a) -> None:
     sys.stdout.write("\n")
     st = s.stats
     print(f"[{st.new_tokens} tokens, {st.tokens_per_second:.1f} tok/s, first token {st.time_to_first_token:.2f} s, "
-          f"finished by {st.finish_reason}; QDEC {lm.settings.mode}: {lm.qdec_source}]", file=sys.stderr)
+          f"finished by {st.finish_reason}; QDEC {lm.settings.mode}: {lm.qdec_source}; KV cache {lm.kv_bits}-bit]",
+          file=sys.stderr)
 
 
 def cmd_chat(a) -> None:
@@ -49,7 +50,7 @@ def cmd_chat(a) -> None:
     settings.check()
     from .tui.app import ChatApp
     ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, budget=a.budget, settings=settings,
-            save_dir=a.save_dir, prefill_int8=a.prefill_int8).run()
+            save_dir=a.save_dir, kv_bits=a.kv_bits, prefill_int8=a.prefill_int8).run()
 
 
 def cmd_info(a) -> None:
@@ -64,6 +65,9 @@ def cmd_info(a) -> None:
     print(f"bits         {d['quantization']}")
     print(f"GPU memory   {mb(d['gpu_bytes'])} (weights + embeddings, without KV cache)")
     print(f"pinned host  {mb(d['pinned_host_bytes'])} (QDEC residuals)")
+    kv, sa = d["kv_cache"], d["kv_cache"]["smooth_attention"]
+    per_token = ", ".join(f"{n / 2**10:.1f} KiB at {b} bits" for b, n in kv["bytes_per_token"].items())
+    print(f"KV cache     per token {per_token}; SmoothAttention " + (f"alpha {sa['alpha']}" if sa else "none"))
     if d["calibration"]:
         c = d["calibration"]
         print(f"calibration  {c['tokens']} tokens of {c['text']}, k_chunk up to {c['kmax']}")
@@ -77,7 +81,8 @@ def cmd_info(a) -> None:
 def cmd_quantize(a) -> None:
     from .quantize import quantize
     out = quantize(a.source, a.output, bits=a.bits, group_size=a.group_size, residuals=not a.no_residuals,
-                   calib_text=a.calib_text, calib_tokens=a.calib_tokens, gguf_file=a.gguf_file, method=a.method)
+                   calib_text=a.calib_text, calib_tokens=a.calib_tokens, gguf_file=a.gguf_file, method=a.method,
+                   smooth_attention=not a.no_smooth_attention)
     print(f"wrote {out}")
 
 
@@ -96,12 +101,14 @@ def cmd_eval(a) -> None:
     if a.prefill_int8 and a.device != "cpu":
         raise LocalLLMError("--prefill-int8 changes prompts only, and eval on the GPU runs token by token: measure its "
                             "effect with --device cpu (the GPU computes the same function)")
-    lm = load(a.model, gguf_file=a.gguf_file, qdec="off", device=a.device, prefill_int8=a.prefill_int8)
+    lm = load(a.model, gguf_file=a.gguf_file, qdec="off", device=a.device, kv_bits=a.kv_bits,
+              prefill_int8=a.prefill_int8)
     text, name = read_text(a.text)
     ids = tokenize(lm, text, a.max_tokens)
     rows = sweep(lm, ids, modes, ks, ctx=a.ctx, seed=a.seed)
     base = next((r.perplexity for r in rows if r.mode == "off"), None)
-    print(f"perplexity of {name}: {len(ids) - 1} predicted tokens, windows of {a.ctx}, {lm.path}")
+    print(f"perplexity of {name}: {len(ids) - 1} predicted tokens, windows of {a.ctx}, {lm.kv_bits}-bit KV cache, "
+          f"{lm.path}")
     print(f"{'QDEC':8} {'k_chunk':>7} {'perplexity':>11}" + (f" {'vs off':>8}" if base else ""))
     for r in rows:
         print(f"{r.mode:8} {r.k_chunk:7d} {r.perplexity:11.4f}"
@@ -110,7 +117,7 @@ def cmd_eval(a) -> None:
 
 def cmd_bench(a) -> None:
     from .bench import main as bench_main
-    bench_main(a.parts)
+    bench_main(a.parts, kv_bits=a.kv_bits)
 
 
 def _budget_arg(s: str) -> float:
@@ -175,6 +182,13 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (GPU when usable), cpu or cuda")
     p.add_argument("--prefill-int8", action="store_true",
                    help="prompts with 8-bit activations on the int8 tensor cores (off by default; README)")
+    _kv_bits_option(p)
+
+
+def _kv_bits_option(p: argparse.ArgumentParser, what: str = "") -> None:
+    p.add_argument("--kv-bits", type=int, default=16, choices=(16, 8, 4),
+                   help="KV cache width: 16 (default), 8 or 4 (scale and zero per token and head; about 1/2 and "
+                        f"1/4 of the fp16 cache's memory){what}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -224,6 +238,8 @@ def parser() -> argparse.ArgumentParser:
                         "squeezellm (non-uniform per-channel tables by sensitivity-weighted k-means)")
     q.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES, help="rtn and awq only")
     q.add_argument("--no-residuals", action="store_true", help="skip QDEC residuals")
+    q.add_argument("--no-smooth-attention", action="store_true",
+                   help="do not fold SmoothAttention factors into the keys (they make a 4-bit KV cache more accurate)")
     q.add_argument("--calib-text", help="UTF-8 text file for calibration (default: built-in sample)")
     q.add_argument("--calib-tokens", type=int, default=4096)
     q.add_argument("--gguf-file")
@@ -243,12 +259,14 @@ def parser() -> argparse.ArgumentParser:
                    help="every position with 8-bit activations, as prompts run with --prefill-int8 (CPU)")
     e.add_argument("--device", default="cpu",
                    help="cpu (default; every QDEC mode), or cuda/auto (QDEC modes off and approx; token by token)")
+    _kv_bits_option(e)
     e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="GPU benchmarks: low-bit GEMV kernels vs memory bandwidth and fp16")
     b.add_argument("parts", nargs="*", metavar="PART",
-                   help="gemv, gemv-lut, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune "
-                        "(default: gemv e2e demo)")
+                   help="gemv, gemv-lut, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune, prefill, kv, kv-ppl "
+                        "(default: gemv e2e demo; kv-ppl runs on the CPU too)")
+    _kv_bits_option(b, "; for the decoders of e2e, demo, breakdown, e2e-qdec (kv and kv-ppl compare all three)")
     b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("tune", help="measure this GPU and pick QDEC's k_chunk and n_tb per layer type for "

@@ -11,10 +11,10 @@ from .model import KVCache, Transformer
 
 
 class Decoder:
-    def __init__(self, model: Transformer, max_len: int, use_graph: bool | None = None):
+    def __init__(self, model: Transformer, max_len: int, use_graph: bool | None = None, kv_bits: int = 16):
         self.model = model
         dev = model.device
-        self.cache = KVCache(model.cfg, max_len, dtype=model.embed.dtype, device=dev)
+        self.cache = KVCache(model.cfg, max_len, dtype=model.embed.dtype, device=dev, bits=kv_bits)
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)

@@ -49,23 +49,23 @@ def demo_gguf() -> Path:
     return target
 
 
-def demo_model(bits: int = DEFAULT_BITS) -> Path:
-    """Path of the quantized demo model folder, quantizing it (with residuals + calibration) on first use."""
-    out = cache_dir() / "models" / f"smollm2-135m-instruct-w{bits}g128"
-    if out.exists() and not _current(out):
+def demo_model(bits: int = DEFAULT_BITS, smooth_attention: bool = True) -> Path:
+    """Path of the quantized demo model folder, quantizing it (with residuals + calibration, and SmoothAttention
+    unless smooth_attention=False: a separate folder) on first use."""
+    out = cache_dir() / "models" / f"smollm2-135m-instruct-w{bits}g128{'' if smooth_attention else '-nosmooth'}"
+    if out.exists() and not _current(out, smooth_attention):
         shutil.rmtree(out)  # our own cache, written by an older localllm: make it again
     if not out.exists():
         from .quantize import quantize
         src = demo_gguf()
         print(f"localllm: quantizing the demo model to {bits} bits (once) ...", file=sys.stderr)
-        quantize(str(src), str(out), bits=bits)
+        quantize(str(src), str(out), bits=bits, smooth_attention=smooth_attention)
     return out
 
 
-def _current(folder: Path) -> bool:
+def _current(folder: Path, smooth_attention: bool) -> bool:
     from .modelfile import read_manifest
     try:
-        read_manifest(folder)
-        return True
+        return bool(read_manifest(folder).get("smooth_attention")) == smooth_attention
     except LocalLLMError:
         return False

@@ -4,7 +4,9 @@ The text is cut into consecutive windows of `ctx` tokens, each predicting its ow
 exp(mean negative log-likelihood) over all predicted tokens. On the CPU a window runs as one forward pass (every
 position selects its own salient channels when QDEC is on, exactly as decoding would for that token). On a GPU
 with QDEC on it runs token by token through the decode step's CUDA graph, because there the compensation lives
-in the decode GEMV (prompts run uncompensated); with QDEC off a window is one prompt-style forward pass.
+in the decode GEMV (prompts run uncompensated); with QDEC off a window is one prompt-style forward pass. With an 8-
+or 4-bit KV cache (LocalModel.kv_bits) a window's forward pass fills such a cache and attends over it, as a decode
+of the same tokens would.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import LocalLLMError
+from .model import KVCache
 from .progress import progress
 from .runtime import LocalModel
 
@@ -49,7 +52,8 @@ def tokenize(lm: LocalModel, text: str, max_tokens: int | None = None) -> list[i
 
 
 def perplexity(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: str = "evaluating") -> float:
-    """Perplexity of the token ids under the model's current QDEC settings (LocalModel.set_qdec)."""
+    """Perplexity of the token ids under the model's current QDEC settings (LocalModel.set_qdec) and KV cache width
+    (LocalModel.set_kv_bits)."""
     limit = lm.model.cfg.max_position_embeddings
     if not 2 <= ctx <= limit:
         raise LocalLLMError(f"--ctx must be within 2..{limit} (the model's context); got {ctx}")
@@ -63,7 +67,9 @@ def perplexity(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, de
             if stepwise:
                 nll += _decoded_nll(lm, w)
             else:
-                nll += F.cross_entropy(model(w[None, :-1])[0].float(), w[1:], reduction="sum")
+                cache = None if lm.kv_bits == 16 else \
+                    KVCache(model.cfg, len(w) - 1, dtype=model.embed.dtype, device=dev, bits=lm.kv_bits)
+                nll += F.cross_entropy(model(w[None, :-1], 0, cache)[0].float(), w[1:], reduction="sum")
             count += len(w) - 1
     return math.exp(nll.item() / count)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import ops, qdec
+from . import kvquant, ops, qdec
 from .config import ModelConfig, rope_inv_freq
 from .quant import QuantLUT, QuantResidual, QuantWeight
 
@@ -199,17 +199,53 @@ def attention_mask(pos: torch.Tensor, kv_len: int | None) -> torch.Tensor:
 
 
 class KVCache(nn.Module):
-    """Static KV cache: k/v [layers, B, kv_heads, max_len, head_dim], filled in place."""
+    """Static KV cache, filled in place; per layer [B, kv_heads, max_len, ...]. bits 16: k and v in `dtype`
+    ([..., head_dim]); bits 8 or 4: k and v hold kvquant codes (int32 words) and k_sz, v_sz their fp16 scale and
+    zero per (token, head). Attention always reads what the cache holds (dequantized), prompts included."""
 
-    def __init__(self, cfg: ModelConfig, max_len: int, batch: int = 1, dtype=torch.float32, device=None):
+    def __init__(self, cfg: ModelConfig, max_len: int, batch: int = 1, dtype=torch.float32, device=None,
+                 bits: int = 16):
         super().__init__()
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device))
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device))
+        self.bits, self.dtype = kvquant.check_bits(bits), dtype
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len)
+        if bits == 16:
+            self.register_buffer("k", torch.zeros(shape + (cfg.head_dim,), dtype=dtype, device=device))
+            self.register_buffer("v", torch.zeros(shape + (cfg.head_dim,), dtype=dtype, device=device))
+            self.k_sz = self.v_sz = None
+            return
+        words = kvquant.words_per_head(cfg.head_dim, bits)
+        for n in ("k", "v"):
+            self.register_buffer(n, torch.zeros(shape + (words,), dtype=torch.int32, device=device))
+            self.register_buffer(n + "_sz", torch.zeros(shape + (2,), dtype=torch.float16, device=device))
 
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+    def append(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [B, kv_heads, T, head_dim] (after RoPE) at positions pos [T] (quantized at 8 or 4 bits)."""
+        B = k.shape[0]
+        for name, x in (("k", k), ("v", v)):
+            if self.bits == 16:
+                getattr(self, name)[layer, :B].index_copy_(2, pos, x.to(self.dtype))
+                continue
+            codes, sz = kvquant.quantize(x, self.bits)
+            getattr(self, name)[layer, :B].index_copy_(2, pos, codes)
+            getattr(self, name + "_sz")[layer, :B].index_copy_(2, pos, sz)
+
+    def read(self, layer: int, kv_len: int, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first kv_len positions, [B, kv_heads, kv_len, head_dim] in `dtype`."""
+        if self.bits == 16:
+            return self.k[layer, :batch, :, :kv_len], self.v[layer, :batch, :, :kv_len]
+        return tuple(kvquant.dequantize(getattr(self, n)[layer, :batch, :, :kv_len],
+                                        getattr(self, n + "_sz")[layer, :batch, :, :kv_len], self.bits, self.dtype)
+                     for n in ("k", "v"))
+
+    def layer(self, i: int) -> tuple:
+        """What the fused decode kernel takes for layer i of sequence 0: (k, v, k_sz, v_sz); the last two None at 16
+        bits."""
+        sz = (None, None) if self.bits == 16 else (self.k_sz[i, 0], self.v_sz[i, 0])
+        return (self.k[i, 0], self.v[i, 0]) + sz
 
 
 class Block(nn.Module):
@@ -227,8 +263,8 @@ class Block(nn.Module):
         c = self.cfg
         B, T, _ = h.shape
         qkv = self.qkv(h, norm=self.attn_norm)  # [B, T, q + k + v]
-        if cache is not None and ops.fused_decode_attention(qkv, cache.k, c.num_heads, c.num_kv_heads, c.head_dim):
-            a = ops.attend_decode(qkv, cos, sin, cache.k[self.layer, 0], cache.v[self.layer, 0], pos, c.num_heads,
+        if cache is not None and ops.fused_decode_attention(qkv, cache, c.num_heads, c.num_kv_heads, c.head_dim):
+            a = ops.attend_decode(qkv, cos, sin, cache.layer(self.layer), pos, c.num_heads,
                                   c.num_kv_heads).view(B, T, c.q_size)
         else:
             a = self._attend(qkv, cos, sin, pos, cache, mask)
@@ -246,10 +282,8 @@ class Block(nn.Module):
         k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         if cache is not None:
-            kv_len = T if mask is None else mask.shape[1]
-            cache.k[self.layer, :B].index_copy_(2, pos, k.to(cache.k.dtype))
-            cache.v[self.layer, :B].index_copy_(2, pos, v.to(cache.v.dtype))
-            k, v = cache.k[self.layer, :B, :, :kv_len], cache.v[self.layer, :B, :, :kv_len]
+            cache.append(self.layer, pos, k, v)
+            k, v = cache.read(self.layer, T if mask is None else mask.shape[1], B)
         with sdpa_kernel(_SDPA_BACKENDS):
             a = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                                is_causal=mask is None, enable_gqa=c.num_kv_heads != c.num_heads)

@@ -3,7 +3,8 @@
     localllm.json            manifest: format version, source (+ sha256), config, method, bits (per block),
                              group size, residual and calibration info, size + sha256 of every file
     model.safetensors        fp16 embeddings / norms / lm_head; packed low-bit weights (+ qkv bias), with
-                             group scales + zeros (uniform) or per-channel tables (non-uniform)
+                             group scales + zeros (uniform) or per-channel tables (non-uniform); the
+                             SmoothAttention factors folded into qkv (blocks.N.k_smooth, optional)
     residuals.safetensors    4-bit QDEC residuals, input-channel-major (optional)
     calibration.safetensors  activation statistics for QDEC bucket boundaries (optional)
     tokenizer files          incl. the chat template
@@ -192,6 +193,8 @@ def load(path: str | Path, verify: bool = True, settings: QdecSettings | None = 
                 raise LocalLLMError(f"{path / FILES[2]}: statistics of {q[:-1]} do not match the model; "
                                     "re-run `localllm quantize`")
             t[kind] = {"quant": quant, "bias": bias, "residual": residual, "stats": stats}
+        if m.get("smooth_attention"):  # the factors folded into qkv: kept for the record, checked like the rest
+            take(w, p + "k_smooth", (cfg.kv_size,), FILES[0])
         blocks.append(build_block(cfg, i, t, settings))
     V = cfg.vocab_size
     embed = take(w, "embed", (V, D), FILES[0])

@@ -41,7 +41,7 @@ def _row_blocks(n: int, k: int, multiple: int = 1) -> Iterator[slice]:
         yield slice(r0, min(r0 + step, n))
 
 
-def _pack_words(codes: Tensor, width: int) -> Tensor:
+def pack_words(codes: Tensor, width: int) -> Tensor:
     """codes int [..., M * 32/width] in [0, 2^width) -> int32 [..., M]; value i of a word at bits width*i."""
     per = 32 // width
     shifts = torch.arange(0, 32, width, dtype=torch.int64, device=codes.device)  # [per]
@@ -50,8 +50,8 @@ def _pack_words(codes: Tensor, width: int) -> Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _unpack_words(words: Tensor, width: int) -> Tensor:
-    """Inverse of _pack_words: int32 [..., M] -> int32 [..., M * 32/width]."""
+def unpack_words(words: Tensor, width: int) -> Tensor:
+    """Inverse of pack_words: int32 [..., M] -> int32 [..., M * 32/width]."""
     shifts = torch.arange(0, 32, width, dtype=torch.int32, device=words.device)
     # The shift is arithmetic (sign-extending) for int32; the mask drops the copied sign bits.
     return ((words.unsqueeze(-1) >> shifts) & (2**width - 1)).flatten(-2)
@@ -368,7 +368,7 @@ class QuantResidual:
         """idx long [...] of input channels -> float32 [..., N], i.e. R_hat[:, idx] moved to the last dim."""
         if self.bits == 16:
             return self.packed[idx].view(torch.float16).float()
-        q = _unpack_words(self.packed[idx], self.bits)  # [..., N], biased codes q + qmax + 1
+        q = unpack_words(self.packed[idx], self.bits)  # [..., N], biased codes q + qmax + 1
         return (q - 2 ** (self.bits - 1)).float() * self.scales.float()
 
     def dequantize(self) -> Tensor:
@@ -431,5 +431,5 @@ def quantize_residual(r: Tensor, bits: int = RESIDUAL_BITS) -> QuantResidual:
     for rows in _row_blocks(n, k, multiple=max(8, per)):
         s = scales[rows].float()[:, None]  # [n, 1]
         q = (r[rows].float() / s).round().clamp(-qmax, qmax)  # [n, K]
-        packed[:, rows.start // per: rows.stop // per] = _pack_words((q + qmax + 1).T, bits)
+        packed[:, rows.start // per: rows.stop // per] = pack_words((q + qmax + 1).T, bits)
     return QuantResidual(packed, scales, bits)

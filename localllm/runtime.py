@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from . import modelfile
+from . import kvquant, modelfile
 from .errors import LocalLLMError
 from .loader import MANIFEST, Checkpoint, open_checkpoint
 from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block
@@ -34,6 +34,7 @@ class LocalModel:
     qdec_source: str = "QDEC off"  # one line: where the QDEC setting comes from (shown by the chat UI)
     qdec_overhead: float | None = None  # the tuning profile's measured decode slowdown (0.041 = +4.1%), else None
     _tuned: object = field(default=None, repr=False)  # tuner.profile.Selection for self.budget, looked up once
+    kv_bits: int = 16  # KV cache width: 16 (the model's dtype), 8 or 4 (kvquant); set_kv_bits changes it
 
     @property
     def settings(self) -> QdecSettings:
@@ -43,17 +44,48 @@ class LocalModel:
     def has_residuals(self) -> bool:
         return any(lin.residual is not None for lin in self.model.linears())
 
+    @property
+    def smooth_attention(self) -> bool:
+        """Whether `localllm quantize` folded SmoothAttention factors into this model's keys (older files: no)."""
+        return bool((self.manifest or {}).get("smooth_attention"))
+
+    def set_kv_bits(self, bits: int) -> None:
+        """KV cache width for the next decoder: 16, 8 or 4 (per token and head, kvquant). A 4- or 8-bit cache of a
+        model without SmoothAttention factors works, with larger key errors: a note says so."""
+        bits = kvquant.check_bits(bits)
+        if bits == self.kv_bits:
+            return
+        self.kv_bits, self._decoder = bits, None
+        if bits < 16 and not self.smooth_attention:
+            what = "is not quantized by localllm" if self.manifest is None else "was quantized without them"
+            print(f"localllm: note: {self.path} has no SmoothAttention factors (it {what}); its {bits}-bit keys are "
+                  "quantized unsmoothed, with larger errors: `localllm quantize` the source again to get them",
+                  file=sys.stderr)
+
     def decoder(self, max_len: int):
         """A Decoder whose cache holds max_len tokens: the one kept from an earlier reply when it is long enough (so
-        its captured CUDA graph is replayed, not captured again), else a new one, rounded up to 256 tokens and at
-        least twice the old one's length: a chat's history grows every turn, and each new Decoder costs a graph
-        capture (on the H100 a turn past the cache took ~1 s to its first token instead of 0.14 s)."""
+        its captured CUDA graph is replayed, not captured again), else a new one, rounded up to 256 tokens and, where
+        memory allows, at least twice the old one's length: a chat's history grows every turn, and each new Decoder
+        costs a graph capture (~40 ms for the demo model on the H100). On a GPU a cache that does not fit is refused
+        in one line naming the kv-bits setting that would fit."""
         from .decode import Decoder
         if self._decoder is None or self._decoder.max_len < max_len:
             limit = self.model.cfg.max_position_embeddings
-            grown = 2 * self._decoder.max_len if self._decoder is not None else 0
+            need = min(limit, -(-max_len // 256) * 256)
+            n = min(limit, max(need, 2 * self._decoder.max_len if self._decoder is not None else 0))
             self._decoder = None  # free the old cache first
-            self._decoder = Decoder(self.model, min(limit, max(-(-max_len // 256) * 256, grown)))
+            dev = self.model.device
+            if dev.type == "cuda":
+                free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) \
+                    - torch.cuda.memory_allocated(dev)  # torch's own cache is free to this allocation too
+                try:
+                    check_kv_cache(self.model.cfg, n, self.kv_bits, free - WORKSPACE_BYTES)
+                except LocalLLMError:
+                    if n == need:
+                        raise
+                    n = need  # the doubling does not fit: just what is needed
+                    check_kv_cache(self.model.cfg, n, self.kv_bits, free - WORKSPACE_BYTES)
+            self._decoder = Decoder(self.model, n, kv_bits=self.kv_bits)
         return self._decoder
 
     def set_qdec(self, qdec: str | int | dict = "on", budget: float | None = None) -> None:
@@ -229,13 +261,15 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str | int | dict = "on",
          verify: bool = True, device: str | torch.device = "cpu", budget: float | None = None,
-         prefill_int8: bool = False) -> LocalModel:
+         kv_bits: int = 16, prefill_int8: bool = False) -> LocalModel:
     """Load a quantized model folder, a source checkpoint (dense, no QDEC), or, with no src, the demo model.
 
     device: "cpu", "cuda" or "auto". qdec applies when the model has residuals (see LocalModel.set_qdec); on a GPU
     the residuals are pinned in host memory once the weights are placed, and qdec="on" takes the tuning profile of
     this GPU for `budget` (a fraction of the decode time; default DEFAULT_BUDGET, 5%) when `localllm tune` made
-    one. prefill_int8: prompts with 8-bit activations (QdecSettings.act8)."""
+    one. kv_bits: the KV cache width, 16 (default), 8 or 4 (LocalModel.set_kv_bits). prefill_int8: prompts with
+    8-bit activations (QdecSettings.act8)."""
+    kvquant.check_bits(kv_bits)
     dev = resolve_device(device)
     if src is None:
         from .demo import demo_model
@@ -250,6 +284,7 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         ckpt = open_checkpoint(src, gguf_file)
         lm = LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids)
     lm.settings.act8 = prefill_int8
+    lm.set_kv_bits(kv_bits)
     if dev.type != "cpu":
         check_gpu_memory(lm, dev)
         lm.model.place(dev)
@@ -260,23 +295,53 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
     return lm
 
 
-def check_gpu_memory(lm: LocalModel, dev: torch.device, context: int = 4096) -> None:
-    """Refuse, in one line, a model that cannot fit: bytes needed vs free, and which bit width would fit."""
-    free, _ = torch.cuda.mem_get_info(dev)
-    cfg = lm.model.cfg
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * min(context, cfg.max_position_embeddings) * 2
-    sizes = lm.sizes()
-    need = sizes["gpu_bytes"] + kv + (256 << 20)  # + activations, workspace
+WORKSPACE_BYTES = 256 << 20  # GPU memory kept free for activations and workspaces
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_kv_cache(cfg, tokens: int, bits: int, free: int) -> None:
+    """Refuse, in one line, a KV cache of `tokens` tokens at `bits` bits that needs more than `free` bytes, naming
+    the kv-bits setting that would fit, or how many tokens fit at the smallest."""
+    need = kvquant.bytes_per_token(cfg, bits) * tokens
     if need <= free:
         return
-    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    fits = [b for b in kvquant.KV_BITS if b < bits and kvquant.bytes_per_token(cfg, b) * tokens <= free]
+    if fits:
+        b = fits[0]
+        hint = f"--kv-bits {b} (kv_bits={b}) fits it in {_gib(kvquant.bytes_per_token(cfg, b) * tokens)}"
+    else:
+        b = min(kvquant.KV_BITS)
+        hint = f"at most {max(free, 0) // kvquant.bytes_per_token(cfg, b)} tokens fit even at --kv-bits {b}: " \
+               "use a shorter prompt or fewer new tokens"
+    raise LocalLLMError(f"a KV cache for {tokens} tokens at {bits} bits needs {_gib(need)} of GPU memory but "
+                        f"{_gib(max(free, 0))} is free; {hint}")
+
+
+def check_gpu_memory(lm: LocalModel, dev: torch.device, context: int = 4096) -> None:
+    """Refuse, in one line, a model that cannot fit with a KV cache of `context` tokens: bytes needed vs free, and
+    the kv-bits setting that would fit (the cheaper change) or else the weight bit width."""
+    free, _ = torch.cuda.mem_get_info(dev)
+    cfg = lm.model.cfg
+    context = min(context, cfg.max_position_embeddings)
+    sizes = lm.sizes()
+    weights = sizes["gpu_bytes"] + WORKSPACE_BYTES
+    kv = kvquant.bytes_per_token(cfg, lm.kv_bits) * context
+    need = weights + kv
+    if need <= free:
+        return
+    if weights + kvquant.bytes_per_token(cfg, min(kvquant.KV_BITS)) * context <= free:
+        check_kv_cache(cfg, context, lm.kv_bits, free - weights)  # names the kv-bits setting that fits
     bits = lm.manifest["quant"]["bits"] if lm.manifest else 16
     linear = sum(lin.in_features * lin.out_features for lin in lm.model.linears())
     fits = [b for b in (4, 3, 2) if b < bits and need - linear * (bits - b) / 8 <= free]
     hint = f"quantize it to {fits[0]} bits (localllm quantize --bits {fits[0]})" if fits else \
         "use a smaller model or the CPU (device='cpu')"
-    raise LocalLLMError(f"{lm.path} needs {gib(need)} of GPU memory ({gib(sizes['gpu_bytes'])} weights, "
-                        f"{gib(kv)} KV cache for {context} tokens) but {gib(free)} is free; {hint}")
+    raise LocalLLMError(f"{lm.path} needs {_gib(need)} of GPU memory ({_gib(sizes['gpu_bytes'])} weights, "
+                        f"{_gib(kv)} KV cache for {context} tokens at {lm.kv_bits} bits) but {_gib(free)} is free; "
+                        f"{hint}")
 
 
 def dense_model(ckpt: Checkpoint) -> Transformer:
@@ -306,6 +371,8 @@ def describe(lm: LocalModel) -> dict:
         "source": m.get("source", {"path": lm.path}),
         "model_id": m.get("model_id"),
         **lm.sizes(),
+        "kv_cache": {"bits": lm.kv_bits, "bytes_per_token": {b: kvquant.bytes_per_token(c, b) for b in kvquant.KV_BITS},
+                     "smooth_attention": m.get("smooth_attention")},
         "tuning_profiles": sorted(p.name for p in Path(lm.path).glob("profiles/*.json")) if m else [],
         "qdec": {"mode": lm.settings.mode, "k_chunk": lm.settings.k_chunk, "source": lm.qdec_source},
     }

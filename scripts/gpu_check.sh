@@ -12,7 +12,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 # optional arguments: which benchmarks (localllm.bench: gemv, gemv-lut, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune,
-# prefill);
+# prefill, kv, kv-ppl; --kv-bits 8|4 for the decoders of e2e, demo, breakdown, e2e-qdec);
 # GPU_TESTS=0 skips the tests
 tests_rc=0
 if [ "${GPU_TESTS:-1}" = 1 ]; then

@@ -50,9 +50,9 @@ def test_chat_starts_the_app_with_the_options(tiny_quant, monkeypatch):
     started = []
     monkeypatch.setattr(ChatApp, "run", lambda self: started.append(self))
     assert main(["chat", str(tiny_quant), "--device", "cpu", "--system", "Be brief.", "--temperature", "0",
-                 "--max-new-tokens", "9", "--seed", "3", "--qdec", "off", "--budget", "10"]) == 0
+                 "--max-new-tokens", "9", "--seed", "3", "--qdec", "off", "--budget", "10", "--kv-bits", "4"]) == 0
     app = started[0]
-    assert (app.model_src, app.device, app.qdec, app.budget) == (str(tiny_quant), "cpu", "off", 0.1)
+    assert (app.model_src, app.device, app.qdec, app.budget, app.kv_bits) == (str(tiny_quant), "cpu", "off", 0.1, 4)
     assert (app.settings.system, app.settings.temperature, app.settings.max_new_tokens, app.settings.seed) == \
         ("Be brief.", 0.0, 9, 3)
 

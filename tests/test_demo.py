@@ -34,3 +34,6 @@ def test_quantized_demo_answers(tmp_path_factory, ckpt):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     reply = generate(lm, msgs, max_new_tokens=24, temperature=0, seed=0)
     assert "Paris" in reply, reply
+    for kv_bits in (8, 4):  # a quantized KV cache (with the SmoothAttention factors quantize folded in)
+        reply = generate(lm, msgs, max_new_tokens=24, temperature=0, seed=0, kv_bits=kv_bits)
+        assert "Paris" in reply, (kv_bits, reply)

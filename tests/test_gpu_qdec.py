@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from localllm import qdec as ref
-from localllm.quant import QuantResidual, _pack_words
+from localllm.quant import QuantResidual, pack_words
 
 from test_gpu_gemv import random_quant
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 def random_residual(N: int, K: int) -> QuantResidual:
     q = torch.randint(-7, 8, (K, N))
-    return QuantResidual(_pack_words(q + 8, 4), (torch.rand(N) * 0.01 + 1e-4).half())
+    return QuantResidual(pack_words(q + 8, 4), (torch.rand(N) * 0.01 + 1e-4).half())
 
 
 def activations(K: int) -> torch.Tensor:

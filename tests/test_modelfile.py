@@ -23,14 +23,21 @@ def test_folder_contents_and_manifest(tiny_quant, tiny_ckpt):
 
 
 def test_loaded_weights_are_the_rtn_quantization_of_the_source(tiny_quant, tiny_ckpt):
+    from safetensors.torch import load_file
+
     from localllm.quant import quantize_rtn
+    from localllm.smooth_attention import fold
     q, src = load(tiny_quant, qdec="off").model, load(tiny_ckpt).model
-    for lq, ls in zip(q.linears(), src.linears()):
-        want = quantize_rtn(ls.weight, 3, 64).dequantize()
-        assert torch.equal(lq.dense(), want)
-        # residual reconstructs most of the quantization error
-        r = ls.weight - lq.dense()
-        assert ((r - lq.residual.dequantize()) ** 2).mean() < 0.05 * (r ** 2).mean()
+    smooth = load_file(str(tiny_quant / "model.safetensors"))
+    for i, (bq, bs) in enumerate(zip(q.blocks, src.blocks)):
+        for kind in ("qkv", "o", "gate_up", "down"):
+            lq, w = getattr(bq, kind), getattr(bs, kind).weight
+            if kind == "qkv":  # with the SmoothAttention factors folded in, as quantize does
+                w = fold({"qkv": {"weight": w}}, q.cfg, smooth[f"blocks.{i}.k_smooth"])["qkv"]["weight"]
+            assert torch.equal(lq.dense(), quantize_rtn(w, 3, 64).dequantize())
+            # residual reconstructs most of the quantization error
+            r = w - lq.dense()
+            assert ((r - lq.residual.dequantize()) ** 2).mean() < 0.05 * (r ** 2).mean()
     assert torch.equal(q.embed, src.embed.half().float())
 
 
@@ -129,10 +136,12 @@ def test_corrupt_source_safetensors_is_refused(tmp_path):
 
 
 def test_gpu_memory_check_names_sizes_and_a_bit_width_that_fits(tiny_quant, monkeypatch):
+    from localllm.kvquant import bytes_per_token
     from localllm.runtime import check_gpu_memory
-    lm = load(tiny_quant, qdec="off")
+    lm = load(tiny_quant, qdec="off", kv_bits=4)  # the smallest KV cache: only the weights can shrink
     linear = sum(lin.in_features * lin.out_features for lin in lm.model.linears())
-    need = lm.sizes()["gpu_bytes"] + 2 * 2 * 2 * 16 * 256 * 2 + (256 << 20)  # weights + KV (256 tokens) + slack
+    kv = 256 * bytes_per_token(lm.model.cfg, 4)  # the model's whole context, 256 tokens
+    need = lm.sizes()["gpu_bytes"] + kv + (256 << 20)  # weights + KV + slack
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (need - linear // 16, 1 << 40))
     with pytest.raises(LocalLLMError, match=r"GiB of GPU memory .* is free; quantize it to 2 bits"):
         check_gpu_memory(lm, torch.device("cuda"), context=4096)

@@ -89,10 +89,10 @@ class ChatApp(App):
 
     def __init__(self, model: str | None = None, *, gguf_file: str | None = None, device: str = "cpu",
                  qdec: str | int = "on", budget: float | None = None, settings: ReplySettings | None = None,
-                 save_dir: str | Path = ".", prefill_int8: bool = False):
+                 save_dir: str | Path = ".", kv_bits: int = 16, prefill_int8: bool = False):
         super().__init__()
         self.model_src, self.gguf_file, self.device, self.qdec, self.budget = model, gguf_file, device, qdec, budget
-        self.prefill_int8 = prefill_int8
+        self.kv_bits, self.prefill_int8 = kv_bits, prefill_int8
         self.settings = settings or ReplySettings()
         self.save_dir = save_dir
         self.session: ChatSession | None = None
@@ -130,7 +130,7 @@ class ChatApp(App):
         try:
             with observe(self._report):
                 lm = open_model(self.model_src, self.gguf_file, qdec=self.qdec, device=self.device,
-                                budget=self.budget, prefill_int8=self.prefill_int8)
+                                budget=self.budget, kv_bits=self.kv_bits, prefill_int8=self.prefill_int8)
         except _Closing:
             return
         except Exception as e:  # noqa: BLE001 - a missing model, a full GPU...: a message in the app
