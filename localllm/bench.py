@@ -254,20 +254,12 @@ def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 50) -> floa
 
 
 def prefill_time(model, tokens: int = 512) -> float:
-    """Seconds to run a prompt of `tokens` tokens (dequantize per layer + cuBLAS), eager, median of 3."""
+    """Seconds to run a prompt of `tokens` tokens (the model's prompt path), eager, median of 3."""
     from .model import KVCache
     ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), device="cuda")
     cache = KVCache(model.cfg, tokens, dtype=model.embed.dtype, device="cuda")
-    times = []
     with torch.inference_mode():
-        for _ in range(4):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            model(ids, 0, cache)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times[1:])
+        return time_eager(lambda: model(ids, 0, cache), reps=3)
 
 
 def hf_generate_tps(cfg, new_tokens: int = 64) -> float:
@@ -525,7 +517,8 @@ def main(argv: list[str] | None = None) -> None:
     import sys
     parts = (sys.argv[1:] if argv is None else argv) or ["gemv", "e2e", "demo"]
     runs = {"gemv": bench_gemv, "gemv-lut": bench_gemv_lut, "gemv-sweep": gemv_sweep, "e2e": bench_e2e,
-            "demo": bench_demo, "breakdown": bench_breakdown, "qdec": bench_qdec, "e2e-qdec": bench_e2e_qdec, "tune": bench_tune, "prefill": bench_prefill}
+            "demo": bench_demo, "breakdown": bench_breakdown, "qdec": bench_qdec, "e2e-qdec": bench_e2e_qdec,
+            "tune": bench_tune, "prefill": bench_prefill}
     bad = [p for p in parts if p not in runs]
     if bad:
         raise LocalLLMError(f"unknown benchmark {', '.join(bad)}; choose from {', '.join(runs)}")

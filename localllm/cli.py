@@ -247,7 +247,7 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="GPU benchmarks: low-bit GEMV kernels vs memory bandwidth and fp16")
     b.add_argument("parts", nargs="*", metavar="PART",
-                   help="gemv, gemv-lut, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune "
+                   help="gemv, gemv-lut, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune, prefill "
                         "(default: gemv e2e demo)")
     b.set_defaults(func=cmd_bench)
 
