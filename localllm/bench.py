@@ -258,20 +258,12 @@ def _replay_time(dec, reps: int) -> float:
 
 
 def prefill_time(model, tokens: int = 512) -> float:
-    """Seconds to run a prompt of `tokens` tokens (dequantize per layer + cuBLAS), eager, median of 3."""
+    """Seconds to run a prompt of `tokens` tokens (the model's prompt path), eager, median of 3."""
     from .model import KVCache
     ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), device="cuda")
     cache = KVCache(model.cfg, tokens, dtype=model.embed.dtype, device="cuda")
-    times = []
     with torch.inference_mode():
-        for _ in range(4):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            model(ids, 0, cache)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times[1:])
+        return time_eager(lambda: model(ids, 0, cache), reps=3)
 
 
 def hf_generate_tps(cfg, new_tokens: int = 64) -> float:

@@ -142,6 +142,12 @@ class Linear(nn.Module):
         """f(x) of forward(): what the weights multiply."""
         return norm(x) if norm is not None else ops.silu_mul(x) if glu else x
 
+    def hook_input(self, fn: Callable[["Linear", torch.Tensor], None]):
+        """Call fn(self, f(x)) before every forward (f(x): input_of, what the weights multiply); returns the hook's
+        handle, whose remove() ends it."""
+        return self.register_forward_pre_hook(
+            lambda m, args, kw: fn(m, self.input_of(args[0], kw.get("norm"), kw.get("glu", False))), with_kwargs=True)
+
     def _gemv(self, x: torch.Tensor, residual: torch.Tensor | None, norm: "RMSNorm | None", glu: bool,
               comp=None) -> torch.Tensor:
         """One token on the GPU: the low-bit GEMV kernel, with the input transform, (without a bias) the residual
@@ -149,8 +155,7 @@ class Linear(nn.Module):
         fuse = residual is not None and self.bias is None
         from .kernels.gemv import gemv
         y = gemv(x.reshape(-1), self.packed, residual=residual.reshape(-1).contiguous() if fuse else None,
-                      norm=None if norm is None else (norm.weight, norm.eps), glu=glu,
-                      comp=comp).view(*x.shape[:-1], -1)
+                 norm=None if norm is None else (norm.weight, norm.eps), glu=glu, comp=comp).view(*x.shape[:-1], -1)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None or fuse else y + residual

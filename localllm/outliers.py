@@ -94,13 +94,8 @@ class OutlierStats:
                     raise ValueError("outlier statistics need the model's calibration (a quantized model folder)")
                 imp = lin.stats.sq_mean
                 self._static[lin] = {f: imp.topk(top_count(imp.numel(), f)).indices for f in FRACTIONS}
-                self._hooks.append(lin.register_forward_pre_hook(self._hook(blk.layer, kind), with_kwargs=True))
-
-    def _hook(self, layer: int, kind: str):
-        def hook(lin, args, kw):
-            x = Linear.input_of(args[0], kw.get("norm"), kw.get("glu", False))
-            self.update(lin, layer, kind, x.reshape(-1, x.shape[-1]).float())
-        return hook
+                self._hooks.append(lin.hook_input(lambda m, x, layer=blk.layer, kind=kind: self.update(
+                    m, layer, kind, x.reshape(-1, x.shape[-1]).float())))
 
     def update(self, lin: Linear, layer: int, kind: str, x: torch.Tensor) -> None:
         k = x.shape[1]

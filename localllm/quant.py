@@ -201,13 +201,18 @@ def _rtn_groups(w: Tensor, bits: int, group_size: int) -> tuple[Tensor, Tensor, 
     return codes, scale16, zero
 
 
-def _check_rtn_args(w: Tensor, bits: int, group_size: int) -> None:
+def _check_weight(w: Tensor, bits: int) -> None:
+    """What every base quantizer needs of w: a supported width and a 2-D shape the packed layout can hold."""
     _check_bits(bits)
     if w.ndim != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    _check_shape(*w.shape)
+
+
+def _check_rtn_args(w: Tensor, bits: int, group_size: int) -> None:
+    _check_weight(w, bits)
     if group_size < 1:
         raise ValueError(f"group_size must be positive, got {group_size}")
-    _check_shape(*w.shape)
     if group_size % TILE_K:
         raise ValueError(f"group_size must be a multiple of {TILE_K}, got {group_size}")
 
@@ -330,11 +335,8 @@ def lut_centroids(w: Tensor, bits: int, importance: Tensor | None = None, iters:
 def quantize_lut(w: Tensor, bits: int, importance: Tensor | None = None) -> QuantLUT:
     """Per-output-channel non-uniform quantization: lut_centroids, then every weight takes the code of its
     nearest fp16 centroid (so dequantize() is exactly the stored representation)."""
-    _check_bits(bits)
-    if w.ndim != 2:
-        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    _check_weight(w, bits)
     n, k = w.shape
-    _check_shape(n, k)
     qweight = torch.empty(n // TILE_N, k * bits // 2, dtype=torch.int32)
     lut = torch.empty(n, 2**bits, dtype=torch.float16)
     for rows in _row_blocks(n, k * 4, TILE_N):  # k-means keeps a few [n, K] temporaries

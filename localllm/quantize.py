@@ -73,10 +73,7 @@ def run_block(blk, h: torch.Tensor, rope: tuple, pos: torch.Tensor, mask: torch.
               observe: Callable[[Linear, torch.Tensor], None] | None = None) -> torch.Tensor:
     """The block's output for calibration hidden states h [n_seq, T, D] (4 sequences at a time); observe(linear, x)
     sees what each projection's weights multiply (the normed or gated input)."""
-    def hook(m, args, kw):
-        observe(m, Linear.input_of(args[0], kw.get("norm"), kw.get("glu", False)))
-    hooks = [lin.register_forward_pre_hook(hook, with_kwargs=True)
-             for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)] if observe else []
+    hooks = [lin.hook_input(observe) for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)] if observe else []
     try:
         with torch.no_grad():
             return torch.cat([blk(hb, *rope, pos, None, mask) for hb in h.split(4)])

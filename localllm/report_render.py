@@ -425,6 +425,8 @@ def _budget_notes(pd: dict, kd: dict | None) -> list[str]:
     step = ms.get(str(kd["bits"]), next(iter(ms.values())))
     kind, (added, ratio, n_tb, k, e) = min(cheap.items(), key=lambda c: c[1][0] * c[1][4]["count"])
     share = added * e["count"] / (1e3 * step)
+    if share <= 0:  # a call timed no slower than the plain GEMV: the GEMV times do not explain it
+        return out + [""]
     lo = lambda i: min(c[i] for c in cheap.values())  # noqa: E731
     hi = lambda i: max(c[i] for c in cheap.values())  # noqa: E731
     base = [c[4]["base_us"] for c in cheap.values()]
