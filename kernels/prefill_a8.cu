@@ -1,8 +1,8 @@
 // Prompts with 8-bit activations: Y[T, N] = X8[T, K] W_hat^T on the int8 tensor cores, straight from the packed
 // low-bit weights of gemv.cu (mma-v3 layout, group-wise scales and zeros: no second copy of the model).
 //
-// quant_a8: per token, s = max|x| / 127 and x8 = rint(x / s) (ops.quantize_tokens), written with the channels of
-// each 16-channel mma tile permuted to 0, 8, 1, 9, ..., 7, 15, plus the sum of x8 over every weight group.
+// quant_a8: per token, s = max|x| / 127 and x8 = rint(x / s) (ops.quantize_tokens), written in the order the mma
+// fragments read it (a8_pos), plus the sum of x8 over every weight group.
 //
 // gemm_a8: C^T = W_hat X8^T with mma.m16n8k32 (u8 x s8 -> s32): A = the codes (unsigned, zero folded in later), B = x8.
 // A lane's codes of a 64-channel step are those of the fp16 mma fragments (quant.pack_codes); for row g (or g + 8)
@@ -11,7 +11,10 @@
 // a0/a2 = rows g of tiles 2kk/2kk+1, a1/a3 = rows g + 8. The integer sums of a group are exact; at its end
 // acc += s_n,g * (sum - z_n,g * sum_g x8), and Y = s_token * acc (fp32, rounded once to fp16).
 //
-// Work: a block of 4 warps takes 64 outputs (a 16-row tile per warp) x 64 tokens (8 mma columns of 8).
+// Work: a block of 8 warps takes 128 outputs (a 16-row tile per warp) x 128 tokens (16 mma columns of 8); the
+// tokens' x8 of each 64-channel step goes through a STAGES-deep cp.async ring in shared memory that all 8 warps
+// read (a lane's four B registers of a step and column: one 16-byte load), each warp's codes come straight from
+// global memory one step ahead.
 #include <cuda_fp16.h>
 
 typedef unsigned int uint32_t;
@@ -22,8 +25,12 @@ typedef signed char int8_t;
 
 constexpr int META_BYTES = 48;  // gemv.cu's meta record: 16 fp16 scales, 16 uint8 zeros, rows 0, 8, 1, 9, ...
 
-// The slot of channel c (0..15) of a 16-channel tile in the permuted order 0, 8, 1, 9, ...
-__device__ __forceinline__ int a8_slot(int c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }
+// Where channel c of a 64-channel step goes: lane t's 16 bytes (4t + i of fp16 mma tiles 0, 1, 2, 3 in turn),
+// 4t + i being the slot of channel c % 16 in the order 0, 8, 1, 9, ..., 7, 15.
+__device__ __forceinline__ int a8_pos(int c) {
+    const int m = (c >> 4) & 3, cc = c & 15, slot = cc < 8 ? 2 * cc : 2 * (cc - 8) + 1;
+    return (c & ~63) + 16 * (slot >> 2) + 4 * m + (slot & 3);
+}
 
 // One block per token. x: fp16 [T, K]; x8: int8 [T, K] (permuted); sx: fp32 [T]; xsum: int32 [T, G], G groups of
 // `group` channels (the last may be shorter).
@@ -44,7 +51,7 @@ __global__ void quant_a8(const __half* __restrict__ x, int8_t* __restrict__ x8, 
     const float s = m > 0.0f ? m / 127.0f : 1.0f;
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
         const int q = (int)fminf(fmaxf(rintf(__half2float(xr[i]) / s), -127.0f), 127.0f);
-        x8[(size_t)tok * K + (i & ~15) + a8_slot(i & 15)] = (int8_t)q;
+        x8[(size_t)tok * K + a8_pos(i)] = (int8_t)q;
         atomicAdd(&gsum[i / group], q);
     }
     __syncthreads();
@@ -66,45 +73,86 @@ __device__ __forceinline__ uint32_t a8_codes(const uint32_t (&w)[BITS], int m, i
            (lut_code<BITS>(w, m, r + 2, 1) << 24);
 }
 
-// qw, meta: gemv.Packed; y: fp16 [T, N]. Group size = 64 << GSHIFT.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool on) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(dst),
+                 "l"(src), "r"((int)on));
+}
+
+// A lane's BITS words of a step.
+template <int BITS>
+__device__ __forceinline__ void a8_words(const uint32_t* __restrict__ p, uint32_t (&w)[BITS]) {
+    if (BITS == 4) {
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+        w[0] = u.x; w[1 % BITS] = u.y; w[2 % BITS] = u.z; w[3 % BITS] = u.w;
+    } else if (BITS == 2) {
+        const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+        w[0] = u.x; w[1 % BITS] = u.y;
+    } else {
+#pragma unroll
+        for (int b = 0; b < BITS; b++) w[b] = __ldg(p + b);
+    }
+}
+
+constexpr int A8_WARPS = 8, A8_TOK = 128, A8_STAGES = 4, A8_STEP_BYTES = A8_TOK * 64;
+
+// qw, meta: gemv.Packed; y: fp16 [T, N]. Group size = 64 << GSHIFT. Dynamic shared memory: A8_STAGES steps of x8.
 template <int BITS, int GSHIFT>
-__global__ void __launch_bounds__(128) gemm_a8(const uint32_t* __restrict__ qw, const uint8_t* __restrict__ meta,
-                                               const int8_t* __restrict__ x8, const float* __restrict__ sx,
-                                               const int* __restrict__ xsum, __half* __restrict__ y, int T, int N,
-                                               int K, int G) {
+__global__ void __launch_bounds__(32 * A8_WARPS, 1)
+    gemm_a8(const uint32_t* __restrict__ qw, const uint8_t* __restrict__ meta, const int8_t* __restrict__ x8,
+            const float* __restrict__ sx, const int* __restrict__ xsum, __half* __restrict__ y, int T, int N, int K,
+            int G) {
+    extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int tile = blockIdx.x * 4 + warp, tok0 = blockIdx.y * 64, S = K / 64;
-    if (tile >= N / 16) return;
-    const uint32_t* wp = qw + (size_t)tile * S * 32 * BITS + lane * BITS;
-    // this lane's tokens: column g of each 8-token mma tile j (B fragment), clamped (their results are not stored)
-    const int8_t* xr[8];
+    const int tile = blockIdx.x * A8_WARPS + warp, tok0 = blockIdx.y * A8_TOK, S = K / 64;
+    const bool rows = tile < N / 16;  // (a warp past the last tile still helps stage x8)
+    const uint32_t* wp = qw + (size_t)min(tile, N / 16 - 1) * S * 32 * BITS + lane * BITS;
+    // staging: thread i copies 16-byte pieces i and i + 256 of a step (token = piece / 4, piece % 4 = quarter)
+    const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    auto stage = [&](int s) {
+        if (s < S) {
 #pragma unroll
-    for (int j = 0; j < 8; j++) xr[j] = x8 + (size_t)min(tok0 + 8 * j + g, T - 1) * K + 4 * t;
-    float acc[8][4] = {};
-    int isum[8][4] = {};
+            for (int r = 0; r < 2; r++) {
+                const int piece = threadIdx.x + 256 * r, tok = piece >> 2;
+                cp_async16(sbase + (s % A8_STAGES) * A8_STEP_BYTES + 16 * piece,
+                           x8 + (size_t)min(tok0 + tok, T - 1) * K + 64 * s + 16 * (piece & 3), true);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+#pragma unroll
+    for (int s = 0; s < A8_STAGES - 1; s++) stage(s);
+    float acc[16][4] = {};
+    int isum[16][4] = {};
+    uint32_t w[BITS];
+    a8_words<BITS>(wp, w);
     for (int s = 0; s < S; s++) {
-        uint32_t w[BITS];
-#pragma unroll
-        for (int b = 0; b < BITS; b++) w[b] = __ldg(wp + (size_t)s * 32 * BITS + b);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(A8_STAGES - 2));
+        __syncthreads();  // step s is in; everyone is past step s - 1, whose slot the next stage() reuses
+        stage(s + A8_STAGES - 1);
+        uint32_t a[2][4];
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
-            const uint32_t a[4] = {a8_codes<BITS>(w, 2 * kk, 0), a8_codes<BITS>(w, 2 * kk, 1),
-                                   a8_codes<BITS>(w, 2 * kk + 1, 0), a8_codes<BITS>(w, 2 * kk + 1, 1)};
+            a[kk][0] = a8_codes<BITS>(w, 2 * kk, 0);
+            a[kk][1] = a8_codes<BITS>(w, 2 * kk, 1);
+            a[kk][2] = a8_codes<BITS>(w, 2 * kk + 1, 0);
+            a[kk][3] = a8_codes<BITS>(w, 2 * kk + 1, 1);
+        }
+        if (s + 1 < S) a8_words<BITS>(wp + (size_t)(s + 1) * 32 * BITS, w);  // the next step's codes, in flight now
+        const unsigned char* xs = smem + (s % A8_STAGES) * A8_STEP_BYTES + 16 * t;
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const int8_t* p = xr[j] + 64 * s + 32 * kk;
-                mma_u8s8(isum[j], a, __ldg(reinterpret_cast<const uint32_t*>(p)),
-                         __ldg(reinterpret_cast<const uint32_t*>(p + 16)));
-            }
+        for (int j = 0; j < 16; j++) {
+            const uint4 b = *reinterpret_cast<const uint4*>(xs + (8 * j + g) * 64);
+            mma_u8s8(isum[j], a[0], b.x, b.y);
+            mma_u8s8(isum[j], a[1], b.z, b.w);
         }
         if (((s + 1) & ((1 << GSHIFT) - 1)) == 0 || s == S - 1) {  // a group ends: scale its exact sums, fold the zero in
             const int grp = s >> GSHIFT;
-            const uint8_t* rec = meta + ((size_t)tile * G + grp) * META_BYTES;
+            const uint8_t* rec = meta + ((size_t)min(tile, N / 16 - 1) * G + grp) * META_BYTES;
             const float2 sc = __half22float2(reinterpret_cast<const __half2*>(rec)[g]);
             const float z0 = rec[32 + 2 * g], z1 = rec[32 + 2 * g + 1];
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                // C fragment: c0, c1 = row g, tokens 2t, 2t + 1 of tile j; c2, c3 = row g + 8
+            for (int j = 0; j < 16; j++) {
+                // C fragment: c0, c1 = row g, tokens 2t, 2t + 1 of column tile j; c2, c3 = row g + 8
                 const int ta = min(tok0 + 8 * j + 2 * t, T - 1), tb = min(ta + 1, T - 1);
                 const float xa = (float)__ldg(xsum + (size_t)ta * G + grp), xb = (float)__ldg(xsum + (size_t)tb * G + grp);
                 acc[j][0] = fmaf(sc.x, (float)isum[j][0] - z0 * xa, acc[j][0]);
@@ -115,9 +163,10 @@ __global__ void __launch_bounds__(128) gemm_a8(const uint32_t* __restrict__ qw, 
             }
         }
     }
+    if (!rows) return;
     const int n0 = tile * 16 + g;
 #pragma unroll
-    for (int j = 0; j < 8; j++)
+    for (int j = 0; j < 16; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int tok = tok0 + 8 * j + 2 * t + (e & 1), n = n0 + 8 * (e >> 1);

@@ -12,7 +12,7 @@ from . import cuda
 from .gemv import Packed
 
 NAMES = ("quant_a8",) + tuple(f"gemm_a8<{b},{gs}>" for b in (2, 3, 4) for gs in range(len(GROUP_SIZES)))
-TOKENS, ROWS = 64, 64  # a block's tile: 64 tokens x 64 outputs (4 warps of 16 rows)
+TOKENS, ROWS, STAGES = 128, 128, 4  # a block's tile: 128 tokens x 128 outputs (8 warps of 16 rows); x8 ring depth
 
 
 def linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
@@ -31,7 +31,8 @@ def linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
     y = torch.empty(T, N, dtype=torch.float16, device=x.device)
     gs = GROUP_SIZES.index(w.group_size)
     cuda.kernel("prefill_a8", f"gemm_a8<{w.bits},{gs}>", NAMES)(
-        (-(-N // ROWS), -(-T // TOKENS)), (128,), (cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(x8),
+        (-(-N // ROWS), -(-T // TOKENS)), (256,), (cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(x8),
                                                    cuda.ptr(sx), cuda.ptr(xsum), cuda.ptr(y), np.int32(T),
-                                                   np.int32(N), np.int32(K), np.int32(G)), stream=s)
+                                                   np.int32(N), np.int32(K), np.int32(G)),
+        shared_mem=STAGES * TOKENS * 64, stream=s)
     return y
