@@ -1,8 +1,11 @@
-// Attention of one new token (decode), fused with its RoPE and its KV-cache append, split over the context:
-// attend_part: block (kv head, 128-position chunk) rotates the query heads of its kv head, appends the new key and
-// value when the chunk holds the new position, and writes its chunk's softmax statistics and unnormalized output;
-// attend_combine merges the chunks per query head. The position comes from device memory, so one captured CUDA
-// graph serves every step; chunks past it exit at once. Same math as the torch path (model.Block): q and k rounded
+// Attention of one new token (decode), fused with its RoPE and its KV-cache append, split over the context
+// (flash-decoding): attend_part: block (kv head, split) takes a run of 128-position chunks of the context up to the
+// position, rotates the query heads of its kv head, appends the new key and value when its run holds the new
+// position, streams the run's chunks through shared memory (cp.async: each chunk's keys and values are one round
+// trip to memory, the next chunk's keys load while this chunk's values are used) with an online softmax, and writes
+// the run's softmax statistics and unnormalized output; attend_combine merges the runs per query head. The position
+// comes from device memory, so one captured CUDA graph serves every step: the runs are cut at run time, splits past
+// the context exit at once. Same math as the torch path (model.Block): q and k rounded
 // to fp16 after rotate-half RoPE, scores and softmax in fp32, output rounded to fp16.
 //
 // BITS is the cache width. 16: fp16 keys and values. 8 or 4: kvquant.py's format, per (position, kv head) the codes
@@ -12,10 +15,12 @@
 // and the output sum_i p_i (s_i c_i + z_i) is sum_i (p_i s_i) c_i + sum_i p_i z_i, so the inner loops multiply codes.
 #include <cuda_fp16.h>
 
+#include "async_copy.cuh"
 #include "pdl.cuh"
 
-constexpr int CHUNK = 128;  // positions per block (and threads per block)
-constexpr int GQ_MAX = 8;   // query heads per kv head
+constexpr int CHUNK = 128;   // positions per chunk (and threads per block)
+constexpr int GQ_MAX = 8;    // query heads per kv head
+constexpr int SPLITS_MAX = 1024;  // splits of the context per kv head (attend_combine's shared weights)
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no INFINITY
 #define POS_INF __int_as_float(0x7f800000)
 
@@ -44,9 +49,43 @@ template <int BITS> __device__ __forceinline__ void word_values(unsigned w, floa
     }
 }
 
+
+// Shared memory of attend_part, in 32-bit words: q [GQ][D] (fp32, scaled), p [GQ][CHUNK] (scores, then weights), then
+// the chunk's keys [CHUNK][KS] and values [CHUNK][RW] (cache words) and, for a quantized cache, two buffers of
+// (key, value) (scale, zero) [2][2][CHUNK] (the next chunk's arrive while this chunk's are used); at the end the
+// output streams' partial sums [STREAMS - 1][GQ][D] reuse the tiles' space. kernels/attention.py sizes it alike.
+template <int D, int BITS> struct Tiles {
+    static constexpr int RW = D * BITS / 32;    // 32-bit words per cache row
+    static constexpr int WPP = BITS / 4;        // words per 8-channel piece of a key
+    static constexpr int KS = RW + 4 * WPP;     // key row stride: a load phase's pieces (4 per position) hit distinct banks
+    static constexpr int STREAMS = CHUNK / RW;  // positions the output pass reads side by side
+    static constexpr int SZ = BITS < 16 ? 4 * CHUNK : 0;
+    static constexpr int WORDS = CHUNK * KS + CHUNK * RW + SZ;
+};
+
+// Cache rows [lo, hi) of a chunk into shared memory: keys into the padded tile and both (scale, zero) rows into sz
+// (keys = true), or values. Rows outside [lo, hi) keep what was there (never read).
+template <int D, int BITS, bool KEYS>
+__device__ __forceinline__ void fetch(unsigned s_tile, unsigned s_sz, const unsigned* __restrict__ cache,
+                                      const __half2* __restrict__ ksz, const __half2* __restrict__ vsz, size_t row,
+                                      int lo, int hi) {
+    using T = Tiles<D, BITS>;
+    constexpr int PR = T::RW / 4, STRIDE = KEYS ? T::KS : T::RW;  // 16-byte pieces per row
+    for (int i = threadIdx.x; i < CHUNK * PR; i += CHUNK) {
+        const int r = i / PR, c = i % PR;
+        cp_async16(s_tile + 4 * (r * STRIDE + 4 * c), cache + (row + r) * T::RW + 4 * c, r >= lo && r < hi);
+    }
+    if constexpr (KEYS && BITS < 16) {
+        const int r = threadIdx.x;
+        cp_async4(s_sz + 4 * r, ksz + row + r, r >= lo && r < hi);
+        cp_async4(s_sz + 4 * (CHUNK + r), vsz + row + r, r >= lo && r < hi);
+    }
+    cp_async_commit();
+}
+
 // qkv: [H*D | KVH*D | KVH*D] of the new token; cos/sin: [D/2] at its position; kc/vc: this layer's cache rows
-// [KVH, max_len, D * BITS / 32] in 32-bit words; ksz/vsz: [KVH, max_len] (scale, zero), unused at 16 bits. Shared
-// memory (fp32): q [GQ_MAX][D], p [GQ_MAX][CHUNK], then the output streams' partial sums [STREAMS - 1][GQ_MAX][D].
+// [KVH, max_len, D * BITS / 32] in 32-bit words; ksz/vsz: [KVH, max_len] (scale, zero), unused at 16 bits;
+// ws_o [H, splits, D], ws_ml [H, splits, 2]: the runs' unnormalized outputs and (max, sum) of their softmax.
 template <int D, int GQ, int BITS>
 __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ qkv, const float* __restrict__ cos,
                                                      const float* __restrict__ sin, unsigned* __restrict__ kc,
@@ -54,24 +93,39 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
                                                      __half2* __restrict__ vsz, const long long* __restrict__ pos_p,
                                                      float* __restrict__ ws_o, float* __restrict__ ws_ml, int H,
                                                      int KVH, int max_len, float scale) {
+    using T = Tiles<D, BITS>;
     constexpr bool QUANT = BITS < 16;
-    constexpr int RW = D * BITS / 32;  // 32-bit words per cache row
-    constexpr int VPW = 32 / BITS;     // values per word
-    wait_previous();
-    start_next();
-    const int kvh = blockIdx.x, chunk = blockIdx.y, n_chunks = gridDim.y;
-    const int pos = (int)*pos_p, start = chunk * CHUNK;
-    if (start > pos) return;
-    const int n = min(CHUNK, pos + 1 - start);
+    constexpr int RW = T::RW, VPW = 32 / BITS, HALF = D / 2;
+    // the position was written before the graph started and rows before it by earlier steps: this run's first chunk
+    // is fetched before waiting for the kernel that computes qkv
+    const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+    const int pos = (int)*pos_p, used = pos / CHUNK + 1, per = (used + splits - 1) / splits;
+    const int c0 = split * per, c1 = min(used, c0 + per), pc = pos / CHUNK;
+    if (c0 >= used) {
+        wait_previous();
+        start_next();
+        return;
+    }
     extern __shared__ float sm[];
-    float* q = sm;                         // [GQ][D]
-    float* p = q + GQ_MAX * D;             // [GQ][CHUNK]
-    float* red = p + GQ_MAX * CHUNK;       // [STREAMS - 1][GQ][D]
-    __shared__ float mstat[GQ_MAX], lstat[GQ_MAX], qsum[GQ_MAX], zsum[GQ_MAX];
-    constexpr int HALF = D / 2;
+    float* q = sm;              // [GQ][D]
+    float* p = q + GQ * D;      // [GQ][CHUNK]
+    unsigned* kt = reinterpret_cast<unsigned*>(p + GQ * CHUNK);  // [CHUNK][KS]
+    unsigned* vt = kt + CHUNK * T::KS;                           // [CHUNK][RW]
+    const __half2* szt = reinterpret_cast<const __half2*>(vt + CHUNK * RW);  // [2][2][CHUNK]
+    float* red = reinterpret_cast<float*>(kt);                   // [STREAMS - 1][GQ][D], after the last chunk
+    const unsigned s_kt = (unsigned)__cvta_generic_to_shared(kt), s_vt = (unsigned)__cvta_generic_to_shared(vt);
+    const unsigned s_sz = (unsigned)__cvta_generic_to_shared(szt);
+    __shared__ float mstat[GQ_MAX], lstat[GQ_MAX], qsum[GQ_MAX], zsum[GQ_MAX], alpha[GQ_MAX];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const size_t row0 = (size_t)kvh * max_len;  // this kv head's first cache row
+    auto rows = [&](int c) { return min(CHUNK, pos + 1 - c * CHUNK); };
+    // the new position's row is fetched after this block appends it
+    const bool late = c0 == pc;
+    fetch<D, BITS, true>(s_kt, s_sz, kc, ksz, vsz, row0 + c0 * CHUNK, 0, rows(c0) - late);
+    fetch<D, BITS, false>(s_vt, 0, vc, ksz, vsz, row0 + c0 * CHUNK, 0, rows(c0) - late);
 
+    wait_previous();
+    start_next();
     for (int i = tid; i < GQ * HALF; i += CHUNK) {
         const int g = i / HALF, d = i % HALF;
         const __half* x = qkv + (kvh * GQ + g) * D;
@@ -79,7 +133,8 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
         q[g * D + d] = __half2float(__float2half_rn(x1 * c - x2 * s)) * scale;
         q[g * D + d + HALF] = __half2float(__float2half_rn(x2 * c + x1 * s)) * scale;
     }
-    if (pos < start + CHUNK) {  // this chunk holds the new position: append k (rotated) and v
+    if (tid < GQ) mstat[tid] = NEG_INF, lstat[tid] = 0.0f, zsum[tid] = 0.0f;
+    if (c1 - 1 == pc) {  // this run holds the new position: append k (rotated) and v
         const __half* k = qkv + H * D + kvh * D;
         const __half* v = qkv + (H + KVH) * D + kvh * D;
         if constexpr (!QUANT) {
@@ -125,7 +180,12 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
             }
         }
     }
-    __syncthreads();  // q staged, and this block's cache writes visible to it
+    __syncthreads();  // q staged, and this block's cache writes visible to its copies
+    if (late) {       // the new row of the first chunk (keys, values, scales in one group)
+        const int r = pos - c0 * CHUNK;
+        fetch<D, BITS, true>(s_kt, s_sz, kc, ksz, vsz, row0 + c0 * CHUNK, r, r + 1);
+        fetch<D, BITS, false>(s_vt, 0, vc, ksz, vsz, row0 + c0 * CHUNK, r, r + 1);
+    }
     if constexpr (QUANT) {  // sum(q) per query head, for the zero points
         for (int g = warp; g < GQ; g += CHUNK / 32) {
             float a = 0.0f;
@@ -133,108 +193,133 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
             for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
             if (lane == 0) qsum[g] = a;
         }
-        __syncthreads();
     }
 
-    // scores: 4 threads per position (a short context still spreads over the block); thread qd of a position takes
-    // the 8-channel pieces qd, qd + 4, ... (BITS bytes each): its 4 threads read contiguous bytes of k, and q from
-    // 4 different banks
-    constexpr int TPP = 4, PIECES = D / 8 / TPP, PER_PASS = CHUNK / TPP, WPP = BITS / 4;
-    using Piece = Words<WPP>;
-    const int qd = tid % TPP;
-    for (int p0 = 0; p0 < n; p0 += PER_PASS) {
-        const int ps = p0 + tid / TPP;
-        float sc[GQ];
-#pragma unroll
-        for (int g = 0; g < GQ; g++) sc[g] = 0.0f;
-        float2 sz = make_float2(1.0f, 0.0f);
-        if (ps < n) {
-            const Piece* kp = reinterpret_cast<const Piece*>(kc + (row0 + start + ps) * RW) + qd;
-            Piece u[PIECES];
-#pragma unroll
-            for (int j = 0; j < PIECES; j++) u[j] = kp[j * TPP];
-            if constexpr (QUANT) sz = __half22float2(ksz[row0 + start + ps]);
-#pragma unroll
-            for (int j = 0; j < PIECES; j++) {
-                float f[8];
-#pragma unroll
-                for (int w = 0; w < WPP; w++) word_values<BITS>(u[j].w[w], f + w * VPW);
-#pragma unroll
-                for (int g = 0; g < GQ; g++) {
-                    const float4* qg = reinterpret_cast<const float4*>(q + g * D + (j * TPP + qd) * 8);
-                    const float4 a = qg[0], b = qg[1];
-                    float s = sc[g];
-                    s = fmaf(a.x, f[0], s), s = fmaf(a.y, f[1], s), s = fmaf(a.z, f[2], s), s = fmaf(a.w, f[3], s);
-                    s = fmaf(b.x, f[4], s), s = fmaf(b.y, f[5], s), s = fmaf(b.z, f[6], s), s = fmaf(b.w, f[7], s);
-                    sc[g] = s;
-                }
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < GQ; g++) {
-            sc[g] += __shfl_xor_sync(0xffffffffu, sc[g], 1);
-            sc[g] += __shfl_xor_sync(0xffffffffu, sc[g], 2);
-            if (qd == 0 && ps < n) p[g * CHUNK + ps] = QUANT ? fmaf(sz.x, sc[g], sz.y * qsum[g]) : sc[g];
-        }
-    }
-    __syncthreads();
-
-    // softmax statistics per query head: warp w takes heads w, w + 4, ...; quantized values: p_i becomes p_i s_i,
-    // and sum_i p_i z_i is kept per head
-    for (int g = warp; g < GQ; g += CHUNK / 32) {
-        float m = NEG_INF;
-        for (int i = lane; i < n; i += 32) m = fmaxf(m, p[g * CHUNK + i]);
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        float l = 0.0f, zs = 0.0f;
-        for (int i = lane; i < CHUNK; i += 32) {
-            float e = i < n ? __expf(p[g * CHUNK + i] - m) : 0.0f;  // nothing past the position
-            l += e;
-            if (QUANT && i < n) {
-                const float2 vs = __half22float2(vsz[row0 + start + i]);
-                zs = fmaf(e, vs.y, zs);
-                e *= vs.x;
-            }
-            p[g * CHUNK + i] = e;
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            l += __shfl_xor_sync(0xffffffffu, l, o);
-            zs += __shfl_xor_sync(0xffffffffu, zs, o);
-        }
-        if (lane == 0) mstat[g] = m, lstat[g] = l, zsum[g] = zs;
-    }
-    __syncthreads();
-
-    // output: thread = (position stream, 32-bit word of the row); streams meet in shared memory
-    constexpr int STREAMS = CHUNK / RW;
+    // output: thread = (position stream, 32-bit word of the row); streams meet in shared memory at the end
+    constexpr int STREAMS = T::STREAMS;
     const int wd = tid % RW, st = tid / RW;
     float acc[GQ][VPW];
 #pragma unroll
     for (int g = 0; g < GQ; g++)
 #pragma unroll
         for (int e = 0; e < VPW; e++) acc[g][e] = 0.0f;
-    const unsigned* vp = vc + (row0 + start) * RW + wd;
-    constexpr int U = 8;  // positions whose loads are in flight together
-    for (int i0 = st; i0 < n; i0 += U * STREAMS) {
-        unsigned v[U];
+
+    for (int c = c0; c < c1; c++) {
+        const int n = rows(c), buf = (c - c0) & 1;
+        const __half2* ks = szt + buf * 2 * CHUNK;  // this chunk's key (scale, zero), then the values'
+        const __half2* vs = ks + CHUNK;
+        const bool next = c + 1 < c1;
+        if (late && c == c0)
+            cp_async_wait<0>();
+        else
+            cp_async_wait<1>();  // the keys (the values may still be on their way)
+        __syncthreads();
+
+        // scores: 4 threads per position; thread qd of a position takes the 8-channel pieces qd, qd + 4, ... (BITS
+        // bytes each): its 4 threads read contiguous bytes of the key row, and q from 4 different banks
+        constexpr int TPP = 4, PIECES = D / 8 / TPP, PER_PASS = CHUNK / TPP, WPP = T::WPP;
+        using Piece = Words<WPP>;
+        const int qd = tid % TPP;
+        for (int p0 = 0; p0 < n; p0 += PER_PASS) {
+            const int ps = p0 + tid / TPP;
+            float sc[GQ];
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int i = i0 + u * STREAMS;
-            v[u] = i < n ? vp[(size_t)i * RW] : 0u;  // past n: zero values (or codes)
-        }
+            for (int g = 0; g < GQ; g++) sc[g] = 0.0f;
+            if (ps < n) {
+                const Piece* kp = reinterpret_cast<const Piece*>(kt + ps * T::KS) + qd;
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int i = min(i0 + u * STREAMS, CHUNK - 1);
-            float f[VPW];
-            word_values<BITS>(v[u], f);
+                for (int j = 0; j < PIECES; j++) {
+                    const Piece u = kp[j * TPP];
+                    float f[8];
+#pragma unroll
+                    for (int w = 0; w < WPP; w++) word_values<BITS>(u.w[w], f + w * VPW);
+#pragma unroll
+                    for (int g = 0; g < GQ; g++) {
+                        const float4* qg = reinterpret_cast<const float4*>(q + g * D + (j * TPP + qd) * 8);
+                        const float4 a = qg[0], b = qg[1];
+                        float s = sc[g];
+                        s = fmaf(a.x, f[0], s), s = fmaf(a.y, f[1], s), s = fmaf(a.z, f[2], s), s = fmaf(a.w, f[3], s);
+                        s = fmaf(b.x, f[4], s), s = fmaf(b.y, f[5], s), s = fmaf(b.z, f[6], s), s = fmaf(b.w, f[7], s);
+                        sc[g] = s;
+                    }
+                }
+            }
+            float2 sz = make_float2(1.0f, 0.0f);
+            if (QUANT && ps < n) sz = __half22float2(ks[ps]);
 #pragma unroll
             for (int g = 0; g < GQ; g++) {
-                const float w = p[g * CHUNK + i];
-#pragma unroll
-                for (int e = 0; e < VPW; e++) acc[g][e] = fmaf(w, f[e], acc[g][e]);
+                sc[g] += __shfl_xor_sync(0xffffffffu, sc[g], 1);
+                sc[g] += __shfl_xor_sync(0xffffffffu, sc[g], 2);
+                if (qd == 0 && ps < n) p[g * CHUNK + ps] = QUANT ? fmaf(sz.x, sc[g], sz.y * qsum[g]) : sc[g];
             }
         }
+        __syncthreads();  // the key tile is free: the next chunk's keys (and scales) start loading
+        if (next) fetch<D, BITS, true>(s_kt, s_sz + 4 * 2 * CHUNK * (buf ^ 1), kc, ksz, vsz,
+                                       row0 + (c + 1) * CHUNK, 0, rows(c + 1));
+
+        // online softmax per query head: warp w takes heads w, w + 4, ...; the running max moves to m and what was
+        // summed so far is scaled by alpha = exp(m_old - m); quantized values: p_i becomes p_i s_i, and
+        // sum_i p_i z_i is kept per head
+        for (int g = warp; g < GQ; g += CHUNK / 32) {
+            float m = mstat[g];
+            const float m_old = m;
+            for (int i = lane; i < n; i += 32) m = fmaxf(m, p[g * CHUNK + i]);
+            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            float l = 0.0f, zs = 0.0f;
+            for (int i = lane; i < CHUNK; i += 32) {
+                float e = i < n ? __expf(p[g * CHUNK + i] - m) : 0.0f;  // nothing past the position
+                l += e;
+                if (QUANT && i < n) {
+                    const float2 v = __half22float2(vs[i]);
+                    zs = fmaf(e, v.y, zs);
+                    e *= v.x;
+                }
+                p[g * CHUNK + i] = e;
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                l += __shfl_xor_sync(0xffffffffu, l, o);
+                zs += __shfl_xor_sync(0xffffffffu, zs, o);
+            }
+            if (lane == 0) {
+                const float a = __expf(m_old - m);  // 0 at the first chunk (m_old = -inf)
+                mstat[g] = m, lstat[g] = fmaf(lstat[g], a, l), zsum[g] = fmaf(zsum[g], a, zs), alpha[g] = a;
+            }
+        }
+        if (next)
+            cp_async_wait<1>();  // the values (the next keys may still be on their way)
+        else
+            cp_async_wait<0>();
+        __syncthreads();
+
+        const unsigned* vp = vt + wd;
+#pragma unroll
+        for (int g = 0; g < GQ; g++) {
+            const float a = alpha[g];
+#pragma unroll
+            for (int e = 0; e < VPW; e++) acc[g][e] *= a;
+        }
+        constexpr int U = 4;
+        for (int i0 = st; i0 < n; i0 += U * STREAMS) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int i = i0 + u * STREAMS;
+                if (i < n) {
+                    float f[VPW];
+                    word_values<BITS>(vp[i * RW], f);
+#pragma unroll
+                    for (int g = 0; g < GQ; g++) {
+                        const float w = p[g * CHUNK + i];
+#pragma unroll
+                        for (int e = 0; e < VPW; e++) acc[g][e] = fmaf(w, f[e], acc[g][e]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the value tile (and p) are free
+        if (next) fetch<D, BITS, false>(s_vt, 0, vc, ksz, vsz, row0 + (c + 1) * CHUNK, 0, rows(c + 1));
     }
-    if (st > 0) {
+
+    if (st > 0) {  // no copies are in flight after the last chunk: the tiles' space holds the streams' sums
 #pragma unroll
         for (int g = 0; g < GQ; g++)
 #pragma unroll
@@ -245,7 +330,7 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
 #pragma unroll
         for (int g = 0; g < GQ; g++) {
             const int head = kvh * GQ + g;
-            float* out = ws_o + ((size_t)head * n_chunks + chunk) * D + wd * VPW;
+            float* out = ws_o + ((size_t)head * splits + split) * D + wd * VPW;
 #pragma unroll
             for (int e = 0; e < VPW; e++) {
                 float a = acc[g][e];
@@ -253,27 +338,53 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
                 out[e] = QUANT ? a + zsum[g] : a;
             }
             if (wd == 0) {
-                ws_ml[(head * n_chunks + chunk) * 2] = mstat[g];
-                ws_ml[(head * n_chunks + chunk) * 2 + 1] = lstat[g];
+                ws_ml[(head * splits + split) * 2] = mstat[g];
+                ws_ml[(head * splits + split) * 2 + 1] = lstat[g];
             }
         }
     }
 }
 
-// out[head, :] = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c over the chunks up to the position. Block = head.
+// A value reduced over the block (max or sum), returned to every thread.
+template <bool MAX> __device__ __forceinline__ float block_reduce(float v, float* tmp) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = MAX ? fmaxf(v, w) : v + w;
+    }
+    const int warps = blockDim.x >> 5;
+    if ((threadIdx.x & 31) == 0) tmp[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = tmp[0];
+    for (int w = 1; w < warps; w++) v = MAX ? fmaxf(v, tmp[w]) : v + tmp[w];
+    __syncthreads();  // tmp is free again
+    return v;
+}
+
+// out[head, :] = sum_r exp(m_r - M) o_r / sum_r exp(m_r - M) l_r over the runs up to the position. Block = head,
+// D threads.
 __global__ void attend_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
-                               const long long* __restrict__ pos_p, __half* __restrict__ out, int n_chunks, int D) {
+                               const long long* __restrict__ pos_p, __half* __restrict__ out, int splits, int D) {
     wait_previous();
     start_next();
-    const int head = blockIdx.x, used = (int)(*pos_p) / CHUNK + 1;
-    const float* ml = ws_ml + (size_t)head * n_chunks * 2;
-    float M = NEG_INF;
-    for (int c = 0; c < used; c++) M = fmaxf(M, ml[2 * c]);
-    float L = 0.0f;
-    for (int c = 0; c < used; c++) L += __expf(ml[2 * c] - M) * ml[2 * c + 1];
+    __shared__ float w[SPLITS_MAX], tmp[32];
+    const int head = blockIdx.x, used = (int)(*pos_p) / CHUNK + 1, per = (used + splits - 1) / splits;
+    const int runs = (used + per - 1) / per;
+    const float* ml = ws_ml + (size_t)head * splits * 2;
+    float m = NEG_INF;
+    for (int r = threadIdx.x; r < runs; r += blockDim.x) m = fmaxf(m, ml[2 * r]);
+    const float M = block_reduce<true>(m, tmp);
+    float l = 0.0f;
+    for (int r = threadIdx.x; r < runs; r += blockDim.x) {
+        const float e = __expf(ml[2 * r] - M);
+        w[r] = e;
+        l = fmaf(e, ml[2 * r + 1], l);
+    }
+    const float L = block_reduce<false>(l, tmp);  // its barrier also publishes w
+    const float* o = ws_o + (size_t)head * splits * D;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float a = 0.0f;
-        for (int c = 0; c < used; c++) a += __expf(ml[2 * c] - M) * ws_o[((size_t)head * n_chunks + c) * D + d];
+#pragma unroll 8
+        for (int r = 0; r < runs; r++) a = fmaf(w[r], o[r * D + d], a);
         out[head * D + d] = __float2half_rn(a / L);
     }
 }

@@ -2,12 +2,14 @@
 fp16 cache or an 8- / 4-bit one (localllm.kvquant's format)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from . import cuda
 
-CHUNK, GQ_MAX = 128, 8  # as in attention.cu
+CHUNK, GQ_MAX, SPLITS_MAX = 128, 8, 1024  # as in attention.cu
 NAMES = tuple(f"attend_part<{d},{g},{b}>" for d in (64, 128) for g in range(1, GQ_MAX + 1) for b in (16, 8, 4)) \
     + ("attend_combine",)
 
@@ -18,26 +20,48 @@ def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            pos: torch.Tensor, heads: int, kv_heads: int, scale: float, k_sz: torch.Tensor | None = None,
-           v_sz: torch.Tensor | None = None) -> torch.Tensor:
+           v_sz: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """qkv: fp16 [(heads + 2 kv_heads) * D] of the new token (before RoPE); cos/sin: float32 [D/2] at its position;
     k_cache/v_cache: one layer's cache, fp16 [kv_heads, max_len, D], or int32 codes [kv_heads, max_len, D * bits / 32]
     with k_sz/v_sz, fp16 [kv_heads, max_len, 2] (scale, zero); the new key and value are written (quantized) at pos;
-    pos: int64 [1] on the GPU. Returns the attention output, fp16 [heads * D]."""
+    pos: int64 [1] on the GPU; splits: runs of the context per kv head (default n_splits; tests force a few chunks
+    per run). Returns the attention output, fp16 [heads * D]."""
     D = qkv.numel() // (heads + 2 * kv_heads)
     kvh, max_len, words = k_cache.shape
     bits = 16 if k_sz is None else words * 32 // D
-    chunks = -(-max_len // CHUNK)
-    ws_o = torch.empty(heads, chunks, D, dtype=torch.float32, device=qkv.device)
-    ws_ml = torch.empty(heads, chunks, 2, dtype=torch.float32, device=qkv.device)
+    gq = heads // kv_heads
+    smem = shared_bytes(D, gq, bits)
+    splits = splits or n_splits(max_len, kv_heads, smem, qkv.device.index)
+    ws_o = torch.empty(heads, splits, D, dtype=torch.float32, device=qkv.device)
+    ws_ml = torch.empty(heads, splits, 2, dtype=torch.float32, device=qkv.device)
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)
-    streams = CHUNK // (D * bits // 32)  # output streams: one thread per 32-bit word of a cache row
-    smem = 4 * (GQ_MAX * D + GQ_MAX * CHUNK + (streams - 1) * GQ_MAX * D)
     sz = (np.uint64(0), np.uint64(0)) if k_sz is None else (cuda.ptr(k_sz), cuda.ptr(v_sz))
-    cuda.launch(cuda.kernel("attention", f"attend_part<{D},{heads // kv_heads},{bits}>", NAMES), (kvh, chunks),
-                (CHUNK,), (cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz,
-                           cuda.ptr(pos), cuda.ptr(ws_o), cuda.ptr(ws_ml), np.int32(heads), np.int32(kv_heads),
-                           np.int32(max_len), np.float32(scale)),
+    k = cuda.kernel("attention", f"attend_part<{D},{gq},{bits}>", NAMES)
+    if smem > 48 * 1024 - 1280:  # + the static arrays: past 48 KB needs the opt-in
+        k.max_dynamic_shared_size_bytes = smem
+    cuda.launch(k, (kvh, splits), (CHUNK,), (
+        cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz, cuda.ptr(pos),
+        cuda.ptr(ws_o), cuda.ptr(ws_ml), np.int32(heads), np.int32(kv_heads), np.int32(max_len), np.float32(scale)),
                 shared_mem=smem, early=True)
     cuda.launch(cuda.kernel("attention", "attend_combine", NAMES), (heads,), (D,), (
-        cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(pos), cuda.ptr(out), np.int32(chunks), np.int32(D)), early=True)
+        cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(pos), cuda.ptr(out), np.int32(splits), np.int32(D)), early=True)
     return out
+
+
+def shared_bytes(D: int, gq: int, bits: int) -> int:
+    """attend_part's dynamic shared memory (attention.cu's Tiles): q and p in fp32, the key tile (rows padded by
+    4 * bits / 4 words), the value tile, the (scale, zero) buffers; the output streams' sums reuse the tiles."""
+    rw = D * bits // 32
+    tiles = CHUNK * (rw + bits) + CHUNK * rw + (4 * CHUNK if bits < 16 else 0)
+    return 4 * (gq * D + gq * CHUNK + max(tiles, (CHUNK // rw - 1) * gq * D))
+
+
+@functools.cache
+def n_splits(max_len: int, kv_heads: int, smem: int, device: int) -> int:
+    """Runs per kv head: enough blocks to fill every SM once at the occupancy the shared memory allows (the
+    flash-decoding split: each block streams its run of chunks, so one wave keeps the memory system busy), at most
+    one chunk per run."""
+    props = torch.cuda.get_device_properties(device)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", props.shared_memory_per_block_optin + 1024)
+    resident = props.multi_processor_count * max(1, min(2048 // CHUNK, per_sm // (smem + 2048)))
+    return max(1, min(-(-max_len // CHUNK), -(-resident // kv_heads), SPLITS_MAX))

@@ -34,15 +34,7 @@ typedef unsigned char uint8_t;
 
 #include "qdec.cuh"
 
-// A predicated copy (no branch, so no divergence bookkeeping around it).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool on) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(dst),
-        "l"(src), "r"((int)on));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+#include "async_copy.cuh"
 
 // log2 of the factor f of mma tile m, row half r (rows g: 0, rows g + 8: 1), as quant._SLOT places the fields.
 __host__ __device__ constexpr int log2_factor(int bits, int m, int r) {

@@ -21,6 +21,7 @@ typedef unsigned int uint32_t;
 typedef unsigned char uint8_t;
 typedef signed char int8_t;
 
+#include "async_copy.cuh"
 #include "lut.cuh"
 
 constexpr int META_BYTES = 48;  // gemv.cu's meta record: 16 fp16 scales, 16 uint8 zeros, rows 0, 8, 1, 9, ...
@@ -71,11 +72,6 @@ template <int BITS>
 __device__ __forceinline__ uint32_t a8_codes(const uint32_t (&w)[BITS], int m, int r) {
     return lut_code<BITS>(w, m, r, 0) | (lut_code<BITS>(w, m, r + 2, 0) << 8) | (lut_code<BITS>(w, m, r, 1) << 16) |
            (lut_code<BITS>(w, m, r + 2, 1) << 24);
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool on) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(dst),
-                 "l"(src), "r"((int)on));
 }
 
 // A lane's BITS words of a step.

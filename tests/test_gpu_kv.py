@@ -17,7 +17,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128), (4, 4, 128), (16, 2, 64)])
-def test_quantized_decode_attention_matches_float64_reference(heads, kv_heads, D, bits):
+@pytest.mark.parametrize("splits", [None, 1, 3])  # the default, then runs of 4 and 2 chunks
+def test_quantized_decode_attention_matches_float64_reference(heads, kv_heads, D, splits, bits):
     from localllm import ops
     from localllm.kernels import attention
     max_len, gq = 400, heads // kv_heads
@@ -25,7 +26,7 @@ def test_quantized_decode_attention_matches_float64_reference(heads, kv_heads, D
     outliers = torch.where(torch.rand(D, device="cuda") < 0.05, 10.0, 1.0)
     kc, ksz = kvquant.quantize(torch.randn(kv_heads, max_len, D, device="cuda") * outliers, bits)
     vc, vsz = kvquant.quantize(torch.randn(kv_heads, max_len, D, device="cuda"), bits)
-    for p in (0, 127, 128, 300, 399):  # chunk boundaries of 128 positions
+    for p in (0, 127, 128, 255, 256, 300, 399):  # chunk boundaries of 128 positions
         qkv = torch.randn((heads + 2 * kv_heads) * D, device="cuda").half()
         ang = torch.rand(D // 2) * 6
         rot = qkv.cpu().float().view(1, -1).clone()
@@ -35,7 +36,7 @@ def test_quantized_decode_attention_matches_float64_reference(heads, kv_heads, D
         k_new = rot[heads * D: (heads + kv_heads) * D].view(kv_heads, D)
         v_new = qkv[(heads + kv_heads) * D:].cpu().float().view(kv_heads, D)
         out = attention.attend(qkv, ang.cos().cuda(), ang.sin().cuda(), kc, vc, torch.tensor([p], device="cuda"),
-                               heads, kv_heads, D ** -0.5, ksz, vsz)
+                               heads, kv_heads, D ** -0.5, ksz, vsz, splits=splits)
         torch.cuda.synchronize()
         # the append: kvquant.quantize of the fp16-rounded rotated key (RoPE may round one way or the other by an
         # ulp, which can move a code by one) and of the value (exact)

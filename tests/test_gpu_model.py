@@ -60,13 +60,14 @@ def test_too_big_for_the_gpu_is_refused_with_sizes(tiny_quant, monkeypatch):
 
 
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128), (4, 4, 128), (16, 2, 64)])
-def test_fused_decode_attention_matches_float64_reference(heads, kv_heads, D):
+@pytest.mark.parametrize("splits", [None, 1, 3])  # the default, then runs of 4 and 2 chunks
+def test_fused_decode_attention_matches_float64_reference(heads, kv_heads, D, splits):
     from localllm import ops
     from localllm.kernels import attention
     max_len, gq = 400, heads // kv_heads
     kc = torch.randn(kv_heads, max_len, D, device="cuda").half()
     vc = torch.randn(kv_heads, max_len, D, device="cuda").half()
-    for p in (0, 127, 128, 300, 399):  # chunk boundaries of 128 positions
+    for p in (0, 127, 128, 255, 256, 300, 399):  # chunk boundaries of 128 positions
         qkv = torch.randn((heads + 2 * kv_heads) * D, device="cuda").half()
         ang = torch.rand(D // 2) * 6
         rot = qkv.cpu().float().view(1, -1).clone()
@@ -78,7 +79,7 @@ def test_fused_decode_attention_matches_float64_reference(heads, kv_heads, D):
         keys, vals = kc.cpu().double(), vc.cpu().double()
         keys[:, p], vals[:, p] = k_new, v_new
         out = attention.attend(qkv, ang.cos().cuda(), ang.sin().cuda(), kc, vc, torch.tensor([p], device="cuda"),
-                               heads, kv_heads, D ** -0.5)
+                               heads, kv_heads, D ** -0.5, splits=splits)
         torch.cuda.synchronize()
         kvh = torch.arange(heads) // gq
         scores = torch.einsum("hd,hpd->hp", q, keys[kvh, : p + 1]) * D ** -0.5

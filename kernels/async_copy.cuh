@@ -1,0 +1,19 @@
+// cp.async: copies from global to shared memory that run in the background (sm_80+), so a thread issues a whole
+// tile's loads and holds no registers for them; commit groups them, wait<N> blocks until at most N groups are left.
+#pragma once
+
+// A predicated 16-byte copy (no branch, so no divergence bookkeeping around it); through L2 only.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool on) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(dst),
+        "l"(src), "r"((int)on));
+}
+// A predicated 4-byte copy (cg takes 16 bytes only; ca goes through L1).
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, bool on) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.ca.shared.global [%0], [%1], 4;\n}\n" ::"r"(dst),
+        "l"(src), "r"((int)on));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
