@@ -1,7 +1,8 @@
 """The one way Python reaches CUDA code: compile a .cu file of this folder with CuPy (NVRTC) once per
 process and device, launch its kernels on torch's current stream.
 
-LOCALLLM_NO_CUDA_KERNELS=1 turns the kernels off (the torch reference path runs instead).
+LOCALLLM_NO_CUDA_KERNELS=1 turns the kernels off (the torch reference path runs instead); LOCALLLM_LINEINFO=1
+compiles them with source line information (for Nsight Compute's source view).
 """
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def module(name: str, device: int, names: tuple[str, ...]):
     with cupy.cuda.Device(device):
         major, minor = torch.cuda.get_device_capability(device)
         src = (HERE / f"{name}.cu").read_text()
-        mod = cupy.RawModule(code=src, options=("-std=c++17", f"--gpu-architecture=sm_{major}{minor}", f"-I{HERE}"),
-                             name_expressions=list(names))
+        options = ("-std=c++17", f"--gpu-architecture=sm_{major}{minor}", f"-I{HERE}") + (
+            ("-lineinfo",) if os.environ.get("LOCALLLM_LINEINFO") == "1" else ())
+        mod = cupy.RawModule(code=src, options=options, name_expressions=list(names))
         mod.compile()
         return mod
 
