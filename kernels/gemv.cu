@@ -16,10 +16,11 @@
 // barrier in the stream). x, in B-fragment order, and its per-step sums are staged once per block. The warps'
 // partial sums of a tile meet in shared memory at the tile's end (one barrier per tile).
 //
-// Table (non-uniform, SqueezeLLM) weights, LUT = true: the same codes layout, W_hat[n, c] = lut[n][code] with one fp16
-// table of 2^BITS values per output channel (quant.QuantLUT). The meta record is then the tile's 16 tables (rows 0..15,
-// 32 << BITS bytes), fetched with every step like the uniform record; a lane looks each of its codes up in it
-// (lut.cuh), and there is no scale, zero or factor to apply: the mma sums are the result.
+// Table (non-uniform, SqueezeLLM) weights, LUT = true: W_hat[n, c] = lut[n][code] with one fp16 table of 2^BITS values
+// per output channel (kernels.gemv.PackedLUT). The meta record is then the tile's 16 tables (rows 0..15, 32 << BITS
+// bytes), fetched with every step like the uniform record. 2 and 3 bits: codes and tables in PackedLUT's load-time
+// layout, four lookups per four byte permutes (lut.cuh, lut_fragments); 4 bits: the mma-v3 codes, each looked up in
+// shared memory. No scale, zero or factor to apply: the mma sums are the result.
 #include <cuda_fp16.h>
 
 #include "pdl.cuh"
@@ -109,6 +110,19 @@ constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 z
 // (K/64 float4), then the warps' rings (WARPS x DEPTH slots of one step's weights + one meta record), then with QDEC
 // the block's fp32 results (16 per tile), the selection (k_chunk ints, k_chunk floats), 1024 bucket bytes and
 // QW * 36 ints. Without QDEC, registers are capped at 64 so that 32 warps fit on an SM.
+// Rows g and g + 8 of a tile's tables in PackedLUT's split form (2 / 3 bits: per row the entries' low bytes, then
+// their high bytes; 8 / 16 bytes), as lut_fragments takes them.
+template <int BITS>
+__device__ __forceinline__ void lut_tables(const unsigned char* rec, int g, uint32_t (&tg)[4], uint32_t (&tg8)[4]) {
+    if constexpr (BITS == 3) {
+        const uint4 u = reinterpret_cast<const uint4*>(rec)[g], v = reinterpret_cast<const uint4*>(rec)[g + 8];
+        tg[0] = u.x, tg[1] = u.y, tg[2] = u.z, tg[3] = u.w, tg8[0] = v.x, tg8[1] = v.y, tg8[2] = v.z, tg8[3] = v.w;
+    } else {  // 4 entries: selectors never reach bytes 4-7
+        const uint2 u = reinterpret_cast<const uint2*>(rec)[g], v = reinterpret_cast<const uint2*>(rec)[g + 8];
+        tg[0] = tg[1] = u.x, tg[2] = tg[3] = u.y, tg8[0] = tg8[1] = v.x, tg8[2] = tg8[3] = v.y;
+    }
+}
+
 // Group size = 64 << GSHIFT (uniform weights; LUT: GSHIFT 0, G = 1).
 template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT>
 __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
@@ -277,16 +291,23 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
         const uint4 b01 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t];
         const uint4 b23 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t + 1];
         if constexpr (LUT) {  // every element looked up in its row's table; the mma sums are W_hat x
-            const __half* tab = reinterpret_cast<const __half*>(slot + STEP_BYTES);
             uint32_t a[4][4];
+            if constexpr (BITS < 4) {  // byte permutes on PackedLUT's layout (lut.cuh)
+                uint32_t tg[4], tg8[4];
+                lut_tables<BITS>(slot + STEP_BYTES, g, tg, tg8);
+                lut_fragments<BITS>(w, tg, tg8, a);
+            } else {
+                const __half* tab = reinterpret_cast<const __half*>(slot + STEP_BYTES);
 #pragma unroll
-            for (int m = 0; m < 4; m++)
+                for (int m = 0; m < 4; m++)
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const __half* row = tab + (lut_row(g, j) << BITS);
-                    const __half2 v = __halves2half2(row[lut_code<BITS>(w, m, j, 0)], row[lut_code<BITS>(w, m, j, 1)]);
-                    a[m][j] = *reinterpret_cast<const uint32_t*>(&v);
-                }
+                    for (int j = 0; j < 4; j++) {
+                        const __half* row = tab + (lut_row(g, j) << BITS);
+                        const __half2 v =
+                            __halves2half2(row[lut_code<BITS>(w, m, j, 0)], row[lut_code<BITS>(w, m, j, 1)]);
+                        a[m][j] = *reinterpret_cast<const uint32_t*>(&v);
+                    }
+            }
             float c[4][4] = {};
             mma16816(c[0], a[0], b01.x, b01.y);
             mma16816(c[1], a[1], b01.z, b01.w);
@@ -424,9 +445,10 @@ template __global__ void dequant<2>(const uint32_t*, const uint8_t*, __half*, in
 template __global__ void dequant<3>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 template __global__ void dequant<4>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 
-// Table weights as dense fp16 [N, K], as quant.QuantLUT.dequantize(torch.float16): one thread per (tile, step, lane).
+// Table weights as dense fp16 [N, K], as quant.QuantLUT.dequantize(torch.float16), from kernels.gemv.PackedLUT (lut:
+// 2 / 3 bits the split tables, 4 bits fp16 [N, 16]): one thread per (tile, step, lane).
 template <int BITS>
-__global__ void dequant_lut(const uint32_t* __restrict__ qw, const __half* __restrict__ lut, __half* __restrict__ out,
+__global__ void dequant_lut(const uint32_t* __restrict__ qw, const uint8_t* __restrict__ lut, __half* __restrict__ out,
                             int N, int K) {
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     const int steps = K / 64;
@@ -435,6 +457,22 @@ __global__ void dequant_lut(const uint32_t* __restrict__ qw, const __half* __res
     const int g = lane >> 2, t = lane & 3;
     uint32_t w[BITS];
     lane_words<BITS>(qw + (size_t)idx * BITS, w);
+    uint32_t a[4][4];
+    if constexpr (BITS < 4) {
+        uint32_t tg[4], tg8[4];
+        lut_tables<BITS>(lut + (size_t)tile * (32 << BITS), g, tg, tg8);
+        lut_fragments<BITS>(w, tg, tg8, a);
+    } else {
+        const __half* tab = reinterpret_cast<const __half*>(lut) + ((size_t)tile * 16 << BITS);
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const __half* row = tab + (lut_row(g, j) << BITS);
+                const __half2 v = __halves2half2(row[lut_code<BITS>(w, m, j, 0)], row[lut_code<BITS>(w, m, j, 1)]);
+                a[m][j] = *reinterpret_cast<const uint32_t*>(&v);
+            }
+    }
 #pragma unroll
     for (int m = 0; m < 4; m++)
 #pragma unroll
@@ -442,12 +480,12 @@ __global__ void dequant_lut(const uint32_t* __restrict__ qw, const __half* __res
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int row = tile * 16 + lut_row(g, j), col = step * 64 + lut_col(t, m, j, h);
-                out[(size_t)row * K + col] = lut[((size_t)row << BITS) + lut_code<BITS>(w, m, j, h)];
+                out[(size_t)row * K + col] = __ushort_as_half((unsigned short)(a[m][j] >> (16 * h)));
             }
 }
-template __global__ void dequant_lut<2>(const uint32_t*, const __half*, __half*, int, int);
-template __global__ void dequant_lut<3>(const uint32_t*, const __half*, __half*, int, int);
-template __global__ void dequant_lut<4>(const uint32_t*, const __half*, __half*, int, int);
+template __global__ void dequant_lut<2>(const uint32_t*, const uint8_t*, __half*, int, int);
+template __global__ void dequant_lut<3>(const uint32_t*, const uint8_t*, __half*, int, int);
+template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*, int, int);
 
 // (warps per block, ring depth) variants, chosen by gemv.py; QDEC (QW = 4) with the first
 #define INST(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false)

@@ -1,5 +1,5 @@
-"""Launchers of the low-bit GEMV and dequantize kernels (gemv.cu), and the GPU-resident weight they read: Packed
-for uniform (RTN/AWQ) weights, quant.QuantLUT as it is for table (SqueezeLLM) weights."""
+"""Launchers of the low-bit GEMV and dequantize kernels (gemv.cu), and the GPU-resident weights they read: Packed
+for uniform (RTN/AWQ) weights, PackedLUT for table (SqueezeLLM) weights."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from localllm.quant import GROUP_SIZES, QuantLUT, QuantWeight
+from localllm.quant import GROUP_SIZES, QuantLUT, QuantWeight, unpack_codes
 
 from . import cuda, qdec
 
@@ -54,6 +54,60 @@ class Packed:
         return self.qweight.numel() * 4 + self.meta.numel()
 
 
+@dataclass
+class PackedLUT:
+    """A QuantLUT as the GPU kernels read it. 2 and 3 bits: the codes rearranged at load time so that a lane's four
+    codes of one row and mma tile are the nibbles of one byte-permute selector, and each row's table stored as its
+    entries' low bytes, then their high bytes (kernels/lut.cuh, lut_fragments); 4 bits: the QuantLUT's tensors."""
+    qweight: torch.Tensor  # int32 [N/16, K*bits/2]
+    lut: torch.Tensor  # 2/3 bits: uint8 [N, 2 * 2^bits], low bytes then high bytes; 4 bits: fp16 [N, 16]
+    bits: int
+    in_features: int
+
+    @classmethod
+    def from_quant(cls, q: QuantLUT, device: torch.device | str = "cuda") -> "PackedLUT":
+        qw, lut = q.qweight.to(device), q.lut.to(device)
+        if q.bits == 4:
+            return cls(qw.contiguous(), lut.contiguous(), 4, q.in_features)
+        b = lut.contiguous().view(torch.uint8).view(lut.shape[0], -1, 2)  # [N, entries, (low, high)] little-endian
+        out = torch.empty_like(qw)
+        for t in range(0, qw.shape[0], 256):  # 4096 rows at a time: the int64 temporaries stay small
+            out[t:t + 256] = select_layout(unpack_codes(qw[t:t + 256], q.bits), q.bits)
+        return cls(out, b.transpose(1, 2).reshape(lut.shape[0], -1).contiguous(), q.bits, q.in_features)
+
+    @property
+    def out_features(self) -> int:
+        return self.lut.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() * 4 + self.lut.numel() * self.lut.element_size()
+
+
+def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes uint8 [N, K] (2 or 3 bits) -> int32 [N/16, K*bits/2] in PackedLUT's layout: per (tile, 64-channel step,
+    lane 4g + t) `bits` words; code p of selector (mma tile m, row half r) is element (row g + 8r, column 16m + 2t +
+    p % 2 + 8 (p // 2)); its low two bits at bit 16r + 4p + 2 (m % 2) of word m // 2, its third bit at 16r + 4p + m
+    of word 2 (lut.cuh, lut_selector)."""
+    n, k = codes.shape
+    dev = codes.device
+    g, t, m, r, p = (v.reshape(-1) for v in torch.meshgrid(*(torch.arange(i, device=dev) for i in (8, 4, 4, 2, 4)),
+                                                              indexing="ij"))
+    row, col = g + 8 * r, 16 * m + 2 * t + p % 2 + 8 * (p // 2)  # [lane-major: 32 lanes x 32 codes]
+    c = codes.long().view(n // 16, 16, k // 64, 64).permute(0, 2, 1, 3)[:, :, row, col]  # [T, S, 32 * 32]
+    c = c.view(n // 16, k // 64, 32, 32)
+    shape = (n // 16, k // 64, 32)
+    m, r, p = (v.view(32, 32)[0] for v in (m, r, p))  # per code of a lane
+    words = torch.zeros(*shape, bits, dtype=torch.int64, device=dev)
+    low = (c & 3) << (16 * r + 4 * p + 2 * (m % 2))
+    for w in range(2):
+        words[..., w] = (low * (m // 2 == w)).sum(-1)
+    if bits == 3:
+        words[..., 2] = ((c >> 2) << (16 * r + 4 * p + m)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # the int32 bit patterns
+    return words.to(torch.int32).view(n // 16, -1)
+
+
 # Weights below this size launch early (cuda.launch): their time is mostly fixed latency, which the overlap hides.
 EARLY_BYTES = int(os.environ.get("LOCALLLM_EARLY_BYTES", 16 << 20))
 
@@ -63,19 +117,19 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def record_bytes(w: Packed | QuantWeight | QuantLUT) -> int:
+def record_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> int:
     """Bytes of one meta record: a tile's 16 tables (2^bits fp16 each) for table weights, else META_BYTES."""
-    return 32 << w.bits if isinstance(w, QuantLUT) else META_BYTES
+    return 32 << w.bits if isinstance(w, (PackedLUT, QuantLUT)) else META_BYTES
 
 
-def _meta(w: Packed | QuantLUT) -> tuple[torch.Tensor, int, bool]:
+def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
     """What the kernel reads besides the codes: (records, records per tile, table weight?)."""
-    if isinstance(w, QuantLUT):
+    if isinstance(w, PackedLUT):
         return w.lut, 1, True  # one record per tile: its 16 rows' tables
     return w.meta, w.meta.shape[1], False
 
 
-def gemv(x: torch.Tensor, w: Packed | QuantLUT, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, glu: bool = False, variant: tuple[int, int] | None = None,
          blocks_per_sm: int | None = None, early: bool | None = None, comp: "qdec.Call | None" = None) -> torch.Tensor:
     """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.
@@ -116,7 +170,7 @@ def gemv(x: torch.Tensor, w: Packed | QuantLUT, out: torch.Tensor | None = None,
     return out
 
 
-def shared_bytes(w: Packed | QuantWeight | QuantLUT, warps: int, depth: int) -> int:
+def shared_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, warps: int, depth: int) -> int:
     """Dynamic shared memory of the GEMV without QDEC: x as B fragments, its per-step sums (float4), each warp's
     ring of steps + meta records."""
     K = w.in_features
@@ -128,12 +182,12 @@ def grid_of(N: int, device: torch.device, blocks_per_sm: int = 1) -> int:
     return min(N // 16, _sm_count(device.index or 0) * blocks_per_sm)
 
 
-def dequantize(w: Packed | QuantLUT) -> torch.Tensor:
+def dequantize(w: Packed | PackedLUT) -> torch.Tensor:
     """W_hat as fp16 [N, K] on the GPU: what quant.QuantWeight/QuantLUT.dequantize(torch.float16) computes."""
     N, K = w.out_features, w.in_features
     out = torch.empty(N, K, dtype=torch.float16, device=w.qweight.device)
     threads = N // 16 * (K // 64) * 32
-    if isinstance(w, QuantLUT):
+    if isinstance(w, PackedLUT):
         cuda.kernel("gemv", f"dequant_lut<{w.bits}>", NAMES)(
             (-(-threads // 256),), (256,), (cuda.ptr(w.qweight), cuda.ptr(w.lut), cuda.ptr(out), np.int32(N),
                                             np.int32(K)), stream=cuda.stream())

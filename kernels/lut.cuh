@@ -29,3 +29,48 @@ __host__ __device__ __forceinline__ uint32_t lut_code(const uint32_t (&w)[BITS],
 // 4g + t: the mma.m16n8k16 A fragment, the order quant.pack_codes stores the codes in.
 __host__ __device__ constexpr int lut_row(int g, int j) { return g + 8 * (j & 1); }
 __host__ __device__ constexpr int lut_col(int t, int m, int j, int h) { return 16 * m + 2 * t + h + 8 * (j >> 1); }
+
+// 2 and 3 bits, the layout kernels/gemv.py's PackedLUT builds at load time: a lane's four codes of row g + 8 r in mma
+// tile m, elements (r, h 0), (r, h 1), (r + 2, h 0), (r + 2, h 1), are the four nibbles of one byte-permute selector
+// (bit 3 of each nibble 0); each row's table is its entries' low bytes, then their high bytes, so one permute picks
+// four entries' low bytes, another their high bytes, and two more pair them into the A fragment's half2s: ~2
+// instructions per weight against ~4.5 for a shared-memory lookup each. The low two bits of the codes of (m, r) sit in
+// word m / 2 at bits 16 r + 4 p + 2 (m % 2) + {0, 1}; the third bit (3 bits) in word 2 at bit 16 r + 4 p + m.
+template <int BITS>
+__host__ __device__ __forceinline__ uint32_t lut_selector(const uint32_t (&w)[BITS], int m, int r) {
+    uint32_t s = (w[m >> 1] >> (16 * r + 2 * (m & 1))) & 0x3333u;
+    if (BITS == 3) {
+        const int sh = 16 * r + m - 2;
+        s |= (sh >= 0 ? w[2 % BITS] >> sh : w[2 % BITS] << -sh) & 0x4444u;
+    }
+    return s;
+}
+
+// PRMT: byte i of the result is byte (nibble i of s) of the 8 bytes y:x (selector bit 3, sign replication, unused).
+__host__ __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+#ifdef __CUDA_ARCH__
+    return __byte_perm(x, y, s);
+#else
+    const unsigned long long v = (unsigned long long)y << 32 | x;
+    uint32_t r = 0;
+    for (int i = 0; i < 4; i++) r |= (uint32_t)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFFu) << (8 * i);
+    return r;
+#endif
+}
+
+// A fragments a[m][j] of a step (2 or 3 bits, PackedLUT layout) from the lane's words and its rows' tables: tg, tg8 =
+// rows g and g + 8 as (low bytes of entries 0-3, of entries 4-7, high bytes of 0-3, of 4-7).
+template <int BITS>
+__host__ __device__ __forceinline__ void lut_fragments(const uint32_t (&w)[BITS], const uint32_t (&tg)[4],
+                                                       const uint32_t (&tg8)[4], uint32_t (&a)[4][4]) {
+#pragma unroll
+    for (int m = 0; m < 4; m++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const uint32_t s = lut_selector<BITS>(w, m, r);
+            const uint32_t* tb = r ? tg8 : tg;
+            const uint32_t lo = byte_perm(tb[0], tb[1], s), hi = byte_perm(tb[2], tb[3], s);
+            a[m][r] = byte_perm(lo, hi, 0x5140u);      // entries of nibbles 0, 1: elements (r, h 0), (r, h 1)
+            a[m][r + 2] = byte_perm(lo, hi, 0x7362u);  // nibbles 2, 3: elements (r + 2, h 0), (r + 2, h 1)
+        }
+}

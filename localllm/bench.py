@@ -116,7 +116,7 @@ def bench_gemv(bits_list=(4, 3, 2), group_size: int = 128) -> list[dict]:
 
 def bench_gemv_lut(bits_list=(4, 3), group_size: int = 128) -> list[dict]:
     """The non-uniform (table) GEMV on the 8B shapes next to the uniform GEMV of the same bits, in one run."""
-    from .kernels.gemv import gemv
+    from .kernels.gemv import PackedLUT, gemv
     from .quant import QuantLUT, pack_codes
     bw = copy_bandwidth()
     rows = []
@@ -126,8 +126,9 @@ def bench_gemv_lut(bits_list=(4, 3), group_size: int = 128) -> list[dict]:
             sets, nbytes = gemv_sets(N, K, bits, group_size)
             t_uni = time_graph([lambda s=s: gemv(x, s[0], out=s[1]) for s in sets])
             del sets
-            luts = [(QuantLUT(pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits),
-                              torch.randn(N, 2**bits, device="cuda").sort(1).values.half(), bits, K),
+            luts = [(PackedLUT.from_quant(QuantLUT(pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits),
+                                                   torch.randn(N, 2**bits, device="cuda").sort(1).values.half(), bits,
+                                                   K)),
                      torch.empty(N, device="cuda", dtype=torch.float16)) for _ in range(_copies(N * K * bits // 8))]
             lut_bytes = luts[0][0].nbytes + K * 2 + N * 2
             t = time_graph([lambda s=s: gemv(x, s[0], out=s[1]) for s in luts])

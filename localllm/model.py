@@ -92,9 +92,9 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.to(device, dtype), requires_grad=False)
         if self.quant is not None and device.type == "cuda":
-            from .kernels.gemv import Packed
+            from .kernels.gemv import Packed, PackedLUT
             q = self.quant
-            self.packed = q.to(device) if isinstance(q, QuantLUT) else Packed.from_quant(q, device)
+            self.packed = (PackedLUT if isinstance(q, QuantLUT) else Packed).from_quant(q, device)
             self.quant, self._dequantized = None, None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: "RMSNorm | None" = None,
@@ -115,7 +115,7 @@ class Linear(nn.Module):
         # 8-bit activations for uniform quantized weights only (table weights have no int8 GEMM: their prompts
         # stay fp16 on both devices)
         act8 = self.settings.act8 and self.weight is None and x.shape[:-1].numel() > 1 and \
-            not isinstance(self.quant if self.quant is not None else self.packed, QuantLUT)
+            not hasattr(self.quant if self.quant is not None else self.packed, "lut")  # QuantLUT / PackedLUT
         if self.packed is not None:  # a prompt on the GPU: the int8 GEMM, or dequantize to fp16 then cuBLAS
             from .kernels.gemv import dequantize
             if act8:

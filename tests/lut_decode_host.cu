@@ -1,29 +1,50 @@
-// Host harness for tests/test_lut_decode.py: decode packed codes with the table GEMV's own lut_slot / lut_code /
-// lut_row / lut_col (input: "bits n k" then the int32 words as unsigned; output: the n x k codes, one a line).
+// Host harness for tests/test_lut_decode.py, with the table GEMV's own lut.cuh functions. Input "mode bits n k", then
+// the int32 words as unsigned; mode 1 also the tables' bytes (PackedLUT.lut). Output, one a line: mode 0 the n x k
+// codes of the mma-v3 layout (lut_slot / lut_code / lut_row / lut_col); mode 1 the n x k fp16 bit patterns that
+// lut_fragments builds from the select layout (2 and 3 bits).
 #include <cstdint>
 #include <cstdio>
 #include "lut.cuh"
 #include <vector>
 template <int B>
-void run(int n, int k) {
-    const int steps = k / 64;
+void run(int mode, int n, int k) {
+    const int steps = k / 64, entries = 1 << B;
     std::vector<uint32_t> q((size_t)n / 16 * steps * 32 * B);
     for (auto& v : q) if (scanf("%u", &v) != 1) return;
+    std::vector<unsigned> tab(mode == 1 ? (size_t)n * 2 * entries : 0);
+    for (auto& v : tab) if (scanf("%u", &v) != 1) return;
     std::vector<int> out((size_t)n * k, -1);
     for (int tile = 0; tile < n / 16; tile++)
         for (int step = 0; step < steps; step++)
             for (int lane = 0; lane < 32; lane++) {
+                const int g = lane >> 2, t = lane & 3;
                 uint32_t w[B];
                 for (int b = 0; b < B; b++) w[b] = q[(((size_t)tile * steps + step) * 32 + lane) * B + b];
+                uint32_t a[4][4] = {};
+                if (mode == 1) {
+                    uint32_t tg[2][4];  // rows g, g + 8: (low bytes 0-3, 4-7, high bytes 0-3, 4-7); 2 bits: 4 entries
+                    for (int r = 0; r < 2; r++)
+                        for (int i = 0; i < 4; i++) {
+                            const unsigned* row = &tab[(size_t)(tile * 16 + g + 8 * r) * 2 * entries];
+                            const int half = i >> 1, quad = i & 1;  // high bytes?, entries 4-7?
+                            uint32_t v = 0;
+                            for (int e = 0; e < 4; e++) {
+                                const int entry = (B == 2 ? 0 : 4 * quad) + e;
+                                if (entry < entries) v |= row[half * entries + entry] << (8 * e);
+                            }
+                            tg[r][i] = v;
+                        }
+                    lut_fragments<B>(w, tg[0], tg[1], a);
+                }
                 for (int m = 0; m < 4; m++) for (int j = 0; j < 4; j++) for (int h = 0; h < 2; h++)
-                    out[(size_t)(tile * 16 + lut_row(lane >> 2, j)) * k + step * 64 + lut_col(lane & 3, m, j, h)] =
-                        (int)lut_code<B>(w, m, j, h);
+                    out[(size_t)(tile * 16 + lut_row(g, j)) * k + step * 64 + lut_col(t, m, j, h)] =
+                        mode == 1 ? (int)((a[m][j] >> (16 * h)) & 0xFFFFu) : (int)lut_code<B>(w, m, j, h);
             }
     for (size_t i = 0; i < out.size(); i++) printf("%d\n", out[i]);
 }
 int main() {
-    int bits, n, k;
-    if (scanf("%d %d %d", &bits, &n, &k) != 3) return 1;
-    if (bits == 2) run<2>(n, k); else if (bits == 3) run<3>(n, k); else run<4>(n, k);
+    int mode, bits, n, k;
+    if (scanf("%d %d %d %d", &mode, &bits, &n, &k) != 4) return 1;
+    if (bits == 2) run<2>(mode, n, k); else if (bits == 3) run<3>(mode, n, k); else if (mode == 0) run<4>(mode, n, k);
     return 0;
 }

@@ -17,6 +17,12 @@ def random_lut(N, K, bits, device="cuda"):
     return QuantLUT(pack_codes(codes, bits), lut, bits, K)
 
 
+def on_gpu(q: QuantLUT):
+    """The kernels' form (2 / 3 bits: codes and tables rearranged at load time)."""
+    from localllm.kernels.gemv import PackedLUT
+    return PackedLUT.from_quant(q, "cuda")
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("N,K", SHAPES)
 def test_lut_gemv_matches_float64_reference(bits, N, K):
@@ -25,7 +31,7 @@ def test_lut_gemv_matches_float64_reference(bits, N, K):
     x = torch.randn(K, device="cuda").half()
     x[torch.randint(0, K, (4,))] *= 30  # activation outliers
     out = torch.full((N,), float("nan"), device="cuda", dtype=torch.float16)  # poison: every row must be written
-    gemv(x, q, out=out)
+    gemv(x, on_gpu(q), out=out)
     torch.cuda.synchronize()
     ref = q.dequantize(torch.float64) @ x.double()
     assert not out.isnan().any()
@@ -38,26 +44,28 @@ def test_lut_gemv_matches_float64_reference(bits, N, K):
 def test_lut_dequant_kernel_equals_reference(bits, N, K):
     from localllm.kernels.gemv import dequantize
     q = random_lut(N, K, bits)
-    assert torch.equal(dequantize(q), q.dequantize(torch.float16))
+    assert torch.equal(dequantize(on_gpu(q)), q.dequantize(torch.float16))
 
 
+@pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize("mode", ["norm", "glu", "residual"])
-def test_lut_gemv_input_transforms_and_residual(mode):
+def test_lut_gemv_input_transforms_and_residual(mode, bits):
     from localllm import ops
     from localllm.kernels.gemv import gemv
     N, K = 1024, 4096
-    q = random_lut(N, K, 4)
+    q = random_lut(N, K, bits)
+    w = on_gpu(q)
     if mode == "norm":
         x, nw = torch.randn(K, device="cuda").half(), torch.rand(K, device="cuda") + 0.5
-        xin, got = ops.rmsnorm(x.float().cpu(), nw.cpu(), 1e-5).half(), gemv(x, q, norm=(nw, 1e-5))
+        xin, got = ops.rmsnorm(x.float().cpu(), nw.cpu(), 1e-5).half(), gemv(x, w, norm=(nw, 1e-5))
         ref = q.dequantize(torch.float64).cpu() @ xin.double()
     elif mode == "glu":
         x = torch.randn(2 * K, device="cuda").half()
-        xin, got = ops.silu_mul(x.float().cpu()).half(), gemv(x, q, glu=True)
+        xin, got = ops.silu_mul(x.float().cpu()).half(), gemv(x, w, glu=True)
         ref = q.dequantize(torch.float64).cpu() @ xin.double()
     else:
         x, res = torch.randn(K, device="cuda").half(), torch.randn(N, device="cuda").half()
-        got = gemv(x, q, residual=res)
+        got = gemv(x, w, residual=res)
         ref = (q.dequantize(torch.float64) @ x.double() + res.double()).cpu()
     assert ((got.double().cpu() - ref).norm() / ref.norm()).item() < 2e-3
 
@@ -69,7 +77,7 @@ def test_lut_gemv_with_qdec_adds_the_selected_residual_rows(bits, k_chunk):
     N, K = 6144, 4096
     q = random_lut(N, K, bits, device="cpu")
     _, r, _, x, comp = setup(N, K, 3, k_chunk)  # a residual, x and a QDEC launch for this shape
-    w = q.to("cuda")
+    w = on_gpu(q)
     out = torch.full((N,), float("nan"), device="cuda", dtype=torch.float16)
     gemv(x.cuda(), w, out=out, comp=comp)
     torch.cuda.synchronize()

@@ -1,5 +1,6 @@
-"""The table GEMV's code extraction (kernels/lut.cuh: lut_slot, lut_code, lut_row, lut_col), compiled for
-the host with nvcc and checked against quant.pack_codes on fresh random codes: the CPU-side half of the kernel's
+"""The table GEMV's code extraction and lookups (kernels/lut.cuh), compiled for the host with nvcc and checked on
+fresh random codes and tables: lut_code against quant.pack_codes, and for 2 and 3 bits the byte-permute lookups
+(lut_fragments) on PackedLUT's load-time layout against QuantLUT.dequantize: the CPU-side half of the kernel's
 correctness (the GPU tests check the rest). Skipped where nvcc is not installed."""
 import shutil
 import subprocess
@@ -8,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from localllm.quant import BASE_BITS, pack_codes
+from localllm.kernels.gemv import PackedLUT
+from localllm.quant import BASE_BITS, QuantLUT, pack_codes
 
 HERE = Path(__file__).parent
 KERNELS = HERE.parent / "kernels"
@@ -31,6 +33,22 @@ def test_kernel_decodes_the_packed_layout(decoder, bits):
     n, k = 32, 192
     codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
     words = (pack_codes(codes, bits).flatten().long() & 0xFFFFFFFF).tolist()
-    out = subprocess.run([str(decoder)], input=f"{bits} {n} {k}\n" + " ".join(map(str, words)),
+    out = subprocess.run([str(decoder)], input=f"0 {bits} {n} {k}\n" + " ".join(map(str, words)),
                          capture_output=True, text=True, check=True).stdout.split()
     assert torch.equal(torch.tensor(list(map(int, out))).view(n, k), codes.long())
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_byte_permute_lookups_of_the_select_layout(decoder, bits):
+    n, k = 48, 256
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
+    lut = torch.randn(n, 2**bits).half()
+    q = QuantLUT(pack_codes(codes, bits), lut, bits, k)
+    p = PackedLUT.from_quant(q, "cpu")
+    assert p.qweight.shape == q.qweight.shape and p.lut.shape == (n, 2 * 2**bits)
+    words = (p.qweight.flatten().long() & 0xFFFFFFFF).tolist()
+    out = subprocess.run([str(decoder)], input=f"1 {bits} {n} {k}\n" + " ".join(map(str, words)) + "\n" +
+                         " ".join(map(str, p.lut.flatten().tolist())), capture_output=True, text=True,
+                         check=True).stdout.split()
+    want = q.dequantize(torch.float16).view(torch.int16).long() & 0xFFFF
+    assert torch.equal(torch.tensor(list(map(int, out))).view(n, k), want)
