@@ -88,7 +88,7 @@ def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes uint8 [N, K] (2 or 3 bits) -> int32 [N/16, K*bits/2] in PackedLUT's layout: per (tile, 64-channel step,
     lane 4g + t) `bits` words; code p of selector (mma tile m, row half r) is element (row g + 8r, column 16m + 2t +
     p % 2 + 8 (p // 2)); its low two bits at bit 16r + 4p + 2 (m % 2) of word m // 2, its third bit at 16r + 4p + m
-    of word 2 (lut.cuh, lut_selector)."""
+    of word 2 (lut.cuh, lut_selectors)."""
     n, k = codes.shape
     dev = codes.device
     g, t, m, r, p = (v.reshape(-1) for v in torch.meshgrid(*(torch.arange(i, device=dev) for i in (8, 4, 4, 2, 4)),

@@ -35,14 +35,13 @@ __host__ __device__ constexpr int lut_col(int t, int m, int j, int h) { return 1
 // (bit 3 of each nibble 0); each row's table is its entries' low bytes, then their high bytes, so one permute picks
 // four entries' low bytes, another their high bytes, and two more pair them into the A fragment's half2s: ~2
 // instructions per weight against ~4.5 for a shared-memory lookup each. The low two bits of the codes of (m, r) sit in
-// word m / 2 at bits 16 r + 4 p + 2 (m % 2) + {0, 1}; the third bit (3 bits) in word 2 at bit 16 r + 4 p + m.
+// word m / 2 at bits 16 r + 4 p + 2 (m % 2) + {0, 1}; the third bit (3 bits) in word 2 at bit 16 r + 4 p + m: one
+// shift and mask of each word gives the selectors of both row halves of tile m (lut_selectors).
+// The selectors of mma tile m for both row halves: r = 0 in bits 0-15, r = 1 in bits 16-31 (a PRMT reads bits 0-15).
 template <int BITS>
-__host__ __device__ __forceinline__ uint32_t lut_selector(const uint32_t (&w)[BITS], int m, int r) {
-    uint32_t s = (w[m >> 1] >> (16 * r + 2 * (m & 1))) & 0x3333u;
-    if (BITS == 3) {
-        const int sh = 16 * r + m - 2;
-        s |= (sh >= 0 ? w[2 % BITS] >> sh : w[2 % BITS] << -sh) & 0x4444u;
-    }
+__host__ __device__ __forceinline__ uint32_t lut_selectors(const uint32_t (&w)[BITS], int m) {
+    uint32_t s = (w[m >> 1] >> (2 * (m & 1))) & 0x33333333u;
+    if (BITS == 3) s |= (m >= 2 ? w[2 % BITS] >> (m - 2) : w[2 % BITS] << (2 - m)) & 0x44444444u;
     return s;
 }
 
@@ -64,13 +63,15 @@ template <int BITS>
 __host__ __device__ __forceinline__ void lut_fragments(const uint32_t (&w)[BITS], const uint32_t (&tg)[4],
                                                        const uint32_t (&tg8)[4], uint32_t (&a)[4][4]) {
 #pragma unroll
-    for (int m = 0; m < 4; m++)
+    for (int m = 0; m < 4; m++) {
+        const uint32_t both = lut_selectors<BITS>(w, m);
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            const uint32_t s = lut_selector<BITS>(w, m, r);
+            const uint32_t s = r ? both >> 16 : both;
             const uint32_t* tb = r ? tg8 : tg;
             const uint32_t lo = byte_perm(tb[0], tb[1], s), hi = byte_perm(tb[2], tb[3], s);
             a[m][r] = byte_perm(lo, hi, 0x5140u);      // entries of nibbles 0, 1: elements (r, h 0), (r, h 1)
             a[m][r + 2] = byte_perm(lo, hi, 0x7362u);  // nibbles 2, 3: elements (r + 2, h 0), (r + 2, h 1)
         }
+    }
 }
