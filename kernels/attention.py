@@ -37,8 +37,7 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)
     sz = (np.uint64(0), np.uint64(0)) if k_sz is None else (cuda.ptr(k_sz), cuda.ptr(v_sz))
     k = cuda.kernel("attention", f"attend_part<{D},{gq},{bits}>", NAMES)
-    if smem > 48 * 1024 - 1280:  # + the static arrays: past 48 KB needs the opt-in
-        k.max_dynamic_shared_size_bytes = smem
+    cuda.allow_shared(k, smem)
     cuda.launch(k, (kvh, splits), (CHUNK,), (
         cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz, cuda.ptr(pos),
         cuda.ptr(ws_o), cuda.ptr(ws_ml), np.int32(heads), np.int32(kv_heads), np.int32(max_len), np.float32(scale)),

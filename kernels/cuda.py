@@ -60,6 +60,14 @@ def kernel(name: str, expr: str, names: tuple[str, ...]):
     return module(name, torch.cuda.current_device(), names).get_function(expr)
 
 
+def allow_shared(func, nbytes: int) -> None:
+    """Let func launch with nbytes of dynamic shared memory. Its default limit is 48 KB minus its static arrays;
+    past that it needs the opt-in, which only ever grows here, so launches already captured in CUDA graphs keep
+    theirs."""
+    if nbytes > func.max_dynamic_shared_size_bytes:
+        func.max_dynamic_shared_size_bytes = nbytes
+
+
 def launch(func, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, early: bool = False) -> None:
     """Launch a kernel of kernel() on torch's current stream. early=True: programmatic dependent launch (sm_90+),
     the kernel may start while the previous one in the stream still runs; it must execute griddepcontrol.wait

@@ -160,8 +160,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         extra = comp.args(K, N)
     else:
         extra = (null, null, null, null, null, *(np.int32(0),) * 4, *(np.float32(0),) * 4)
-    if smem + warps * 132 + 64 > 48 * 1024:  # + the static arrays (red, wsum, seq): past 48 KB needs the opt-in
-        k.max_dynamic_shared_size_bytes = smem
+    cuda.allow_shared(k, smem)
     cuda.launch(k, (grid,), (32 * (warps + qw),), (
         cuda.ptr(w.qweight), cuda.ptr(meta), cuda.ptr(x), null if residual is None else cuda.ptr(residual),
         cuda.ptr(out), np.int32(N), np.int32(K), np.int32(G), np.uint32(0x64006400),
