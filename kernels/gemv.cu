@@ -110,16 +110,32 @@ constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 z
 // (K/64 float4), then the warps' rings (WARPS x DEPTH slots of one step's weights + one meta record), then with QDEC
 // the block's fp32 results (16 per tile), the selection (k_chunk ints, k_chunk floats), 1024 bucket bytes and
 // QW * 36 ints. Without QDEC, registers are capped at 64 so that 32 warps fit on an SM.
-// Rows g and g + 8 of a tile's tables in PackedLUT's split form (2 / 3 bits: per row the entries' low bytes, then
-// their high bytes; 8 / 16 bytes), as lut_fragments takes them.
+// The A fragments a[m][j] of one step of table weights, from the lane's words and its tile's record (the 16 rows'
+// tables as kernels.gemv.PackedLUT stores them): 2 / 3 bits, rows g and g + 8 split into the entries' low bytes then
+// high bytes (8 / 16 bytes a row) for the byte permutes of lut_fragments; 4 bits, fp16, each code looked up.
 template <int BITS>
-__device__ __forceinline__ void lut_tables(const unsigned char* rec, int g, uint32_t (&tg)[4], uint32_t (&tg8)[4]) {
-    if constexpr (BITS == 3) {
-        const uint4 u = reinterpret_cast<const uint4*>(rec)[g], v = reinterpret_cast<const uint4*>(rec)[g + 8];
-        tg[0] = u.x, tg[1] = u.y, tg[2] = u.z, tg[3] = u.w, tg8[0] = v.x, tg8[1] = v.y, tg8[2] = v.z, tg8[3] = v.w;
-    } else {  // 4 entries: selectors never reach bytes 4-7
-        const uint2 u = reinterpret_cast<const uint2*>(rec)[g], v = reinterpret_cast<const uint2*>(rec)[g + 8];
-        tg[0] = tg[1] = u.x, tg[2] = tg[3] = u.y, tg8[0] = tg8[1] = v.x, tg8[2] = tg8[3] = v.y;
+__device__ __forceinline__ void lut_step(const uint32_t (&w)[BITS], const unsigned char* rec, int g,
+                                         uint32_t (&a)[4][4]) {
+    if constexpr (BITS < 4) {
+        uint32_t tg[4], tg8[4];
+        if constexpr (BITS == 3) {
+            const uint4 u = reinterpret_cast<const uint4*>(rec)[g], v = reinterpret_cast<const uint4*>(rec)[g + 8];
+            tg[0] = u.x, tg[1] = u.y, tg[2] = u.z, tg[3] = u.w, tg8[0] = v.x, tg8[1] = v.y, tg8[2] = v.z, tg8[3] = v.w;
+        } else {  // 4 entries: selectors never reach bytes 4-7
+            const uint2 u = reinterpret_cast<const uint2*>(rec)[g], v = reinterpret_cast<const uint2*>(rec)[g + 8];
+            tg[0] = tg[1] = u.x, tg[2] = tg[3] = u.y, tg8[0] = tg8[1] = v.x, tg8[2] = tg8[3] = v.y;
+        }
+        lut_fragments<BITS>(w, tg, tg8, a);
+    } else {
+        const __half* tab = reinterpret_cast<const __half*>(rec);
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const __half* row = tab + (lut_row(g, j) << BITS);
+                const __half2 v = __halves2half2(row[lut_code<BITS>(w, m, j, 0)], row[lut_code<BITS>(w, m, j, 1)]);
+                a[m][j] = *reinterpret_cast<const uint32_t*>(&v);
+            }
     }
 }
 
@@ -292,22 +308,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
         const uint4 b23 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t + 1];
         if constexpr (LUT) {  // every element looked up in its row's table; the mma sums are W_hat x
             uint32_t a[4][4];
-            if constexpr (BITS < 4) {  // byte permutes on PackedLUT's layout (lut.cuh)
-                uint32_t tg[4], tg8[4];
-                lut_tables<BITS>(slot + STEP_BYTES, g, tg, tg8);
-                lut_fragments<BITS>(w, tg, tg8, a);
-            } else {
-                const __half* tab = reinterpret_cast<const __half*>(slot + STEP_BYTES);
-#pragma unroll
-                for (int m = 0; m < 4; m++)
-#pragma unroll
-                    for (int j = 0; j < 4; j++) {
-                        const __half* row = tab + (lut_row(g, j) << BITS);
-                        const __half2 v =
-                            __halves2half2(row[lut_code<BITS>(w, m, j, 0)], row[lut_code<BITS>(w, m, j, 1)]);
-                        a[m][j] = *reinterpret_cast<const uint32_t*>(&v);
-                    }
-            }
+            lut_step<BITS>(w, slot + STEP_BYTES, g, a);
             float c[4][4] = {};
             mma16816(c[0], a[0], b01.x, b01.y);
             mma16816(c[1], a[1], b01.z, b01.w);
@@ -458,21 +459,7 @@ __global__ void dequant_lut(const uint32_t* __restrict__ qw, const uint8_t* __re
     uint32_t w[BITS];
     lane_words<BITS>(qw + (size_t)idx * BITS, w);
     uint32_t a[4][4];
-    if constexpr (BITS < 4) {
-        uint32_t tg[4], tg8[4];
-        lut_tables<BITS>(lut + (size_t)tile * (32 << BITS), g, tg, tg8);
-        lut_fragments<BITS>(w, tg, tg8, a);
-    } else {
-        const __half* tab = reinterpret_cast<const __half*>(lut) + ((size_t)tile * 16 << BITS);
-#pragma unroll
-        for (int m = 0; m < 4; m++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const __half* row = tab + (lut_row(g, j) << BITS);
-                const __half2 v = __halves2half2(row[lut_code<BITS>(w, m, j, 0)], row[lut_code<BITS>(w, m, j, 1)]);
-                a[m][j] = *reinterpret_cast<const uint32_t*>(&v);
-            }
-    }
+    lut_step<BITS>(w, lut + (size_t)tile * (32 << BITS), g, a);  // the tile's record: 16 rows of 2^BITS entries
 #pragma unroll
     for (int m = 0; m < 4; m++)
 #pragma unroll
