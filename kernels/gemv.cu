@@ -341,24 +341,29 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
     };
     uint32_t* flags = reinterpret_cast<uint32_t*>(state + 1);
     const int C = (K + QDEC_CHUNK - 1) / QDEC_CHUNK, n_seg = (N + QDEC_SEG - 1) / QDEC_SEG;
+    // n_tb <= C: a compensating block takes whole chunks (blockIdx.x, + n_tb, ...); n_tb = C * p: chunk
+    // blockIdx.x % C, its part blockIdx.x / C of p, ceil(n_seg / p) segments each (every part selects the chunk
+    // itself: the same channels). One flag per (chunk, part).
+    const int parts = nf > C ? nf / C : 1, per_part = (n_seg + parts - 1) / parts, n_flags = C * parts;
     if constexpr (QW > 0) {
-        if (fetcher)  // chunks blockIdx.x, + n_tb, ...: the streaming warps select, every warp fetches
-            for (int c = blockIdx.x; c < C; c += nf) {
+        if (fetcher)  // the streaming warps select, every warp fetches
+            for (int c = parts > 1 ? blockIdx.x % C : blockIdx.x; c < C; c += parts > 1 ? C : nf) {
+                const int j = parts > 1 ? blockIdx.x / C : 0, g0 = j * per_part, g1 = min(n_seg, g0 + per_part);
                 const int csize = min(QDEC_CHUNK, K - c * QDEC_CHUNK);
                 const int k = min(csize, (k_chunk * csize + QDEC_CHUNK - 1) / QDEC_CHUNK);  // qdec.k_for_chunk
                 if (streamer) qdec_select<32 * WARPS>(xs, c, csize, k, b0, b15, inv_hi, inv_lo, bk, scr, sel_idx, sel_x);
                 __syncthreads();
                 if (threadIdx.x == 0) QDEC_MARK(3);
-                if (sel_out != nullptr)  // the chosen channels, for tests and reports
+                if (sel_out != nullptr && j == 0)  // the chosen channels, for tests and reports
                     for (int i = threadIdx.x; i < k_chunk; i += blockDim.x) {
                         sel_out[c * k_chunk + i] = i < k ? sel_idx[i] : -1;
                         sel_out[(C + c) * k_chunk + i] = i < k ? __float_as_int(sel_x[i]) : 0;
                     }
-                qdec_fetch<WARPS + QW>(rq, part + (size_t)c * N, N, 0, n_seg, k, threadIdx.x, sel_idx, sel_x);
+                qdec_fetch<WARPS + QW>(rq, part + (size_t)c * N, N, g0, g1, k, threadIdx.x, sel_idx, sel_x);
                 if (threadIdx.x == 0) QDEC_MARK(4);
                 __syncthreads();  // every partial stored (the release below is cumulative), sel_* free again
                 if (threadIdx.x == 32 * WARPS) {
-                    flag_release(flags + c, (uint32_t)(ticket / gridDim.x) + 1u);
+                    flag_release(flags + c + C * j, (uint32_t)(ticket / gridDim.x) + 1u);
                     QDEC_MARK(5);
                 }
             }
@@ -399,7 +404,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
     }
     if constexpr (QW > 0) {  // add scale * the partials of every item covering this block's outputs, round once
         __syncthreads();
-        for (int c = threadIdx.x; c < (o1 > o0 ? C : 0); c += blockDim.x) flag_wait(flags + c, seq);
+        for (int f = threadIdx.x; f < (o1 > o0 ? n_flags : 0); f += blockDim.x) flag_wait(flags + f, seq);
         __syncthreads();
         if (threadIdx.x == 0) QDEC_MARK(7);
         for (int n = o0 + threadIdx.x; n < o1; n += blockDim.x) {

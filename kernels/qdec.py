@@ -13,6 +13,7 @@ from localllm.qdec import CHUNK, bucket_widths, k_for_chunk
 from localllm.quant import QuantResidual
 
 QW = 4  # QDEC warps per block, as compiled in gemv.cu
+SEGMENT = 256  # outputs per segment, qdec.cuh's QDEC_SEG
 SCRATCH_BYTES = 256 + CHUNK  # qdec_select's counters (QdecScratch) and bucket bytes
 
 
@@ -43,16 +44,27 @@ def viable_groups(s: int) -> list[int]:
     return [q for q in range(1, s + 1) if -(-s // -(-s // q)) == q]
 
 
+def segments(N: int) -> int:
+    """256-output segments of a residual row (the fetch's unit: 32 lanes x one word of 8 codes)."""
+    return -(-N // SEGMENT)
+
+
 def viable_n_tb(K: int, N: int, grid: int) -> list[int]:
-    """The n_tb (compensating blocks) worth trying for a K -> N layer under a GEMV grid of `grid` blocks: each takes
-    ceil(chunks / n_tb) whole chunks, so Appendix A's rule applies to the chunks; at least one block must stream."""
-    return [n for n in viable_groups(chunks(K)) if n < grid]
+    """The n_tb (compensating blocks) worth trying for a K -> N layer under a GEMV grid of `grid` blocks, by
+    Appendix A's rule on both of the fetch's dimensions: up to one per chunk, each taking ceil(chunks / n_tb)
+    whole chunks (the rule on the chunks); beyond that, chunks x p, each chunk's rows split into p parts of
+    ceil(segments / p) segments (the rule on the segments), while the compensating blocks leave at least three
+    quarters of the grid streaming."""
+    C = chunks(K)
+    whole = [n for n in viable_groups(C) if n < grid]
+    split = [C * p for p in viable_groups(segments(N))[1:] if C * p <= grid // 4]
+    return whole + split
 
 
 def default_n_tb(K: int, N: int, grid: int) -> int:
     """Without a tuned profile: one chunk per compensating block, as long as they take at most an eighth of the
     grid (each is an SM taken from the weight stream; on the H100 this is the fastest setting of every 8B layer)."""
-    ok = viable_n_tb(K, N, grid)
+    ok = [n for n in viable_n_tb(K, N, grid) if n <= chunks(K)]
     return [n for n in ok if n <= max(1, grid // 8)][-1]
 
 
@@ -86,8 +98,8 @@ def new_part(shapes, device) -> torch.Tensor:
 
 
 def new_state(K: int, N: int, device) -> torch.Tensor:
-    """Zeroed arrival counter, then one uint32 flag per chunk."""
-    return torch.zeros(1 + (chunks(K) + 1) // 2, dtype=torch.int64, device=device)
+    """Zeroed arrival counter, then one uint32 flag per (chunk, part): room for the most parts, one per segment."""
+    return torch.zeros(1 + (chunks(K) * segments(N) + 1) // 2, dtype=torch.int64, device=device)
 
 
 def shared_bytes(K: int, N: int, k_chunk: int, grid: int, n_tb: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .errors import LocalLLMError
 from .quant import GROUP_SIZES
@@ -87,7 +88,7 @@ def cmd_quantize(a) -> None:
 
 
 def cmd_eval(a) -> None:
-    from .evaluate import read_text, sweep, tokenize
+    from .evaluate import Reference, read_text, sweep, tokenize
     from .model import QDEC_MODES
     from .runtime import load
     modes = [m.strip() for m in a.qdec.split(",") if m.strip()]
@@ -105,14 +106,30 @@ def cmd_eval(a) -> None:
               prefill_int8=a.prefill_int8)
     text, name = read_text(a.text)
     ids = tokenize(lm, text, a.max_tokens)
-    rows = sweep(lm, ids, modes, ks, ctx=a.ctx, seed=a.seed)
-    base = next((r.perplexity for r in rows if r.mode == "off"), None)
+    reference = None
+    if a.reference is not None:
+        ref_path = a.reference
+        if ref_path == "source":
+            src = ((lm.manifest or {}).get("source") or {}).get("path")
+            if not src:
+                raise LocalLLMError(f"{lm.path} records no source checkpoint: give --reference PATH")
+            if not Path(src).expanduser().exists():
+                raise LocalLLMError(f"the source checkpoint recorded in {lm.path} ({src}) is not on this machine: "
+                                    "give --reference PATH")
+            ref_path = src
+        reference = Reference(load(ref_path, qdec="off", device=a.device), lm)
+    rows = sweep(lm, ids, modes, ks, ctx=a.ctx, seed=a.seed, reference=reference)
+    base = next((r for r in rows if r.mode == "off"), None)
     print(f"perplexity of {name}: {len(ids) - 1} predicted tokens, windows of {a.ctx}, {lm.kv_bits}-bit KV cache, "
-          f"{lm.path}")
-    print(f"{'QDEC':8} {'k_chunk':>7} {'perplexity':>11}" + (f" {'vs off':>8}" if base else ""))
+          f"{lm.path}" + (f"; KL divergence from {reference.lm.path}" if reference else ""))
+    print(f"{'QDEC':8} {'k_chunk':>7} {'perplexity':>11}" + (f" {'vs off':>8}" if base else "")
+          + (f" {'KL':>8}" + (f" {'vs off':>8}" if base else "") if reference else ""))
     for r in rows:
-        print(f"{r.mode:8} {r.k_chunk:7d} {r.perplexity:11.4f}"
-              + (f" {100 * (r.perplexity / base - 1):+7.2f}%" if base else ""))
+        line = f"{r.mode:8} {r.k_chunk:7d} {r.perplexity:11.4f}"
+        line += f" {100 * (r.perplexity / base.perplexity - 1):+7.2f}%" if base else ""
+        if reference:
+            line += f" {r.kl:8.4f}" + (f" {100 * (r.kl / base.kl - 1):+7.1f}%" if base and base.kl > 0 else "")
+        print(line)
 
 
 def cmd_bench(a) -> None:
@@ -254,6 +271,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--ctx", type=int, default=512, help="tokens per window (default 512)")
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     e.add_argument("--seed", type=int, default=0, help="seed of the random picks (boundary bucket, random mode)")
+    e.add_argument("--reference", nargs="?", const="source", metavar="MODEL",
+                   help="also report KL(MODEL || model) per token; with no MODEL, the source checkpoint the model was "
+                        "quantized from (its path is recorded in the model folder)")
     e.add_argument("--gguf-file", help="the .gguf file inside MODEL when MODEL is a folder of GGUF files")
     e.add_argument("--prefill-int8", action="store_true",
                    help="every position with 8-bit activations, as prompts run with --prefill-int8 (CPU)")

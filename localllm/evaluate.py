@@ -7,6 +7,12 @@ with QDEC on it runs token by token through the decode step's CUDA graph, becaus
 in the decode GEMV (prompts run uncompensated); with QDEC off a window is one prompt-style forward pass. With an 8-
 or 4-bit KV cache (LocalModel.kv_bits) a window's forward pass fills such a cache and attends over it, as a decode
 of the same tokens would.
+
+With a reference model (`--reference`, usually the source checkpoint the model was quantized from), each setting
+also gets the mean per-token KL divergence KL(reference || model) of the next-token distributions on the same
+windows: how far quantization (and what QDEC recovers of it) moves the model from its source. On a few hundred
+tokens perplexity differences of a few percent are noise in either direction; the KL divergence measures the
+distance itself, token by token, and ranks settings reliably on short texts.
 """
 from __future__ import annotations
 
@@ -24,11 +30,38 @@ from .progress import progress
 from .runtime import LocalModel
 
 
+REFERENCE_CACHE_BYTES = 2 << 30  # reference log-probabilities kept between settings; windows beyond are recomputed
+
+
 @dataclass
 class EvalResult:
     mode: str
     k_chunk: int
     perplexity: float
+    kl: float | None = None  # mean KL(reference || model) per predicted token, nats; None without a reference
+
+
+class Reference:
+    """A reference model's next-token log-probabilities per window, for KL(reference || model). It runs on the
+    evaluated model's device; windows are cached (float16, on the CPU) up to REFERENCE_CACHE_BYTES."""
+
+    def __init__(self, ref: LocalModel, lm: LocalModel):
+        v_ref, v = ref.model.cfg.vocab_size, lm.model.cfg.vocab_size
+        if v_ref != v:
+            raise LocalLLMError(f"the reference {ref.path} has a vocabulary of {v_ref} tokens, the model {v}: give "
+                                "the checkpoint the model was quantized from as --reference")
+        self.lm, self.cache, self.cached = ref, {}, 0
+
+    def log_probs(self, start: int, w: torch.Tensor) -> torch.Tensor:
+        """float32 [len(w) - 1, vocab] on w's device: the reference's log-probabilities of the tokens after w[:-1]."""
+        if start in self.cache:
+            return self.cache[start].to(w.device, torch.float32)
+        with torch.inference_mode():
+            lp = F.log_softmax(self.lm.model(w[None, :-1].to(self.lm.model.device))[0].float(), dim=-1).to(w.device)
+        if self.cached + lp.numel() * 2 <= REFERENCE_CACHE_BYTES:
+            self.cache[start] = lp.to("cpu", torch.float16)
+            self.cached += lp.numel() * 2
+        return lp
 
 
 def read_text(path: str | Path | None) -> tuple[str, str]:
@@ -54,39 +87,53 @@ def tokenize(lm: LocalModel, text: str, max_tokens: int | None = None) -> list[i
 def perplexity(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: str = "evaluating") -> float:
     """Perplexity of the token ids under the model's current QDEC settings (LocalModel.set_qdec) and KV cache width
     (LocalModel.set_kv_bits)."""
+    return score(lm, ids, ctx, seed, desc)[0]
+
+
+def score(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: str = "evaluating",
+          reference: Reference | None = None) -> tuple[float, float | None]:
+    """(perplexity, mean KL(reference || model) per predicted token, or None without a reference)."""
     limit = lm.model.cfg.max_position_embeddings
     if not 2 <= ctx <= limit:
         raise LocalLLMError(f"--ctx must be within 2..{limit} (the model's context); got {ctx}")
     model, dev = lm.model, lm.model.device
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed)  # boundary-bucket and random picks
     stepwise = dev.type == "cuda" and lm.settings.mode != "off"
-    nll, count = torch.zeros((), dtype=torch.float64, device=dev), 0
+    nll = torch.zeros((), dtype=torch.float64, device=dev)
+    kl = torch.zeros((), dtype=torch.float64, device=dev)
+    count = 0
     with torch.inference_mode():
         for s in progress(range(0, len(ids) - 1, ctx), desc=desc, unit="window"):
             w = torch.tensor(ids[s: s + ctx + 1], device=dev)
             if stepwise:
-                nll += _decoded_nll(lm, w)
+                logits = _decoded_logits(lm, w)
             else:
                 cache = None if lm.kv_bits == 16 else \
                     KVCache(model.cfg, len(w) - 1, dtype=model.embed.dtype, device=dev, bits=lm.kv_bits)
-                nll += F.cross_entropy(model(w[None, :-1], 0, cache)[0].float(), w[1:], reduction="sum")
+                logits = model(w[None, :-1], 0, cache)[0]
+            logits = logits.float()
+            nll += F.cross_entropy(logits, w[1:], reduction="sum")
+            if reference is not None:
+                ref = reference.log_probs(s, w)
+                kl += (ref.exp() * (ref - F.log_softmax(logits, dim=-1))).sum()
             count += len(w) - 1
-    return math.exp(nll.item() / count)
+    return math.exp(nll.item() / count), (kl.item() / count if reference is not None else None)
 
 
-def _decoded_nll(lm: LocalModel, w: torch.Tensor) -> torch.Tensor:
-    """Summed negative log-likelihood of w[1:] given the tokens before, one decode step (graph replay) per token."""
+def _decoded_logits(lm: LocalModel, w: torch.Tensor) -> torch.Tensor:
+    """Logits [len(w) - 1, vocab] after each of w[:-1], one decode step (graph replay) per token after the first."""
     dec = lm.decoder(len(w))
-    nll = F.cross_entropy(dec.prefill(w[:1].tolist())[None].float(), w[1:2], reduction="sum")
-    for pos in range(1, len(w) - 1):
-        nll += F.cross_entropy(dec.step(w[pos], pos)[None].float(), w[pos + 1: pos + 2], reduction="sum")
-    return nll
+    out = [dec.prefill(w[:1].tolist()).float()]
+    for pos in range(1, len(w) - 1):  # a step's logits are the graph's buffer: copied before the next step
+        out.append(dec.step(w[pos], pos).to(torch.float32, copy=True))
+    return torch.stack(out)
 
 
 def sweep(lm: LocalModel, ids: list[int], modes: list[str], k_chunks: list[int], ctx: int = 512,
-          seed: int = 0) -> list[EvalResult]:
-    """Perplexity for "off" (once) and for every other mode at every k_chunk. Every setting is checked by
-    LocalModel.set_qdec before the first one is evaluated, so a bad one fails at once, not after minutes."""
+          seed: int = 0, reference: Reference | None = None) -> list[EvalResult]:
+    """Perplexity (and with a reference, KL divergence from it) for "off" (once) and for every other mode at every
+    k_chunk. Every setting is checked by LocalModel.set_qdec before the first one is evaluated, so a bad one fails
+    at once, not after minutes."""
     settings = [(m, k) for m in modes for k in ([0] if m == "off" else k_chunks)]
     for mode, k in settings:
         lm.set_qdec("off" if mode == "off" else {"mode": mode, "k_chunk": k})
@@ -94,6 +141,6 @@ def sweep(lm: LocalModel, ids: list[int], modes: list[str], k_chunks: list[int],
     for mode, k in settings:
         lm.set_qdec("off" if mode == "off" else {"mode": mode, "k_chunk": k})
         name = "off" if mode == "off" else f"{mode} k={k}"
-        results.append(EvalResult(mode, k, perplexity(lm, ids, ctx, seed, desc=f"eval {name}")))
+        results.append(EvalResult(mode, k, *score(lm, ids, ctx, seed, desc=f"eval {name}", reference=reference)))
     lm.set_qdec("off")
     return results

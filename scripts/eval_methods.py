@@ -2,7 +2,8 @@
 
     python scripts/eval_methods.py MODEL_DIR... [--tokens 4096] [--ctx 512]
 
-Columns: QDEC off; approx k_chunk 8 on every layer; approx k_chunk 8 on gate_up only (what `localllm tune` picked
+Each cell: perplexity / mean KL divergence per token from the source checkpoint each model was quantized from (the
+source is loaded once per model; --no-kl skips it). Columns: QDEC off; approx k_chunk 8 on every layer; approx k_chunk 8 on gate_up only (what `localllm tune` picked
 for a 5% budget on the H100 for the 8B W3 shapes: n_tb 4, k (0, 0, 8, 0), measured +4.3%), a small-budget setting.
 """
 from __future__ import annotations
@@ -20,8 +21,9 @@ def main() -> None:
     p.add_argument("models", nargs="+")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--no-kl", action="store_true", help="perplexity only")
     a = p.parse_args()
-    from localllm.evaluate import perplexity, read_text, tokenize
+    from localllm.evaluate import Reference, read_text, score, tokenize
     from localllm.modelfile import quant_label
     from localllm.runtime import load
     print(f"| model | {' | '.join(SETTINGS)} |")
@@ -29,13 +31,16 @@ def main() -> None:
     for m in a.models:
         lm = load(m, qdec="off")
         ids = tokenize(lm, read_text(None)[0], a.tokens)
+        src = (lm.manifest or {}).get("source", {}).get("path")
+        ref = None if a.no_kl or not src else Reference(load(src, qdec="off"), lm)
         cells = []
         for name, s in SETTINGS.items():
             if s != "off" and not lm.has_residuals:
                 cells.append("")
                 continue
             lm.set_qdec(s)
-            cells.append(f"{perplexity(lm, ids, a.ctx, desc=name):.2f}")
+            ppl, kl = score(lm, ids, a.ctx, desc=name, reference=ref)
+            cells.append(f"{ppl:.2f}" + (f" / {kl:.4f}" if kl is not None else ""))
         label = quant_label(lm.manifest["quant"]) if lm.manifest else "source (dense)"
         print(f"| {label} ({Path(m).name}) | {' | '.join(cells)} |", flush=True)
 

@@ -1,6 +1,7 @@
 """Where a QDEC GEMV's time goes: globaltimer stamps of each block's phases (kernels/qdec.cuh, QDEC_MARKS build).
 
-python scripts/qdec_timeline.py [layer] [bits] [k_chunk,...]   e.g.  qkv 3 2,8,32
+python scripts/qdec_timeline.py [layer] [bits] [k_chunk,...] [n_tb,...]   e.g.  qkv 3 2,8,32 4,8
+(n_tb default: qdec.default_n_tb and the largest viable one)
 """
 import functools
 import os
@@ -43,10 +44,12 @@ res = qdec.HostResidual.pin(QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N
                                           (torch.rand(N) * 0.01).half()))
 part = torch.empty(qdec.chunks(K) * N, device="cuda")
 names = ["start", "x ready", "staged", "selected", "fetched", "flagged", "streamed", "flags seen", "end",
-         "tile 1 done", "select: A", "select: B"]
-FETCH_ONLY = (3, 4, 5, 10, 11)
+         "tile 1 done", "select: A", "select: B", "fetch: start", "word 1 landed", "round landed"]
+FETCH_ONLY = (3, 4, 5, 10, 11, 12, 13, 14)
 for k in ks:
-    for n_tb in sorted({qdec.default_n_tb(K, N, grid), qdec.viable_n_tb(K, N, grid)[-1]}):
+    n_tbs = [int(n) for n in sys.argv[4].split(",")] if len(sys.argv) > 4 else \
+        sorted({qdec.default_n_tb(K, N, grid), qdec.viable_n_tb(K, N, grid)[-1]})
+    for n_tb in n_tbs:
         a = x.float().abs()
         comp = qdec.Call(res, qdec.new_state(K, N, "cuda"), part, k, n_tb, float(a.max()),
                          float(a[:1024].topk(k).values[-1]), grid)

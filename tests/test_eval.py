@@ -84,3 +84,42 @@ def test_too_short_text_is_refused(tiny_quant, tmp_path):
     lm = load(tiny_quant)
     with pytest.raises(LocalLLMError, match="at least 2"):
         tokenize(lm, read_text(f)[0])
+
+
+def test_kl_from_the_source_matches_a_direct_computation_and_falls_with_compensation(tiny_ckpt, tiny_quant):
+    from localllm.evaluate import Reference, score
+    dense_lm, lm = load(tiny_ckpt), load(tiny_quant, qdec="off")
+    ids = tokenize(lm, read_text(None)[0], max_tokens=257)
+    ref = Reference(dense_lm, lm)
+    ppl, kl = score(lm, ids, ctx=128, reference=ref)
+    assert ppl == pytest.approx(perplexity(lm, ids, ctx=128), rel=1e-12)
+    want, n = 0.0, 0
+    with torch.inference_mode():
+        for s in range(0, len(ids) - 1, 128):  # the same windows, by torch's own kl_div
+            w = torch.tensor([ids[s: s + 129]])
+            p = torch.log_softmax(dense_lm.model(w[:, :-1])[0].float(), -1)
+            q = torch.log_softmax(lm.model(w[:, :-1])[0].float(), -1)
+            want += torch.nn.functional.kl_div(q, p, log_target=True, reduction="sum").item()
+            n += w.shape[1] - 1
+    assert kl == pytest.approx(want / n, rel=1e-4) and kl > 0
+    assert score(dense_lm, ids, ctx=128, reference=Reference(dense_lm, dense_lm))[1] == pytest.approx(0, abs=1e-6)
+    lm.set_qdec({"mode": "exact", "k_chunk": 1024})  # every channel compensated: far closer to the source
+    assert score(lm, ids, ctx=128, reference=ref)[1] < 0.25 * kl
+
+
+def test_eval_command_reports_kl_from_the_recorded_source(tiny_quant):
+    r = run("eval", tiny_quant, "--qdec", "off,exact", "--k-chunk", "1024", "--max-tokens", "150", "--ctx", "64",
+            "--reference")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "KL divergence from" in lines[0] and lines[1].split()[-3:] == ["KL", "vs", "off"]
+    rows = [ln.split() for ln in lines[2:]]
+    off, full = float(rows[0][4]), float(rows[1][4])
+    assert rows[0][5] == "+0.0%" and 0 < full < off
+
+
+def test_eval_reference_with_another_vocabulary_is_refused(tiny_quant, tmp_path):
+    from conftest import make_checkpoint
+    other = make_checkpoint(tmp_path / "other", vocab_size=512)
+    r = run("eval", tiny_quant, "--max-tokens", "50", "--reference", str(other))
+    assert r.returncode != 0 and "vocabulary" in r.stderr and "Traceback" not in r.stderr

@@ -241,10 +241,13 @@ def test_n_tb_candidates_are_distinct_and_within_half_the_sms():
 
 def test_viable_n_tb_follows_appendix_a():
     assert qdec.viable_groups(24) == [1, 2, 3, 4, 5, 6, 8, 12, 24]  # the paper's c_out = 6144 example
-    # our kernel: n_tb compensating blocks take ceil(chunks / n_tb) whole chunks each; one block must stream
-    assert qdec.viable_n_tb(14336, 4096, 132) == [1, 2, 3, 4, 5, 7, 14]
-    assert qdec.viable_n_tb(4096, 6144, 132) == [1, 2, 4]
+    # our kernel: up to one compensating block per chunk, each taking ceil(chunks / n_tb) whole chunks (one block
+    # must stream); beyond, chunks x p blocks, each a part of ceil(segments / p) of its chunk's segments, p viable by
+    # the same rule on the segments, while a quarter of the grid at most compensates
+    assert qdec.viable_n_tb(14336, 4096, 132) == [1, 2, 3, 4, 5, 7, 14, 28]  # 16 segments: p = 2 only (28 <= 33)
+    assert qdec.viable_n_tb(4096, 6144, 132) == [1, 2, 4] + [4 * p for p in (2, 3, 4, 5, 6, 8)]  # 24 segments
     assert qdec.viable_n_tb(4096, 64, 4) == [1, 2]
+    assert qdec.default_n_tb(4096, 6144, 132) == 4  # one chunk per block, no split
 
 
 def test_largest_k_from_shared_memory():
