@@ -347,8 +347,8 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
     const int parts = nf > C ? nf / C : 1, per_part = (n_seg + parts - 1) / parts, n_flags = C * parts;
     if constexpr (QW > 0) {
         if (fetcher)  // the streaming warps select, every warp fetches
-            for (int c = parts > 1 ? blockIdx.x % C : blockIdx.x; c < C; c += parts > 1 ? C : nf) {
-                const int j = parts > 1 ? blockIdx.x / C : 0, g0 = j * per_part, g1 = min(n_seg, g0 + per_part);
+            for (int c = blockIdx.x % C; c < C; c += nf) {  // n_tb > C: one chunk per block
+                const int j = blockIdx.x / C, g0 = j * per_part, g1 = min(n_seg, g0 + per_part);
                 const int csize = min(QDEC_CHUNK, K - c * QDEC_CHUNK);
                 const int k = min(csize, (k_chunk * csize + QDEC_CHUNK - 1) / QDEC_CHUNK);  // qdec.k_for_chunk
                 if (streamer) qdec_select<32 * WARPS>(xs, c, csize, k, b0, b15, inv_hi, inv_lo, bk, scr, sel_idx, sel_x);

@@ -88,7 +88,7 @@ def cmd_quantize(a) -> None:
 
 
 def cmd_eval(a) -> None:
-    from .evaluate import Reference, read_text, sweep, tokenize
+    from .evaluate import Reference, read_text, source_path, sweep, tokenize
     from .model import QDEC_MODES
     from .runtime import load
     modes = [m.strip() for m in a.qdec.split(",") if m.strip()]
@@ -110,7 +110,7 @@ def cmd_eval(a) -> None:
     if a.reference is not None:
         ref_path = a.reference
         if ref_path == "source":
-            src = ((lm.manifest or {}).get("source") or {}).get("path")
+            src = source_path(lm)
             if not src:
                 raise LocalLLMError(f"{lm.path} records no source checkpoint: give --reference PATH")
             if not Path(src).expanduser().exists():

@@ -41,6 +41,11 @@ class EvalResult:
     kl: float | None = None  # mean KL(reference || model) per predicted token, nats; None without a reference
 
 
+def source_path(lm: LocalModel) -> str | None:
+    """The source checkpoint a quantized model was made from, as its folder records it (None: not recorded)."""
+    return ((lm.manifest or {}).get("source") or {}).get("path")
+
+
 class Reference:
     """A reference model's next-token log-probabilities per window, for KL(reference || model). It runs on the
     evaluated model's device; windows are cached (float16, on the CPU) up to REFERENCE_CACHE_BYTES."""

@@ -36,8 +36,7 @@ from .config import rope_inv_freq
 from .model import KINDS, Linear, QdecSettings, RMSNorm, attention_mask, build_block, rope_tables
 from .progress import progress
 from .qdec import ActStats
-from .smooth_attention import ALPHA as SMOOTH_ALPHA, key_max
-from .smooth_attention import factors as smooth_factors, fold as smooth_fold
+from .smooth_attention import ALPHA as SMOOTH_ALPHA, factors as smooth_factors, fold as smooth_fold, key_max
 from .quant import (BASE_BITS, GROUP_SIZES, TILE_K, TILE_N, quantize_lut, quantize_residual, quantize_rtn,
                     rtn_dequantized)
 

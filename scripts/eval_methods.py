@@ -23,7 +23,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--no-kl", action="store_true", help="perplexity only")
     a = p.parse_args()
-    from localllm.evaluate import Reference, read_text, score, tokenize
+    from localllm.evaluate import Reference, read_text, score, source_path, tokenize
     from localllm.modelfile import quant_label
     from localllm.runtime import load
     print(f"| model | {' | '.join(SETTINGS)} |")
@@ -31,7 +31,7 @@ def main() -> None:
     for m in a.models:
         lm = load(m, qdec="off")
         ids = tokenize(lm, read_text(None)[0], a.tokens)
-        src = (lm.manifest or {}).get("source", {}).get("path")
+        src = source_path(lm)
         ref = None if a.no_kl or not src else Reference(load(src, qdec="off"), lm)
         cells = []
         for name, s in SETTINGS.items():

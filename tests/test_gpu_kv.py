@@ -8,6 +8,8 @@ from localllm import kvquant
 from localllm.decode import Decoder
 from localllm.runtime import load
 
+from test_gpu_model import rotated_qkv
+
 pytestmark = pytest.mark.gpu
 
 
@@ -19,7 +21,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128), (4, 4, 128), (16, 2, 64)])
 @pytest.mark.parametrize("splits", [None, 1, 3])  # the default, then runs of 4 and 2 chunks
 def test_quantized_decode_attention_matches_float64_reference(heads, kv_heads, D, splits, bits):
-    from localllm import ops
     from localllm.kernels import attention
     max_len, gq = 400, heads // kv_heads
     # a cache already holding quantized random keys (with outlier channels) and values
@@ -27,14 +28,8 @@ def test_quantized_decode_attention_matches_float64_reference(heads, kv_heads, D
     kc, ksz = kvquant.quantize(torch.randn(kv_heads, max_len, D, device="cuda") * outliers, bits)
     vc, vsz = kvquant.quantize(torch.randn(kv_heads, max_len, D, device="cuda"), bits)
     for p in (0, 127, 128, 255, 256, 300, 399):  # chunk boundaries of 128 positions
-        qkv = torch.randn((heads + 2 * kv_heads) * D, device="cuda").half()
-        ang = torch.rand(D // 2) * 6
-        rot = qkv.cpu().float().view(1, -1).clone()
-        ops.rope_(rot, ang.cos()[None], ang.sin()[None], heads + kv_heads, D)  # torch reference, on the CPU
-        rot = rot.half().float().view(-1)
-        q = rot[: heads * D].view(heads, D).double()
-        k_new = rot[heads * D: (heads + kv_heads) * D].view(kv_heads, D)
-        v_new = qkv[(heads + kv_heads) * D:].cpu().float().view(kv_heads, D)
+        qkv, ang, q, k_new, v_new = rotated_qkv(heads, kv_heads, D)
+        q = q.double()
         out = attention.attend(qkv, ang.cos().cuda(), ang.sin().cuda(), kc, vc, torch.tensor([p], device="cuda"),
                                heads, kv_heads, D ** -0.5, ksz, vsz, splits=splits)
         torch.cuda.synchronize()

@@ -59,23 +59,29 @@ def test_too_big_for_the_gpu_is_refused_with_sizes(tiny_quant, monkeypatch):
         load(tiny_quant, device="cuda")
 
 
+def rotated_qkv(heads: int, kv_heads: int, D: int):
+    """A random fp16 qkv row on the GPU, RoPE angles, and the torch reference on the CPU: q and the new key rotated
+    then rounded to fp16, the new value; float32 [heads, D], [kv_heads, D], [kv_heads, D] (fp16 values, exact)."""
+    from localllm import ops
+    qkv = torch.randn((heads + 2 * kv_heads) * D, device="cuda").half()
+    ang = torch.rand(D // 2) * 6
+    rot = qkv.cpu().float().view(1, -1).clone()
+    ops.rope_(rot, ang.cos()[None], ang.sin()[None], heads + kv_heads, D)
+    rot = rot.half().float().view(-1)
+    return (qkv, ang, rot[: heads * D].view(heads, D), rot[heads * D: (heads + kv_heads) * D].view(kv_heads, D),
+            qkv[(heads + kv_heads) * D:].cpu().float().view(kv_heads, D))
+
+
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128), (4, 4, 128), (16, 2, 64)])
 @pytest.mark.parametrize("splits", [None, 1, 3])  # the default, then runs of 4 and 2 chunks
 def test_fused_decode_attention_matches_float64_reference(heads, kv_heads, D, splits):
-    from localllm import ops
     from localllm.kernels import attention
     max_len, gq = 400, heads // kv_heads
     kc = torch.randn(kv_heads, max_len, D, device="cuda").half()
     vc = torch.randn(kv_heads, max_len, D, device="cuda").half()
     for p in (0, 127, 128, 255, 256, 300, 399):  # chunk boundaries of 128 positions
-        qkv = torch.randn((heads + 2 * kv_heads) * D, device="cuda").half()
-        ang = torch.rand(D // 2) * 6
-        rot = qkv.cpu().float().view(1, -1).clone()
-        ops.rope_(rot, ang.cos()[None], ang.sin()[None], heads + kv_heads, D)  # torch reference, on the CPU
-        rot = rot.half().double().view(-1)
-        q = rot[: heads * D].view(heads, D)
-        k_new = rot[heads * D: (heads + kv_heads) * D].view(kv_heads, D)
-        v_new = qkv[(heads + kv_heads) * D:].cpu().double().view(kv_heads, D)
+        qkv, ang, q, k_new, v_new = rotated_qkv(heads, kv_heads, D)
+        q, k_new, v_new = q.double(), k_new.double(), v_new.double()
         keys, vals = kc.cpu().double(), vc.cpu().double()
         keys[:, p], vals[:, p] = k_new, v_new
         out = attention.attend(qkv, ang.cos().cuda(), ang.sin().cuda(), kc, vc, torch.tensor([p], device="cuda"),
