@@ -205,23 +205,24 @@ def test_k_chunk_beyond_shared_memory_is_an_error_not_a_fallback(tiny_quant, mon
 
 
 def test_eval_on_the_gpu_compensates_token_by_token(tiny_ckpt, tmp_path):
-    """`localllm eval` on the GPU with QDEC runs every position through the compensated decode graph: its perplexity
-    moves away from the uncompensated one (2-bit weights: large residuals) and stays near the CPU's compensated one.
-    Near, not equal: on a random model, channels near a bucket boundary flip between the fp16 (GPU) and fp32 (CPU)
-    inputs, and each flip moves the logits (one step's agreement: test_decode_with_qdec_follows_the_cpu_...)."""
-    from localllm.evaluate import perplexity
+    """`localllm eval` on the GPU with QDEC runs every position through the compensated decode graph: its KL divergence
+    from the source falls as much as the CPU's compensated one does. KL, not perplexity: on a random model the
+    compensation moves perplexity by anything from 0.05% to several % either way, while it cuts the KL by 20-30% on
+    every seed (the GPU's within 1.5% of the CPU's on six seeds). Near, not equal: channels near a bucket boundary flip between the fp16 (GPU) and fp32 (CPU) inputs,
+    and each flip moves the logits (one step's agreement: test_decode_with_qdec_follows_the_cpu_...)."""
+    from localllm.evaluate import Reference, score
     from localllm.quantize import quantize
     from localllm.runtime import load
     path = quantize(str(tiny_ckpt), str(tmp_path / "w2"), bits=2, group_size=64, calib_tokens=1024, seq_len=128)
     cpu, gpu = load(path, qdec="off"), load(path, device="cuda", qdec="off")
+    refs = {"cpu": Reference(load(str(tiny_ckpt)), cpu), "gpu": Reference(load(str(tiny_ckpt), device="cuda"), gpu)}
     ids = torch.randint(0, cpu.model.cfg.vocab_size, (160,)).tolist()
     k = min(64, cpu.manifest["calibration"]["kmax"])
-    res = {}
+    ppl, kl = {}, {}
     for name, lm in (("cpu", cpu), ("gpu", gpu)):
         for mode in ("off", "approx"):
             lm.set_qdec("off" if mode == "off" else {"mode": mode, "k_chunk": k})
-            res[name, mode] = perplexity(lm, ids, ctx=40)
-    rel = lambda a, b: abs(res[a] / res[b] - 1)  # noqa: E731
-    assert rel(("gpu", "off"), ("cpu", "off")) < 1e-3, res
-    assert rel(("gpu", "approx"), ("gpu", "off")) > 1e-3 and rel(("cpu", "approx"), ("cpu", "off")) > 1e-3, res
-    assert rel(("gpu", "approx"), ("cpu", "approx")) < 3e-2, res
+            ppl[name, mode], kl[name, mode] = score(lm, ids, ctx=40, reference=refs[name])
+    assert abs(ppl["gpu", "off"] / ppl["cpu", "off"] - 1) < 1e-3, ppl
+    assert kl["gpu", "approx"] < 0.9 * kl["gpu", "off"] and kl["cpu", "approx"] < 0.9 * kl["cpu", "off"], kl
+    assert abs(kl["gpu", "approx"] / kl["cpu", "approx"] - 1) < 0.05, kl
