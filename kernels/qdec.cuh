@@ -1,12 +1,12 @@
 // QDEC dynamic error compensation inside the GEMV (gemv.cu, QW > 0): y = W_hat x + R_hat[:, S] x[S].
 //
 // The first n_tb blocks of the grid compensate; the others stream the weights. A compensating block takes whole
-// 1024-channel chunks (blockIdx.x, + n_tb, ...), or with n_tb = chunks x p one part of one chunk's outputs (p parts
-// of whole 256-output segments; each part selects the chunk's channels itself). For each, right after staging x, its streaming warps select the
-// chunk's k channels (approximate top-k, qdec.select_approx: 32 buckets from b0 and b15, whole buckets from the
-// top, the boundary bucket in the pseudo-random order of qdec.boundary_order); then all its warps read those
-// channels' residual rows straight from pinned host memory (zero-copy: a warp reads 128 contiguous bytes, 256
-// codes, per row and segment, all of a warp's reads in flight together), multiply by x[S], store the chunk's
+// 1024-channel chunks (blockIdx.x, + n_tb, ...), or with n_tb = chunks x p one part of one chunk's outputs (p parts of
+// whole 256-output segments; each part selects the chunk's channels itself). For each, right after staging x, its
+// streaming warps select the chunk's k channels (approximate top-k, qdec.select_approx: 32 buckets from b0 and b15,
+// whole buckets from the top, the boundary bucket in the pseudo-random order of qdec.boundary_order); then all its
+// warps read those channels' residual rows straight from pinned host memory (zero-copy: a warp reads 128 contiguous
+// bytes, 256 codes, per row and segment, all of a warp's reads in flight together), multiply by x[S], store the chunk's
 // partial sums (fp32, one thread per output, rows in a fixed order) to a global buffer and raise the chunk's flag.
 // Why separate blocks: zero-copy reads and the selection slow down a block that also streams weights (its reads
 // wait behind the PCIe ones, its warps lose issue slots), and the grid's time is its slowest block's.
