@@ -18,9 +18,9 @@
 //
 // Table (non-uniform, SqueezeLLM) weights, LUT = true: W_hat[n, c] = lut[n][code] with one fp16 table of 2^BITS values
 // per output channel (kernels.gemv.PackedLUT). The meta record is then the tile's 16 tables (rows 0..15, 32 << BITS
-// bytes), fetched with every step like the uniform record. 2 and 3 bits: codes and tables in PackedLUT's load-time
-// layout, four lookups per four byte permutes (lut.cuh, lut_fragments); 4 bits: the mma-v3 codes, each looked up in
-// shared memory. No scale, zero or factor to apply: the mma sums are the result.
+// bytes), fetched with every step like the uniform record. Codes and tables in PackedLUT's load-time layout, four
+// lookups per four byte permutes (eight at 4 bits; lut.cuh, lut_fragments). No scale, zero or factor to apply: the
+// mma sums are the result.
 #include <cuda_fp16.h>
 
 #include "pdl.cuh"
@@ -105,43 +105,38 @@ __device__ __forceinline__ void lane_words(const uint32_t* p, uint32_t (&w)[BITS
 
 constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 zeros; rows 0, 8, 1, 9, ..., 7, 15
 
+// The A fragments a[m][j] of one step of table weights, from the lane's words and its tile's record (the 16 rows'
+// tables as kernels.gemv.PackedLUT stores them, low bytes then high bytes: 2 bits 8, 3 bits 16, 4 bits 32 bytes a
+// row), for the byte permutes of lut_fragments.
+template <int BITS>
+__device__ __forceinline__ void lut_step(const uint32_t (&w)[BITS], const unsigned char* rec, int g,
+                                         uint32_t (&a)[4][4]) {
+    uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()];
+    if constexpr (BITS == 4) {
+        const uint4* u = reinterpret_cast<const uint4*>(rec) + 2 * g;
+        const uint4 l = u[0], h = u[1], l8 = u[16], h8 = u[17];
+        tg[0] = l.x, tg[1] = l.y, tg[2] = l.z, tg[3] = l.w, tg[4] = h.x, tg[5] = h.y, tg[6] = h.z, tg[7] = h.w;
+        tg8[0] = l8.x, tg8[1] = l8.y, tg8[2] = l8.z, tg8[3] = l8.w, tg8[4] = h8.x, tg8[5] = h8.y, tg8[6] = h8.z,
+        tg8[7] = h8.w;
+    } else if constexpr (BITS == 3) {
+        const uint4 u = reinterpret_cast<const uint4*>(rec)[g], v = reinterpret_cast<const uint4*>(rec)[g + 8];
+        tg[0] = u.x, tg[1] = u.y, tg[2] = u.z, tg[3] = u.w, tg8[0] = v.x, tg8[1] = v.y, tg8[2] = v.z, tg8[3] = v.w;
+    } else {  // 4 entries: selectors never reach bytes 4-7
+        const uint2 u = reinterpret_cast<const uint2*>(rec)[g], v = reinterpret_cast<const uint2*>(rec)[g + 8];
+        tg[0] = tg[1] = u.x, tg[2] = tg[3] = u.y, tg8[0] = tg8[1] = v.x, tg8[2] = tg8[3] = v.y;
+    }
+    lut_fragments<BITS>(w, tg, tg8, a);
+}
+
 // y = W_hat f(x) (+ res), f the input transform below; with QW > 0 QDEC warps add R_hat[:, S] f(x)[S] (qdec.cuh).
 // Dynamic shared memory: x as B fragments (K halves), per step {X, offset of rows g, offset of rows g + 8, 0}
 // (K/64 float4), then the warps' rings (WARPS x DEPTH slots of one step's weights + one meta record), then with QDEC
 // the block's fp32 results (16 per tile), the selection (k_chunk ints, k_chunk floats), 1024 bucket bytes and
-// QW * 36 ints. Without QDEC, registers are capped at 64 so that 32 warps fit on an SM.
-// The A fragments a[m][j] of one step of table weights, from the lane's words and its tile's record (the 16 rows'
-// tables as kernels.gemv.PackedLUT stores them): 2 / 3 bits, rows g and g + 8 split into the entries' low bytes then
-// high bytes (8 / 16 bytes a row) for the byte permutes of lut_fragments; 4 bits, fp16, each code looked up.
-template <int BITS>
-__device__ __forceinline__ void lut_step(const uint32_t (&w)[BITS], const unsigned char* rec, int g,
-                                         uint32_t (&a)[4][4]) {
-    if constexpr (BITS < 4) {
-        uint32_t tg[4], tg8[4];
-        if constexpr (BITS == 3) {
-            const uint4 u = reinterpret_cast<const uint4*>(rec)[g], v = reinterpret_cast<const uint4*>(rec)[g + 8];
-            tg[0] = u.x, tg[1] = u.y, tg[2] = u.z, tg[3] = u.w, tg8[0] = v.x, tg8[1] = v.y, tg8[2] = v.z, tg8[3] = v.w;
-        } else {  // 4 entries: selectors never reach bytes 4-7
-            const uint2 u = reinterpret_cast<const uint2*>(rec)[g], v = reinterpret_cast<const uint2*>(rec)[g + 8];
-            tg[0] = tg[1] = u.x, tg[2] = tg[3] = u.y, tg8[0] = tg8[1] = v.x, tg8[2] = tg8[3] = v.y;
-        }
-        lut_fragments<BITS>(w, tg, tg8, a);
-    } else {
-        const __half* tab = reinterpret_cast<const __half*>(rec);
-#pragma unroll
-        for (int m = 0; m < 4; m++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const __half* row = tab + (lut_row(g, j) << BITS);
-                const __half2 v = __halves2half2(row[lut_code<BITS>(w, m, j, 0)], row[lut_code<BITS>(w, m, j, 1)]);
-                a[m][j] = *reinterpret_cast<const uint32_t*>(&v);
-            }
-    }
-}
-
+// QW * 36 ints. Uniform weights without QDEC: registers capped at 64 so that 32 warps fit on an SM (the sweep's
+// variants); table weights run one block per SM, and 4-bit tables use ~74 (+1-2 points of copy bandwidth).
 // Group size = 64 << GSHIFT (uniform weights; LUT: GSHIFT 0, G = 1).
 template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT>
-__global__ void __launch_bounds__(32 * (WARPS + QW), QW ? 1 : 32 / WARPS)
+__global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     gemv(const uint8_t* __restrict__ qw, const uint8_t* __restrict__ meta, const __half* __restrict__ x,
          const __half* __restrict__ res, __half* __restrict__ y, int N, int K, int G, uint32_t magic,
          const float* __restrict__ norm_w, float eps, int glu, const uint32_t* __restrict__ rq,
@@ -486,10 +481,10 @@ template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*
     const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
 #define INST_GS(B, W, D, QW) INST(B, W, D, 0, QW) INST(B, W, D, 1, QW) INST(B, W, D, 2, QW) INST(B, W, D, 3, QW)
 #define INST_BITS(W, D, QW) INST_GS(2, W, D, QW) INST_GS(3, W, D, QW) INST_GS(4, W, D, QW)
-INST_BITS(16, 7, 0)
+INST_BITS(16, 5, 0)
 INST_BITS(8, 9, 0)
-INST_BITS(16, 7, 4)
-// table weights: the first variant, with and without QDEC
-#define INST_LUT(QW) INST_L(2, 16, 7, 0, QW, true) INST_L(3, 16, 7, 0, QW, true) INST_L(4, 16, 7, 0, QW, true)
+INST_BITS(16, 5, 4)
+// table weights: gemv.py's TABLE_VARIANT, with and without QDEC
+#define INST_LUT(QW) INST_L(2, 16, 4, 0, QW, true) INST_L(3, 16, 4, 0, QW, true) INST_L(4, 16, 4, 0, QW, true)
 INST_LUT(0)
 INST_LUT(4)

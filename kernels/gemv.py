@@ -9,20 +9,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from localllm.quant import GROUP_SIZES, QuantLUT, QuantWeight, unpack_codes
+from localllm.quant import GROUP_SIZES, QuantLUT, QuantWeight, as_int32, unpack_codes
 
 from . import cuda, qdec
 
 META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
 
 # (warps per block, ring depth in steps per warp): the compiled variants of gemv.cu. The first, at one block per SM,
-# won on every Llama-3-8B shape in `localllm bench gemv-sweep` on the H100; the sweep still times the others.
-VARIANTS = ((16, 7), (8, 9))
+# is what decode runs (with and without QDEC); the sweep (`localllm bench gemv-sweep`) also times the others. On the
+# H100, depth 5 beat 7 on every Llama-3-8B shape but down (equal): qkv W4 76 vs 74%, o 63 vs 59% of copy bandwidth,
+# and table weights want 4 (TABLE_VARIANT; their slots hold a record as large as the weights): qkv 52 vs 46%.
+VARIANTS = ((16, 5), (8, 9))
+TABLE_VARIANT = (16, 4)
 NAMES = tuple(f"gemv<{b},{w},{d},{gs},0,false>" for b in (2, 3, 4) for w, d in VARIANTS
               for gs in range(len(GROUP_SIZES))) \
     + tuple(f"gemv<{b},{w},{d},{gs},{qdec.QW},false>" for b in (2, 3, 4) for w, d in VARIANTS[:1]
             for gs in range(len(GROUP_SIZES))) \
-    + tuple(f"gemv<{b},{w},{d},0,{qw},true>" for b in (2, 3, 4) for w, d in VARIANTS[:1] for qw in (0, qdec.QW)) \
+    + tuple(f"gemv<{b},{w},{d},0,{qw},true>" for b in (2, 3, 4) for w, d in (TABLE_VARIANT,) for qw in (0, qdec.QW)) \
     + tuple(f"dequant<{b}>" for b in (2, 3, 4)) + tuple(f"dequant_lut<{b}>" for b in (2, 3, 4))
 
 
@@ -56,19 +59,17 @@ class Packed:
 
 @dataclass
 class PackedLUT:
-    """A QuantLUT as the GPU kernels read it. 2 and 3 bits: the codes rearranged at load time so that a lane's four
-    codes of one row and mma tile are the nibbles of one byte-permute selector, and each row's table stored as its
-    entries' low bytes, then their high bytes (kernels/lut.cuh, lut_fragments); 4 bits: the QuantLUT's tensors."""
+    """A QuantLUT as the GPU kernels read it: the codes rearranged at load time so that a lane's four codes of one row
+    and mma tile are the nibbles of one byte-permute selector, and each row's table stored as its entries' low bytes,
+    then their high bytes (kernels/lut.cuh, lut_fragments)."""
     qweight: torch.Tensor  # int32 [N/16, K*bits/2]
-    lut: torch.Tensor  # 2/3 bits: uint8 [N, 2 * 2^bits], low bytes then high bytes; 4 bits: fp16 [N, 16]
+    lut: torch.Tensor  # uint8 [N, 2 * 2^bits], low bytes then high bytes
     bits: int
     in_features: int
 
     @classmethod
     def from_quant(cls, q: QuantLUT, device: torch.device | str = "cuda") -> "PackedLUT":
         qw, lut = q.qweight.to(device), q.lut.to(device)
-        if q.bits == 4:
-            return cls(qw.contiguous(), lut.contiguous(), 4, q.in_features)
         b = lut.contiguous().view(torch.uint8).view(lut.shape[0], -1, 2)  # [N, entries, (low, high)] little-endian
         out = torch.empty_like(qw)
         for t in range(0, qw.shape[0], 256):  # 4096 rows at a time: the int64 temporaries stay small
@@ -85,10 +86,10 @@ class PackedLUT:
 
 
 def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes uint8 [N, K] (2 or 3 bits) -> int32 [N/16, K*bits/2] in PackedLUT's layout: per (tile, 64-channel step,
-    lane 4g + t) `bits` words; code p of selector (mma tile m, row half r) is element (row g + 8r, column 16m + 2t +
-    p % 2 + 8 (p // 2)); its low two bits at bit 16r + 4p + 2 (m % 2) of word m // 2, its third bit at 16r + 4p + m
-    of word 2 (lut.cuh, lut_selectors)."""
+    """Codes uint8 [N, K] -> int32 [N/16, K*bits/2] in PackedLUT's layout: per (tile, 64-channel step, lane 4g + t)
+    `bits` words; code p of selector (mma tile m, row half r) is element (row g + 8r, column 16m + 2t + p % 2 +
+    8 (p // 2)). 2 and 3 bits: its low two bits at bit 16r + 4p + 2 (m % 2) of word m // 2, its third bit at
+    16r + 4p + m of word 2; 4 bits: the code at bit 16r + 4p of word m (lut.cuh, lut_selectors)."""
     n, k = codes.shape
     dev = codes.device
     g, t, m, r, p = (v.reshape(-1) for v in torch.meshgrid(*(torch.arange(i, device=dev) for i in (8, 4, 4, 2, 4)),
@@ -99,13 +100,16 @@ def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
     shape = (n // 16, k // 64, 32)
     m, r, p = (v.view(32, 32)[0] for v in (m, r, p))  # per code of a lane
     words = torch.zeros(*shape, bits, dtype=torch.int64, device=dev)
+    if bits == 4:
+        for w in range(4):
+            words[..., w] = ((c << (16 * r + 4 * p)) * (m == w)).sum(-1)
+        return as_int32(words).view(n // 16, -1)
     low = (c & 3) << (16 * r + 4 * p + 2 * (m % 2))
     for w in range(2):
         words[..., w] = (low * (m // 2 == w)).sum(-1)
     if bits == 3:
         words[..., 2] = ((c >> 2) << (16 * r + 4 * p + m)).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words)  # the int32 bit patterns
-    return words.to(torch.int32).view(n // 16, -1)
+    return as_int32(words).view(n // 16, -1)
 
 
 # Weights below this size launch early (cuda.launch): their time is mostly fixed latency, which the overlap hides.
@@ -122,6 +126,11 @@ def record_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> int:
     return 32 << w.bits if isinstance(w, (PackedLUT, QuantLUT)) else META_BYTES
 
 
+def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int, int]:
+    """The (warps, depth) variant decode runs for w (QDEC needs it)."""
+    return TABLE_VARIANT if isinstance(w, (PackedLUT, QuantLUT)) else VARIANTS[0]
+
+
 def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
     """What the kernel reads besides the codes: (records, records per tile, table weight?)."""
     if isinstance(w, PackedLUT):
@@ -135,7 +144,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.
     f, applied while the kernel stages x: norm = (float32 weight [K], eps) -> ops.rmsnorm(x, weight, eps);
     glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself.
-    variant: one of VARIANTS (default the first), blocks_per_sm default 1.
+    variant: one of VARIANTS for uniform weights (default decode_variant), blocks_per_sm default 1.
     comp: QDEC, y += R_hat[:, S] f(x)[S] (S chosen in the kernel); needs the first variant and the grid that
     comp.state was numbered with."""
     N, K = w.out_features, w.in_features
@@ -146,16 +155,16 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         x = x.clone()  # the kernel reads x 16 bytes at a time
     if out is None:
         out = torch.empty(N, dtype=torch.float16, device=x.device)
-    warps, depth = variant or VARIANTS[0]
+    warps, depth = variant or decode_variant(w)
     qw = qdec.QW if comp is not None and comp.k_chunk > 0 else 0
-    assert not lut or (warps, depth) == VARIANTS[0], "table weights: the first variant only"
+    assert not lut or (warps, depth) == TABLE_VARIANT, "table weights: TABLE_VARIANT only"
     gs = 0 if lut else GROUP_SIZES.index(w.group_size)
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()}>", NAMES)
     grid = grid_of(N, x.device, blocks_per_sm or 1)
     smem = shared_bytes(w, warps, depth)
     null = np.uint64(0)
     if qw:
-        assert (warps, depth) == VARIANTS[0] and comp.grid == grid, "QDEC state numbered for another grid"
+        assert (warps, depth) == decode_variant(w) and comp.grid == grid, "QDEC state numbered for another grid"
         smem += qdec.shared_bytes(K, N, comp.k_chunk, grid, comp.n_tb)
         extra = comp.args(K, N)
     else:

@@ -30,16 +30,20 @@ __host__ __device__ __forceinline__ uint32_t lut_code(const uint32_t (&w)[BITS],
 __host__ __device__ constexpr int lut_row(int g, int j) { return g + 8 * (j & 1); }
 __host__ __device__ constexpr int lut_col(int t, int m, int j, int h) { return 16 * m + 2 * t + h + 8 * (j >> 1); }
 
-// 2 and 3 bits, the layout kernels/gemv.py's PackedLUT builds at load time: a lane's four codes of row g + 8 r in mma
-// tile m, elements (r, h 0), (r, h 1), (r + 2, h 0), (r + 2, h 1), are the four nibbles of one byte-permute selector
-// (bit 3 of each nibble 0); each row's table is its entries' low bytes, then their high bytes, so one permute picks
-// four entries' low bytes, another their high bytes, and two more pair them into the A fragment's half2s: ~2
-// instructions per weight against ~4.5 for a shared-memory lookup each. The low two bits of the codes of (m, r) sit in
-// word m / 2 at bits 16 r + 4 p + 2 (m % 2) + {0, 1}; the third bit (3 bits) in word 2 at bit 16 r + 4 p + m: one
-// shift and mask of each word gives the selectors of both row halves of tile m (lut_selectors).
-// The selectors of mma tile m for both row halves: r = 0 in bits 0-15, r = 1 in bits 16-31 (a PRMT reads bits 0-15).
+// The layout kernels/gemv.py's PackedLUT builds at load time: a lane's four codes of one row and mma tile m, elements
+// (r, h 0), (r, h 1), (r + 2, h 0), (r + 2, h 1) of row g + 8 r, are the four nibbles of one byte-permute selector, and
+// each row's table is its entries' low bytes, then their high bytes. A permute picks four entries' low bytes from two
+// registers (8 entries), another their high bytes, and two more pair them into the A fragment's half2s: ~2
+// instructions per weight against ~4.5 for a shared-memory lookup each. Where the codes sit (both row halves of tile m
+// from one shift and mask, lut_selectors; the selector for r = 0 in bits 0-15, r = 1 in bits 16-31):
+// - 2 and 3 bits: the low two bits of the codes of (m, r) in word m / 2 at bits 16 r + 4 p + 2 (m % 2) + {0, 1}; the
+//   third bit (3 bits) in word 2 at bit 16 r + 4 p + m.
+// - 4 bits: the whole code in word m at bits 16 r + 4 p. A permute sees 8 entries, so the low three bits pick from
+//   entries 0-7 and from 8-15, and a third permute, whose selector nibble is p + 4 * (bit 3 of the code), keeps one of
+//   the two: 8 permutes per four weights instead of 4.
 template <int BITS>
 __host__ __device__ __forceinline__ uint32_t lut_selectors(const uint32_t (&w)[BITS], int m) {
+    if (BITS == 4) return w[m & (BITS - 1)] & 0x77777777u;  // bit 3 of a nibble would mean sign replication
     uint32_t s = (w[m >> 1] >> (2 * (m & 1))) & 0x33333333u;
     if (BITS == 3) s |= (m >= 2 ? w[2 % BITS] >> (m - 2) : w[2 % BITS] << (2 - m)) & 0x44444444u;
     return s;
@@ -57,19 +61,34 @@ __host__ __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, u
 #endif
 }
 
-// A fragments a[m][j] of a step (2 or 3 bits, PackedLUT layout) from the lane's words and its rows' tables: tg, tg8 =
-// rows g and g + 8 as (low bytes of entries 0-3, of entries 4-7, high bytes of 0-3, of 4-7).
+// Registers a row's table takes in lut_fragments: the low bytes of its entries, 4 to a register, then the high bytes
+// (2 bits: entries 0-3 twice, so that 3-bit selectors never reach past them).
 template <int BITS>
-__host__ __device__ __forceinline__ void lut_fragments(const uint32_t (&w)[BITS], const uint32_t (&tg)[4],
-                                                       const uint32_t (&tg8)[4], uint32_t (&a)[4][4]) {
+__host__ __device__ constexpr int lut_regs() { return BITS == 4 ? 8 : 4; }
+
+// A fragments a[m][j] of a step (PackedLUT layout) from the lane's words and its rows' tables tg, tg8 (rows g, g + 8;
+// lut_regs registers each).
+template <int BITS>
+__host__ __device__ __forceinline__ void lut_fragments(const uint32_t (&w)[BITS], const uint32_t (&tg)[lut_regs<BITS>()],
+                                                       const uint32_t (&tg8)[lut_regs<BITS>()], uint32_t (&a)[4][4]) {
+    constexpr int H = lut_regs<BITS>() / 2;  // the first high-byte register
 #pragma unroll
     for (int m = 0; m < 4; m++) {
         const uint32_t both = lut_selectors<BITS>(w, m);
+        // 4 bits: nibble p of the final pick is p, or p + 4 where the code is >= 8 (its bit 3 moved to bit 2)
+        const uint32_t high = BITS == 4 ? ((w[m & (BITS - 1)] >> 1) & 0x44444444u) | 0x32103210u : 0u;
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const uint32_t s = r ? both >> 16 : both;
             const uint32_t* tb = r ? tg8 : tg;
-            const uint32_t lo = byte_perm(tb[0], tb[1], s), hi = byte_perm(tb[2], tb[3], s);
+            uint32_t lo, hi;
+            if constexpr (BITS == 4) {
+                const uint32_t k = r ? high >> 16 : high;
+                lo = byte_perm(byte_perm(tb[0], tb[1], s), byte_perm(tb[2], tb[3], s), k);
+                hi = byte_perm(byte_perm(tb[H], tb[H + 1], s), byte_perm(tb[H + 2], tb[H + 3], s), k);
+            } else {
+                lo = byte_perm(tb[0], tb[1], s), hi = byte_perm(tb[H], tb[H + 1], s);
+            }
             a[m][r] = byte_perm(lo, hi, 0x5140u);      // entries of nibbles 0, 1: elements (r, h 0), (r, h 1)
             a[m][r + 2] = byte_perm(lo, hi, 0x7362u);  // nibbles 2, 3: elements (r + 2, h 0), (r + 2, h 1)
         }

@@ -41,13 +41,17 @@ def _row_blocks(n: int, k: int, multiple: int = 1) -> Iterator[slice]:
         yield slice(r0, min(r0 + step, n))
 
 
+def as_int32(words: Tensor) -> Tensor:
+    """int64 words in [0, 2^32) -> int32 of the same bit patterns (the top field may set bit 31)."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def pack_words(codes: Tensor, width: int) -> Tensor:
     """codes int [..., M * 32/width] in [0, 2^width) -> int32 [..., M]; value i of a word at bits width*i."""
     per = 32 // width
     shifts = torch.arange(0, 32, width, dtype=torch.int64, device=codes.device)  # [per]
     words = (codes.long().reshape(*codes.shape[:-1], -1, per) << shifts).sum(-1)  # [..., M], in [0, 2^32)
-    # Wrap to int32 explicitly: the top code may set bit 31.
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return as_int32(words)
 
 
 def unpack_words(words: Tensor, width: int) -> Tensor:
@@ -130,8 +134,7 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     for b in range(bits):  # every bit of a word is written exactly once, so adding is or-ing
         part = ((f >> b) & 1) << pos[:, :, b]
         words.scatter_add_(3, word[:, :, b].reshape(1, 1, 1, 32).expand(*part.shape[:3], 32), part.flatten(3))
-    # wrap to int32: the top field may set bit 31
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    words = as_int32(words)
     return words.view(n // 16, k * bits // 2)
 
 

@@ -1,7 +1,7 @@
 """Run one GEMV configuration a few times, for Nsight Compute (ncu) to profile.
 
 usage: python scripts/profile_gemv.py [layer] [bits] [warps,depth] [blocks per SM] [qdec k_chunk]
-       (defaults: gate_up 4, the first variant, 1 block per SM, no QDEC)
+       (defaults: gate_up 4, the first variant, 1 block per SM, no QDEC; bits "4t": table weights, 4 bits)
 """
 import sys
 
@@ -9,10 +9,11 @@ import torch
 
 from localllm.bench import LLAMA3_8B
 from localllm.kernels import qdec
-from localllm.kernels.gemv import Packed, gemv, grid_of
-from localllm.quant import QuantResidual, QuantWeight, pack_codes
+from localllm.kernels.gemv import Packed, PackedLUT, gemv, grid_of
+from localllm.quant import QuantLUT, QuantResidual, QuantWeight, pack_codes
 
-layer, bits = (sys.argv[1:2] or ["gate_up"])[0], int((sys.argv[2:3] or [4])[0])
+layer, bits = (sys.argv[1:2] or ["gate_up"])[0], (sys.argv[2:3] or ["4"])[0]
+table, bits = bits.endswith("t"), int(bits.rstrip("t"))
 variant = tuple(int(v) for v in sys.argv[3].split(",")) if len(sys.argv) > 3 and sys.argv[3] != "-" else None
 bps = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] != "-" else None
 k_chunk = int(sys.argv[5]) if len(sys.argv) > 5 else 0
@@ -21,7 +22,8 @@ x = torch.randn(K, device="cuda").half()
 q = pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits)
 s = torch.rand(N, K // gs, device="cuda").half()
 z = torch.randint(0, 2**bits, (N, K // gs), device="cuda", dtype=torch.uint8)
-w = Packed.from_quant(QuantWeight(q, s, z, bits, gs, K))
+w = PackedLUT.from_quant(QuantLUT(q, torch.randn(N, 2**bits, device="cuda").half(), bits, K)) if table else \
+    Packed.from_quant(QuantWeight(q, s, z, bits, gs, K))
 comp = None
 if k_chunk:
     grid = grid_of(N, x.device)

@@ -1,7 +1,7 @@
 // Host harness for tests/test_lut_decode.py, with the table GEMV's own lut.cuh functions. Input "mode bits n k", then
 // the int32 words as unsigned; mode 1 also the tables' bytes (PackedLUT.lut). Output, one a line: mode 0 the n x k
 // codes of the mma-v3 layout (lut_slot / lut_code / lut_row / lut_col); mode 1 the n x k fp16 bit patterns that
-// lut_fragments builds from the select layout (2 and 3 bits).
+// lut_fragments builds from the select layout.
 #include <cstdint>
 #include <cstdio>
 #include "lut.cuh"
@@ -22,11 +22,12 @@ void run(int mode, int n, int k) {
                 for (int b = 0; b < B; b++) w[b] = q[(((size_t)tile * steps + step) * 32 + lane) * B + b];
                 uint32_t a[4][4] = {};
                 if (mode == 1) {
-                    uint32_t tg[2][4];  // rows g, g + 8: (low bytes 0-3, 4-7, high bytes 0-3, 4-7); 2 bits: 4 entries
+                    constexpr int R = lut_regs<B>();  // rows g, g + 8: low bytes of 4 entries a register, then high
+                    uint32_t tg[2][R];
                     for (int r = 0; r < 2; r++)
-                        for (int i = 0; i < 4; i++) {
+                        for (int i = 0; i < R; i++) {
                             const unsigned* row = &tab[(size_t)(tile * 16 + g + 8 * r) * 2 * entries];
-                            const int half = i >> 1, quad = i & 1;  // high bytes?, entries 4-7?
+                            const int half = i / (R / 2), quad = i % (R / 2);  // high bytes?, entries 4 quad..
                             uint32_t v = 0;
                             for (int e = 0; e < 4; e++) {
                                 const int entry = (B == 2 ? 0 : 4 * quad) + e;
@@ -45,6 +46,6 @@ void run(int mode, int n, int k) {
 int main() {
     int mode, bits, n, k;
     if (scanf("%d %d %d %d", &mode, &bits, &n, &k) != 4) return 1;
-    if (bits == 2) run<2>(mode, n, k); else if (bits == 3) run<3>(mode, n, k); else if (mode == 0) run<4>(mode, n, k);
+    if (bits == 2) run<2>(mode, n, k); else if (bits == 3) run<3>(mode, n, k); else run<4>(mode, n, k);
     return 0;
 }

@@ -1,5 +1,5 @@
 """The table GEMV's code extraction and lookups (kernels/lut.cuh), compiled for the host with nvcc and checked on
-fresh random codes and tables: lut_code against quant.pack_codes, and for 2 and 3 bits the byte-permute lookups
+fresh random codes and tables: lut_code against quant.pack_codes, and the byte-permute lookups
 (lut_fragments) on PackedLUT's load-time layout against QuantLUT.dequantize: the CPU-side half of the kernel's
 correctness (the GPU tests check the rest). Skipped where nvcc is not installed."""
 import shutil
@@ -38,7 +38,7 @@ def test_kernel_decodes_the_packed_layout(decoder, bits):
     assert torch.equal(torch.tensor(list(map(int, out))).view(n, k), codes.long())
 
 
-@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("bits", BASE_BITS)
 def test_byte_permute_lookups_of_the_select_layout(decoder, bits):
     n, k = 48, 256
     codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
