@@ -10,7 +10,8 @@ Methods (the base quantizer; QDEC works on top of each):
                 the block (awq.py), so the runtime is unchanged
     squeezellm  non-uniform: per output channel, 2^bits fp16 values by k-means weighted by each weight's
                 sensitivity, the square root of the Fisher diagonal on the calibration text (fisher.py,
-                quant.quantize_lut)
+                quant.quantize_lut); o's input channels first evened out per head by folded scales
+                (awq.equalize_o)
 Mixed bits (3.5): every block is quantized alone and scored by the KL divergence of the model's output from the
 source model's (kl_sensitivity); the less sensitive half gets 3 bits, the rest 4.
 
@@ -98,11 +99,13 @@ def quantize_block(t: dict, bits: int, group_size: int, residuals: bool, method:
     info = {}
     if method == "awq":
         t, info = awq.awq_block(t, cfg, calib, lambda w: rtn_dequantized(w, bits, group_size))
+    elif method == "squeezellm":
+        t, s_o = awq.equalize_o(t, cfg)
     out = {"attn_norm": t["attn_norm"], "mlp_norm": t["mlp_norm"]}
     for kind in KINDS:
         w = t[kind]["weight"]
-        if method == "squeezellm":  # k-means weighted by sqrt(Fisher): see fisher.py for why the square root
-            q = quantize_lut(w, bits, calib[kind].sqrt())
+        if method == "squeezellm":  # k-means weighted by sqrt(Fisher) (fisher.py: why sqrt); o's of W diag(s): F / s^2
+            q = quantize_lut(w, bits, calib[kind].sqrt() / (s_o.float() if kind == "o" else 1.0))
         else:
             q = quantize_rtn(w, bits, group_size)
         res = quantize_residual(w - q.dequantize()) if residuals else None
@@ -213,6 +216,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     if method == "squeezellm":
         quant["weight_sensitivity"] = "sqrt of the Fisher diagonal (squared next-token-loss gradients per token) on " \
                                       "the calibration text"
+        quant["equalized"] = "o: input channels scaled to equal RMS per GQA group before k-means, folded into v"
 
     embed = ckpt.embed()
     h = embed[toks]  # [n_seq, seq_len, D]: calibration hidden states, pushed through block by block

@@ -176,6 +176,47 @@ def test_lut_importance_protects_the_important_channels(seed):
     assert ((w - plain) ** 2).mean() < ((w - rtn_dequantized(w, 3, 512)) ** 2).mean(), f"seed={seed}"
 
 
+def test_equalize_o_evens_out_heads_and_keeps_the_function(seed):
+    torch.manual_seed(seed % 2**31)
+    t = random_block(CFG)
+    t["o"]["weight"] = t["o"]["weight"] * (torch.rand(CFG.q_size, dtype=torch.float64) * 4 + 0.1)  # heads differ
+    h = torch.randn(16, CFG.hidden_size, dtype=torch.float64)
+    folded, s = awq.equalize_o(t, CFG)
+    want = ref_block(t, CFG, h)
+    got = ref_block({k: ({kk: vv.double() if vv is not None else None for kk, vv in v.items()}
+                         if isinstance(v, dict) else v.double()) for k, v in folded.items()}, CFG, h)
+    assert (got - want).abs().max() < 1e-5 * want.abs().max(), f"seed={seed}"
+    g = CFG.num_heads // CFG.num_kv_heads  # tied across a GQA group (the fold goes into the shared v rows)
+    rms_o = folded["o"]["weight"].double().square().mean(0).view(CFG.num_kv_heads, g, -1).mean(1).sqrt()
+    assert rms_o.max() < 1.001 * rms_o.min(), f"seed={seed}"
+    assert torch.equal(folded["gate_up"]["weight"], t["gate_up"]["weight"].float())
+
+
+def test_equalized_tables_fit_rows_whose_channels_differ_in_scale(seed):
+    torch.manual_seed(seed % 2**31)
+    w = torch.randn(64, 512) * 0.02
+    w[:, :256] *= 0.2  # half the input channels (say, heads) 5x smaller in every row
+    fisher = torch.ones(512)
+    plain = quantize_lut(w, 3, fisher.sqrt()).dequantize()
+    s = 1 / w.square().mean(0).sqrt()
+    equalized = quantize_lut(w * s, 3, (fisher / s**2).sqrt()).dequantize() / s  # the scaled weights' Fisher
+    err = lambda w_hat, sl=slice(None): ((w - w_hat)[:, sl] ** 2).sum().item()  # noqa: E731
+    # the small channels keep their precision instead of sharing the large ones' levels, and the total is lower
+    assert err(equalized, slice(0, 256)) < 0.3 * err(plain, slice(0, 256)), f"seed={seed}"
+    assert err(equalized) < err(plain), f"seed={seed}"
+
+
+def test_squeezellm_block_quantizes_the_equalized_o(seed):
+    cfg, t = CFG, random_block(CFG, torch.float32)
+    fisher = {k: torch.rand(*t[k]["weight"].shape) for k in KINDS}
+    qt, _ = quantize_block(t, 3, 64, True, "squeezellm", fisher, cfg)
+    folded, s = awq.equalize_o(t, cfg)
+    assert not torch.equal(folded["qkv"]["weight"], t["qkv"]["weight"])  # the v rows took 1 / s
+    for kind in KINDS:
+        want = quantize_lut(folded[kind]["weight"], 3, fisher[kind].sqrt() / (s.float() if kind == "o" else 1.0))
+        assert torch.equal(qt[kind]["quant"].lut, want.lut) and torch.equal(qt[kind]["quant"].qweight, want.qweight)
+
+
 # ----------------------------------------------------------------------------------------------- mixed bits
 
 def test_mixed_bits_takes_the_least_sensitive_half():
