@@ -145,7 +145,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     f, applied while the kernel stages x: norm = (float32 weight [K], eps) -> ops.rmsnorm(x, weight, eps);
     glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself.
     variant: one of VARIANTS for uniform weights (default decode_variant), blocks_per_sm default 1.
-    comp: QDEC, y += R_hat[:, S] f(x)[S] (S chosen in the kernel); needs the first variant and the grid that
+    comp: QDEC, y += R_hat[:, S] f(x)[S] (S chosen in the kernel); needs decode_variant and the grid that
     comp.state was numbered with."""
     N, K = w.out_features, w.in_features
     meta, G, lut = _meta(w)
