@@ -111,16 +111,16 @@ constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 z
 template <int BITS>
 __device__ __forceinline__ void lut_step(const uint32_t (&w)[BITS], const unsigned char* rec, int g,
                                          uint32_t (&a)[4][4]) {
-    uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()];
-    if constexpr (BITS == 4) {
-        const uint4* u = reinterpret_cast<const uint4*>(rec) + 2 * g;
-        const uint4 l = u[0], h = u[1], l8 = u[16], h8 = u[17];
-        tg[0] = l.x, tg[1] = l.y, tg[2] = l.z, tg[3] = l.w, tg[4] = h.x, tg[5] = h.y, tg[6] = h.z, tg[7] = h.w;
-        tg8[0] = l8.x, tg8[1] = l8.y, tg8[2] = l8.z, tg8[3] = l8.w, tg8[4] = h8.x, tg8[5] = h8.y, tg8[6] = h8.z,
-        tg8[7] = h8.w;
-    } else if constexpr (BITS == 3) {
-        const uint4 u = reinterpret_cast<const uint4*>(rec)[g], v = reinterpret_cast<const uint4*>(rec)[g + 8];
-        tg[0] = u.x, tg[1] = u.y, tg[2] = u.z, tg[3] = u.w, tg8[0] = v.x, tg8[1] = v.y, tg8[2] = v.z, tg8[3] = v.w;
+    constexpr int R = lut_regs<BITS>();
+    uint32_t tg[R], tg8[R];
+    if constexpr (BITS > 2) {  // a row's record is its R registers in order: R / 4 16-byte loads
+        const uint4* u = reinterpret_cast<const uint4*>(rec);
+#pragma unroll
+        for (int q = 0; q < R / 4; q++) {
+            const uint4 v = u[g * R / 4 + q], v8 = u[(g + 8) * R / 4 + q];
+            tg[4 * q] = v.x, tg[4 * q + 1] = v.y, tg[4 * q + 2] = v.z, tg[4 * q + 3] = v.w;
+            tg8[4 * q] = v8.x, tg8[4 * q + 1] = v8.y, tg8[4 * q + 2] = v8.z, tg8[4 * q + 3] = v8.w;
+        }
     } else {  // 4 entries: selectors never reach bytes 4-7
         const uint2 u = reinterpret_cast<const uint2*>(rec)[g], v = reinterpret_cast<const uint2*>(rec)[g + 8];
         tg[0] = tg[1] = u.x, tg[2] = tg[3] = u.y, tg8[0] = tg8[1] = v.x, tg8[2] = tg8[3] = v.y;
