@@ -4,8 +4,8 @@
 
 Each cell: perplexity / mean KL divergence per token from the source checkpoint each model was quantized from (the
 source is loaded once per model; --no-kl skips it). Columns: QDEC off; approx k_chunk 8 on every layer; approx k_chunk 8
-on gate_up only (what `localllm tune` picked for a 5% budget on the H100 for the 8B W3 shapes: n_tb 4, k (0, 0, 8, 0),
-measured +4.3%), a small-budget setting.
+on gate_up only, a small-budget setting (what `localllm tune` picked for a 5% budget on the H100 for the 8B W3 shapes
+until the faster kernel of 2026-11-24: n_tb 4, k (0, 0, 8, 0), measured +4.3%; now k_chunk 14 on gate_up).
 """
 from __future__ import annotations
 
