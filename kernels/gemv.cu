@@ -5,20 +5,22 @@
 // 16-row tile are contiguous, and tiles follow each other. One mask-and-or turns a bit field of both halves of a
 // word into a half2 of (1024 + f * code) (the 0x6400 exponent trick; f a power of two fixed per mma tile and row
 // half by the layout); the tensor core multiplies them by x (every column of B is x) with fp32 accumulation, and
-// per step and row y += s * (sum_m C_m / f_m - 1024 * sum_m X_m / f_m - z * X), X_m the 16-channel sums of x, in
+// per group and row y += s * (sum_m C_m / f_m - 1024 * sum_m X_m / f_m - z * X), X_m the 16-channel sums of x, in
 // fp32 (the offset costs ~8 of fp32's 24 bits, far below fp16 output rounding). meta holds, per (tile, group), the
 // 16 rows' fp16 scales then their 16 uint8 zeros, rows in the order 0, 8, 1, 9, ... (a lane's two rows side by
 // side; 48 bytes; gemv.py builds it from QuantWeight's scales and zeros).
 //
 // Bandwidth comes from bytes in flight, not from threads: each block owns a contiguous range of tiles (a contiguous
-// byte range of qweight); its WARPS warps split K into contiguous step ranges, and every warp streams its steps
-// through its own ring of DEPTH shared-memory slots with cp.async (no registers held by loads in flight, no block
-// barrier in the stream). x, in B-fragment order, and its per-step sums are staged once per block. The warps'
+// byte range of qweight); its WARPS warps split K into contiguous ranges of step pairs (128 channels: the cursor,
+// waits and ring wraps, the mma sums' scaling and the group's zero and scale are paid once per pair), and every warp
+// streams its pairs through its own ring of DEPTH shared-memory slots with cp.async (no registers held by loads in
+// flight, no block barrier in the stream). x, in B-fragment order, and its sums per group (per step at group size
+// 64, else per pair) are staged once per block. The warps'
 // partial sums of a tile meet in shared memory at the tile's end (one barrier per tile).
 //
 // Table (non-uniform, SqueezeLLM) weights, LUT = true: W_hat[n, c] = lut[n][code] with one fp16 table of 2^BITS values
 // per output channel (kernels.gemv.PackedLUT). The meta record is then the tile's 16 tables (rows 0..15, 32 << BITS
-// bytes), fetched with every step like the uniform record. Codes and tables in PackedLUT's load-time layout, four
+// bytes), fetched with every pair like the uniform record. Codes and tables in PackedLUT's load-time layout, four
 // lookups per four byte permutes (eight at 4 bits; lut.cuh, lut_fragments). No scale, zero or factor to apply: the
 // mma sums are the result.
 #include <cuda_fp16.h>
@@ -105,14 +107,12 @@ __device__ __forceinline__ void lane_words(const uint32_t* p, uint32_t (&w)[BITS
 
 constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 zeros; rows 0, 8, 1, 9, ..., 7, 15
 
-// The A fragments a[m][j] of one step of table weights, from the lane's words and its tile's record (the 16 rows'
-// tables as kernels.gemv.PackedLUT stores them, low bytes then high bytes: 2 bits 8, 3 bits 16, 4 bits 32 bytes a
-// row), for the byte permutes of lut_fragments.
+// A lane's two rows' tables (rows g, g + 8) from its tile's record (the 16 rows' tables as kernels.gemv.PackedLUT
+// stores them, low bytes then high bytes: 2 bits 8, 3 bits 16, 4 bits 32 bytes a row), as lut_fragments takes them.
 template <int BITS>
-__device__ __forceinline__ void lut_step(const uint32_t (&w)[BITS], const unsigned char* rec, int g,
-                                         uint32_t (&a)[4][4]) {
+__device__ __forceinline__ void lut_tables(const unsigned char* rec, int g, uint32_t (&tg)[lut_regs<BITS>()],
+                                           uint32_t (&tg8)[lut_regs<BITS>()]) {
     constexpr int R = lut_regs<BITS>();
-    uint32_t tg[R], tg8[R];
     if constexpr (BITS > 2) {  // a row's record is its R registers in order: R / 4 16-byte loads
         const uint4* u = reinterpret_cast<const uint4*>(rec);
 #pragma unroll
@@ -125,12 +125,11 @@ __device__ __forceinline__ void lut_step(const uint32_t (&w)[BITS], const unsign
         const uint2 u = reinterpret_cast<const uint2*>(rec)[g], v = reinterpret_cast<const uint2*>(rec)[g + 8];
         tg[0] = tg[1] = u.x, tg[2] = tg[3] = u.y, tg8[0] = tg8[1] = v.x, tg8[2] = tg8[3] = v.y;
     }
-    lut_fragments<BITS>(w, tg, tg8, a);
 }
 
 // y = W_hat f(x) (+ res), f the input transform below; with QW > 0 QDEC warps add R_hat[:, S] f(x)[S] (qdec.cuh).
-// Dynamic shared memory: x as B fragments (K halves), per step {X, offset of rows g, offset of rows g + 8, 0}
-// (K/64 float4), then the warps' rings (WARPS x DEPTH slots of one step's weights + one meta record), then with QDEC
+// Dynamic shared memory: x as B fragments (K halves), per step or pair {X, offset of rows g, offset of rows g + 8, 0}
+// (room for K/64 float4), then the warps' rings (WARPS x DEPTH slots of a pair's weights and meta), then with QDEC
 // the block's fp32 results (16 per tile), the selection (k_chunk ints, k_chunk floats), 1024 bucket bytes and
 // QW * 36 ints. Uniform weights without QDEC: registers capped at 64 so that 32 warps fit on an SM (the sweep's
 // variants); table weights run one block per SM, and 4-bit tables use ~74 (+1-2 points of copy bandwidth).
@@ -143,9 +142,13 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
          const __half* __restrict__ rs, float* __restrict__ part, unsigned long long* __restrict__ state,
          int* __restrict__ sel_out, int k_chunk, int n_tb, float b0, float b15, float inv_hi,
          float inv_lo) {
-    constexpr int STEP_BYTES = 128 * BITS, MREC = LUT ? 32 << BITS : META_BYTES, SLOT = STEP_BYTES + MREC;
+    // A ring slot holds a pair of steps (128 channels): their weights, then the pair's meta: the tile's tables (LUT),
+    // the one record of the pair's group (group size >= 128), or the two steps' records (64). TREC: the bytes of one
+    // (tile, group) record in meta.
+    constexpr int STEP_BYTES = 128 * BITS, PAIR_BYTES = 2 * STEP_BYTES, TREC = LUT ? 32 << BITS : META_BYTES;
+    constexpr int SLOT = PAIR_BYTES + (LUT ? TREC : 2 * META_BYTES);
     extern __shared__ __align__(16) unsigned char smem[];
-    const int S = K / 64;
+    const int S = K / 64, P = (S + 1) / 2;  // steps; pairs of steps, the last one single where S is odd
     uint32_t* xs = reinterpret_cast<uint32_t*>(smem);  // [step][t][m][2] half2 words
     float4* xstat = reinterpret_cast<float4*>(smem + K * 2);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -158,7 +161,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     const bool fetcher = sb < 0;
     const int t_begin = fetcher ? 0 : (int)((long long)sb * T / ns);
     const int t_end = fetcher ? 0 : (int)((long long)(sb + 1) * T / ns);
-    const int lo = warp * S / WARPS, hi = (warp + 1) * S / WARPS;  // this warp's steps of every tile
+    const int lo = warp * P / WARPS, hi = (warp + 1) * P / WARPS;  // this warp's pairs of every tile
     const int items = (t_end - t_begin) * (hi - lo);
     // QDEC's shared memory, after the rings: the block's fp32 results and its outputs' residual scales (fp16), the
     // selection's scratch, buckets, and the selection itself
@@ -185,33 +188,40 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
         if (u == 0) scr->hsum = 0;
     }
 
-    // The issue cursor: this lane's 16 bytes of the next step to load (src), of the meta records of its tile (mtile),
-    // and of the ring slot they go to (in_slot, a shared-memory address); in_step is the step within the tile. Every
-    // step brings its group's meta record along (the second read of a record comes from L2). No branches: a warp
-    // past its last step keeps going through the motions with its copies switched off.
+    // The issue cursor: this lane's 16 bytes of the next pair to load (src), of the meta records of its tile (mtile),
+    // and of the ring slot they go to (in_slot, a shared-memory address); in_pair is the pair within the tile. Every
+    // pair brings its meta along (the second read of a record comes from L2). No branches: a warp past its last pair
+    // keeps going through the motions with its copies switched off.
     const uint32_t ring0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + lane * 16;
     const uint32_t ring_last = ring0 + (DEPTH - 1) * SLOT;
-    const uint8_t* src = qw + ((size_t)t_begin * S + lo) * STEP_BYTES + lane * 16;
-    const uint8_t* mtile = meta + (size_t)t_begin * G * MREC + lane * 16;
-    const size_t skip = (size_t)(S - (hi - lo)) * STEP_BYTES;  // at a tile's end: the other warps' steps
-    int in_step = lo, issued = 0;
+    const uint8_t* src = qw + ((size_t)t_begin * S + 2 * lo) * STEP_BYTES + lane * 16;
+    const uint8_t* mtile = meta + (size_t)t_begin * G * TREC + lane * 16;
+    // at a tile's end: from the start of this warp's last pair to the next tile's first (past the other warps' steps)
+    const long long wrap_step = (long long)(S - 2 * (hi - lo) + 2) * STEP_BYTES;
+    int in_pair = lo, issued = 0;
     uint32_t in_slot = ring0;
     auto issue = [&]() {
-        const bool live = issued++ < items;
-        cp_async16(in_slot, src, live && lane < STEP_BYTES / 16);
-        cp_async16(in_slot + STEP_BYTES, mtile + (LUT ? 0 : (in_step >> GSHIFT) * META_BYTES), live && lane < MREC / 16);
+        const bool live = issued++ < items, two = 2 * in_pair + 1 < S;
+        const int wbytes = two ? PAIR_BYTES : STEP_BYTES;
+#pragma unroll
+        for (int j = 0; j < (PAIR_BYTES + 511) / 512; j++)
+            cp_async16(in_slot + 512 * j, src + 512 * j, live && 16 * lane + 512 * j < wbytes);
+        const int roff = LUT ? 0 : GSHIFT ? (in_pair >> (GSHIFT > 0 ? GSHIFT - 1 : 0)) * META_BYTES
+                                          : in_pair * 2 * META_BYTES;
+        const int rlanes = LUT ? TREC / 16 : GSHIFT || !two ? META_BYTES / 16 : 2 * META_BYTES / 16;
+        cp_async16(in_slot + PAIR_BYTES, mtile + roff, live && lane < rlanes);
         cp_async_commit();
-        const bool wrap = ++in_step == hi;
-        in_step = wrap ? lo : in_step;
-        src += wrap ? STEP_BYTES + skip : STEP_BYTES;
-        mtile += wrap ? (size_t)G * MREC : 0;
+        const bool wrap = ++in_pair == hi;
+        in_pair = wrap ? lo : in_pair;
+        src += wrap ? wrap_step : PAIR_BYTES;
+        mtile += wrap ? (size_t)G * TREC : 0;
         in_slot = in_slot == ring_last ? ring0 : in_slot + SLOT;
     };
 
-    // The first DEPTH - 2 steps go out before the block stages x.
+    // The first DEPTH - 1 pairs go out before the block stages x.
     if (streamer)
 #pragma unroll
-        for (int i = 0; i < DEPTH - 2; i++) issue();
+        for (int i = 0; i < DEPTH - 1; i++) issue();
     // Weights are nobody's output: they were requested before waiting for the kernel that produces x.
     wait_previous();
     start_next();
@@ -279,13 +289,15 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             }
         }
         float off0 = 1024.0f * sum * inv_factor(BITS, m, 0), off1 = 1024.0f * sum * inv_factor(BITS, m, 1);
+        // group size >= 128: the statistics of a pair of steps (a warp's lanes 8-15 hold the second step of 0-7's)
 #pragma unroll
-        for (int d = 1; d < 8; d <<= 1) {
+        for (int d = 1; d < (GSHIFT ? 16 : 8); d <<= 1) {
             sum += __shfl_xor_sync(0xffffffffu, sum, d);
             off0 += __shfl_xor_sync(0xffffffffu, off0, d);
             off1 += __shfl_xor_sync(0xffffffffu, off1, d);
         }
-        if (s < S && q == 0) xstat[s] = make_float4(sum, off0, off1, 0.0f);
+        if (s < S && q == 0 && (GSHIFT == 0 || (s & 1) == 0))
+            xstat[GSHIFT ? s >> 1 : s] = make_float4(sum, off0, off1, 0.0f);
     }
     __syncthreads();
     if (QW && threadIdx.x == 0) QDEC_MARK(2);
@@ -294,45 +306,63 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: rows g and g + 8, columns 2t, 2t + 1
     int c_off = 0;  // the slot to compute from
     float acc0, acc1;
-    auto compute = [&](int s) {
-        const unsigned char* slot = ring + c_off;
-        c_off = c_off + SLOT == DEPTH * SLOT ? 0 : c_off + SLOT;
-        uint32_t w[BITS];
-        lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot) + lane * BITS, w);
-        const uint4 b01 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t];
-        const uint4 b23 = reinterpret_cast<const uint4*>(xs + s * 32)[2 * t + 1];
-        if constexpr (LUT) {  // every element looked up in its row's table; the mma sums are W_hat x
-            uint32_t a[4][4];
-            lut_step<BITS>(w, slot + STEP_BYTES, g, a);
-            float c[4][4] = {};
-            mma16816(c[0], a[0], b01.x, b01.y);
-            mma16816(c[1], a[1], b01.z, b01.w);
-            mma16816(c[2], a[2], b23.x, b23.y);
-            mma16816(c[3], a[3], b23.z, b23.w);
-            acc0 += (c[0][0] + c[1][0]) + (c[2][0] + c[3][0]);
-            acc1 += (c[0][2] + c[1][2]) + (c[2][2] + c[3][2]);
-            return;
-        }
-        // rows g and g + 8 sit side by side in the record: one load each for the scales and the zeros
-        const float2 sc = __half22float2(reinterpret_cast<const __half2*>(slot + STEP_BYTES)[g]);
-        const uint32_t zp = reinterpret_cast<const unsigned short*>(slot + STEP_BYTES + 32)[g];
-        const float s0 = sc.x, s1 = sc.y, z0 = (float)(zp & 0xFFu), z1 = (float)(zp >> 8);
-        uint32_t a[4][4];
-        decode<BITS>(w, magic, a);
-        float c[4][4] = {};  // four independent accumulators: the mma instructions pipeline
-        mma16816(c[0], a[0], b01.x, b01.y);
-        mma16816(c[1], a[1], b01.z, b01.w);
-        mma16816(c[2], a[2], b23.x, b23.y);
-        mma16816(c[3], a[3], b23.z, b23.w);
-        const float4 st = xstat[s];
-        float v0 = 0.0f, v1 = 0.0f;  // C rows g (c[m][0]) and g + 8 (c[m][2]), divided by their factors
+    // rows g, g + 8 += s * (V - 1024 sum_m X_m / f_m - z X), V = sum_m C_m / f_m: a group's record (rec) applied to
+    // the mma sums c of its steps, with the steps' x statistics st = (X, offsets of rows g, g + 8)
+    auto apply = [&](const float (&c)[4][4], const unsigned char* rec, float4 st) {
+        const float2 sc = __half22float2(reinterpret_cast<const __half2*>(rec)[g]);  // rows g, g + 8 side by side
+        const uint32_t zp = reinterpret_cast<const unsigned short*>(rec + 32)[g];
+        float v0 = 0.0f, v1 = 0.0f;
 #pragma unroll
         for (int m = 0; m < 4; m++) {
             v0 += c[m][0] * inv_factor(BITS, m, 0);
             v1 += c[m][2] * inv_factor(BITS, m, 1);
         }
-        acc0 = fmaf(s0, fmaf(-z0, st.x, v0 - st.y), acc0);
-        acc1 = fmaf(s1, fmaf(-z1, st.x, v1 - st.z), acc1);
+        acc0 = fmaf(sc.x, fmaf(-(float)(zp & 0xFFu), st.x, v0 - st.y), acc0);
+        acc1 = fmaf(sc.y, fmaf(-(float)(zp >> 8), st.x, v1 - st.z), acc1);
+    };
+    auto compute = [&](int p) {
+        const unsigned char* slot = ring + c_off;
+        c_off = c_off + SLOT == DEPTH * SLOT ? 0 : c_off + SLOT;
+        const bool two = 2 * p + 1 < S;
+        float c[4][4] = {};  // four independent accumulators: the mma instructions pipeline
+        // step h of the pair: c += its weights (A fragments a) times its 64 channels of x, on the tensor cores
+        auto mma_step = [&](int h, const uint32_t (&a)[4][4]) {
+            const uint4* xq = reinterpret_cast<const uint4*>(xs + (2 * p + h) * 32);
+            const uint4 b01 = xq[2 * t], b23 = xq[2 * t + 1];
+            mma16816(c[0], a[0], b01.x, b01.y);
+            mma16816(c[1], a[1], b01.z, b01.w);
+            mma16816(c[2], a[2], b23.x, b23.y);
+            mma16816(c[3], a[3], b23.z, b23.w);
+        };
+        if constexpr (LUT) {  // every element looked up in its row's table; the mma sums are W_hat x
+            uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()];
+            lut_tables<BITS>(slot + PAIR_BYTES, g, tg, tg8);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (h && !two) break;
+                uint32_t w[BITS], a[4][4];
+                lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES) + lane * BITS, w);
+                lut_fragments<BITS>(w, tg, tg8, a);
+                mma_step(h, a);
+            }
+            acc0 += (c[0][0] + c[1][0]) + (c[2][0] + c[3][0]);
+            acc1 += (c[0][2] + c[1][2]) + (c[2][2] + c[3][2]);
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (h && !two) break;
+                uint32_t w[BITS], a[4][4];
+                lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES) + lane * BITS, w);
+                decode<BITS>(w, magic, a);
+                mma_step(h, a);
+                if (GSHIFT == 0) {  // group size 64: a record and x statistics per step
+                    apply(c, slot + PAIR_BYTES + h * META_BYTES, xstat[2 * p + h]);
+#pragma unroll
+                    for (int m = 0; m < 4; m++) c[m][0] = c[m][1] = c[m][2] = c[m][3] = 0.0f;
+                }
+            }
+            if (GSHIFT) apply(c, slot + PAIR_BYTES, xstat[p]);  // the pair is within one group
+        }
     };
     uint32_t* flags = reinterpret_cast<uint32_t*>(state + 1);
     const int C = (K + QDEC_CHUNK - 1) / QDEC_CHUNK, n_seg = (N + QDEC_SEG - 1) / QDEC_SEG;
@@ -367,11 +397,11 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     if (streamer) {
         for (int tile = t_begin; tile < t_end; tile++) {
             acc0 = acc1 = 0.0f;
-            for (int s = lo; s < hi; s++) {
-                cp_async_wait<DEPTH - 3>();  // this step's copies have landed (DEPTH - 3 younger ones may not have)
-                __syncwarp();
-                issue();  // the step DEPTH - 2 ahead, into the slot read two steps ago
-                compute(s);
+            for (int p = lo; p < hi; p++) {
+                cp_async_wait<DEPTH - 2>();  // this pair's copies have landed (DEPTH - 2 younger ones may not have)
+                __syncwarp();  // ... every lane's, and every lane has read the slot computed last
+                issue();  // the pair DEPTH - 1 ahead, into that slot
+                compute(p);
             }
             const int buf = tile & 1;  // double-buffered: one barrier per tile
             if (t == 0) {
@@ -458,8 +488,9 @@ __global__ void dequant_lut(const uint32_t* __restrict__ qw, const uint8_t* __re
     const int g = lane >> 2, t = lane & 3;
     uint32_t w[BITS];
     lane_words<BITS>(qw + (size_t)idx * BITS, w);
-    uint32_t a[4][4];
-    lut_step<BITS>(w, lut + (size_t)tile * (32 << BITS), g, a);  // the tile's record: 16 rows of 2^BITS entries
+    uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()], a[4][4];
+    lut_tables<BITS>(lut + (size_t)tile * (32 << BITS), g, tg, tg8);  // the tile's record: 16 rows of 2^BITS entries
+    lut_fragments<BITS>(w, tg, tg8, a);
 #pragma unroll
     for (int m = 0; m < 4; m++)
 #pragma unroll
@@ -481,10 +512,10 @@ template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*
     const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
 #define INST_GS(B, W, D, QW) INST(B, W, D, 0, QW) INST(B, W, D, 1, QW) INST(B, W, D, 2, QW) INST(B, W, D, 3, QW)
 #define INST_BITS(W, D, QW) INST_GS(2, W, D, QW) INST_GS(3, W, D, QW) INST_GS(4, W, D, QW)
-INST_BITS(16, 5, 0)
-INST_BITS(8, 9, 0)
-INST_BITS(16, 5, 4)
+INST_BITS(16, 3, 0)
+INST_BITS(8, 5, 0)
+INST_BITS(16, 3, 4)
 // table weights: gemv.py's TABLE_VARIANT, with and without QDEC
-#define INST_LUT(QW) INST_L(2, 16, 4, 0, QW, true) INST_L(3, 16, 4, 0, QW, true) INST_L(4, 16, 4, 0, QW, true)
+#define INST_LUT(QW) INST_L(2, 16, 2, 0, QW, true) INST_L(3, 16, 2, 0, QW, true) INST_L(4, 16, 2, 0, QW, true)
 INST_LUT(0)
 INST_LUT(4)

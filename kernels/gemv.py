@@ -15,12 +15,12 @@ from . import cuda, qdec
 
 META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
 
-# (warps per block, ring depth in steps per warp): the compiled variants of gemv.cu. The first, at one block per SM,
-# is what decode runs (with and without QDEC); the sweep (`localllm bench gemv-sweep`) also times the others. On the
-# H100, depth 5 beat 7 on every Llama-3-8B shape but down (equal): qkv W4 76 vs 74%, o 63 vs 59% of copy bandwidth,
-# and table weights want 4 (TABLE_VARIANT; their slots hold a record as large as the weights): qkv 52 vs 46%.
-VARIANTS = ((16, 5), (8, 9))
-TABLE_VARIANT = (16, 4)
+# (warps per block, ring depth in pairs of steps per warp): the compiled variants of gemv.cu. The first, at one block
+# per SM, is what decode runs (with and without QDEC); the sweep (`localllm bench gemv-sweep`) also times the others.
+# On the H100 (kernels/NOTES.md, pairs), depth 3 beat 2 and 4 on o and gate_up (W4 80 and 96% of copy bandwidth vs 71
+# and 93% at 4) and lost to 4 on qkv (77 vs 86%); table weights, whose slots also hold a tile's tables, want 2.
+VARIANTS = ((16, 3), (8, 5))
+TABLE_VARIANT = (16, 2)
 NAMES = tuple(f"gemv<{b},{w},{d},{gs},0,false>" for b in (2, 3, 4) for w, d in VARIANTS
               for gs in range(len(GROUP_SIZES))) \
     + tuple(f"gemv<{b},{w},{d},{gs},{qdec.QW},false>" for b in (2, 3, 4) for w, d in VARIANTS[:1]
@@ -179,10 +179,11 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
 
 
 def shared_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, warps: int, depth: int) -> int:
-    """Dynamic shared memory of the GEMV without QDEC: x as B fragments, its per-step sums (float4), each warp's
-    ring of steps + meta records."""
+    """Dynamic shared memory of the GEMV without QDEC: x as B fragments, its sums per step or pair (float4), each
+    warp's ring of slots (a pair of steps: weights, then a tile's tables or two records)."""
     K = w.in_features
-    return K * 2 + K // 64 * 16 + warps * depth * (128 * w.bits + record_bytes(w))
+    table = isinstance(w, (PackedLUT, QuantLUT))
+    return K * 2 + K // 64 * 16 + warps * depth * (256 * w.bits + (record_bytes(w) if table else 2 * META_BYTES))
 
 
 def grid_of(N: int, device: torch.device, blocks_per_sm: int = 1) -> int:

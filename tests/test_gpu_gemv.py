@@ -34,6 +34,25 @@ def test_gemv_matches_float64_reference(bits, N, K, gs):
     assert rel < 1e-3, f"bits={bits} {N}x{K} g{gs}: rel err {rel}"
 
 
+@pytest.mark.parametrize("gs", [256, 512])
+@pytest.mark.parametrize("N,K", [(1728, 576), (576, 1536), (4096, 14336)])
+def test_gemv_large_groups(N, K, gs):
+    """A pair of steps takes one record (group size >= 128); the last group may be partial (K = 576)."""
+    test_gemv_matches_float64_reference(3, N, K, gs)
+
+
+@pytest.mark.parametrize("N,K", [(4096, 4096), (1728, 576)])
+def test_gemv_sweep_variants(N, K):
+    """The variants `bench gemv-sweep` times besides decode's compute the same function."""
+    from localllm.kernels.gemv import VARIANTS, Packed, gemv
+    q = random_quant(N, K, 3, 128)
+    x = torch.randn(K, device="cuda").half()
+    ref = q.dequantize(torch.float64) @ x.double()
+    for v in VARIANTS[1:]:
+        got = gemv(x, Packed.from_quant(q), variant=v, blocks_per_sm=2)
+        assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-3, v
+
+
 def test_gemv_adds_residual_in_epilogue():
     from localllm.kernels.gemv import Packed, gemv
     q = random_quant(4096, 4096, 4, 128)
