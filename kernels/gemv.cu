@@ -275,8 +275,9 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 for (int e = 0; e < 4; e++) {
                     const float2 g = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
                     const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&up[e]));
-                    const __half2 h = __floats2half2_rn(g.x / (1.0f + __expf(-g.x)) * p.x,
-                                                        g.y / (1.0f + __expf(-g.y)) * p.y);
+                    // fast division: the exact one made this staging compute-bound (down W4 71 -> 76% of copy bw)
+                    const __half2 h = __floats2half2_rn(__fdividef(g.x, 1.0f + __expf(-g.x)) * p.x,
+                                                        __fdividef(g.y, 1.0f + __expf(-g.y)) * p.y);
                     v[e] = *reinterpret_cast<const uint32_t*>(&h);
                 }
             }
