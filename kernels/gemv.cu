@@ -254,51 +254,69 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
 
     // Stage x: 8 threads per step, each 8 channels (4 words); word i of a step (channels 2i, 2i+1) goes to its
     // B-fragment place: mma tile m = i / 8, r = i % 8 -> column pair t = r % 4, register b0 (r < 4) or b1.
-    for (int base = streamer ? 0 : S * 8; base < S * 8; base += 32 * WARPS) {
-        const int idx = base + threadIdx.x, s = idx >> 3, q = idx & 7, m = q >> 1;
-        float sum = 0.0f;
-        if (s < S) {
-            const uint4 u = __ldg(reinterpret_cast<const uint4*>(x) + idx);
-            uint32_t v[4] = {u.x, u.y, u.z, u.w};
-            if (norm_w != nullptr) {
+    // A thread's loads of two rounds go out together: down's 14336 channels take four rounds of 512 threads, each an
+    // L2 round trip while only the prologue's pairs stream (two at a time: H100, down W3 65 -> 68% of copy bandwidth;
+    // four spill under the 64-register cap).
+    constexpr int SB = 2;
+    for (int base0 = streamer ? 0 : S * 8; base0 < S * 8; base0 += SB * 32 * WARPS) {
+        uint4 xin[SB], upin[SB];
+#pragma unroll
+        for (int j = 0; j < SB; j++) {
+            const int idx = base0 + j * 32 * WARPS + threadIdx.x;
+            if (idx < S * 8) {
+                xin[j] = __ldg(reinterpret_cast<const uint4*>(x) + idx);
+                if (glu) upin[j] = __ldg(reinterpret_cast<const uint4*>(x + K) + idx);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < SB; j++) {
+            const int base = base0 + j * 32 * WARPS;
+            if (base >= S * 8) break;  // the same for the whole block: every lane takes part in the shuffles below
+            const int idx = base + threadIdx.x, s = idx >> 3, q = idx & 7, m = q >> 1;
+            float sum = 0.0f;
+            if (s < S) {
+                const uint4 u = xin[j];
+                uint32_t v[4] = {u.x, u.y, u.z, u.w};
+                if (norm_w != nullptr) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const float2 w = __ldg(reinterpret_cast<const float2*>(norm_w) + 4 * idx + e);
+                        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
+                        const __half2 h = __floats2half2_rn(f.x * rnorm * w.x, f.y * rnorm * w.y);
+                        v[e] = *reinterpret_cast<const uint32_t*>(&h);
+                    }
+                } else if (glu) {
+                    const uint4 uu = upin[j];
+                    const uint32_t up[4] = {uu.x, uu.y, uu.z, uu.w};
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const float2 g = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
+                        const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&up[e]));
+                        // fast division: the exact one made this staging compute-bound (down W4 71 -> 76% of copy bw)
+                        const __half2 h = __floats2half2_rn(__fdividef(g.x, 1.0f + __expf(-g.x)) * p.x,
+                                                            __fdividef(g.y, 1.0f + __expf(-g.y)) * p.y);
+                        v[e] = *reinterpret_cast<const uint32_t*>(&h);
+                    }
+                }
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const float2 w = __ldg(reinterpret_cast<const float2*>(norm_w) + 4 * idx + e);
+                    const int i = 4 * q + e, r = i & 7;
+                    xs[s * 32 + 8 * (r & 3) + 4 * (m >> 1) + 2 * (m & 1) + (r >> 2)] = v[e];
                     const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
-                    const __half2 h = __floats2half2_rn(f.x * rnorm * w.x, f.y * rnorm * w.y);
-                    v[e] = *reinterpret_cast<const uint32_t*>(&h);
-                }
-            } else if (glu) {
-                const uint4 uu = __ldg(reinterpret_cast<const uint4*>(x + K) + idx);
-                const uint32_t up[4] = {uu.x, uu.y, uu.z, uu.w};
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const float2 g = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
-                    const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&up[e]));
-                    // fast division: the exact one made this staging compute-bound (down W4 71 -> 76% of copy bw)
-                    const __half2 h = __floats2half2_rn(__fdividef(g.x, 1.0f + __expf(-g.x)) * p.x,
-                                                        __fdividef(g.y, 1.0f + __expf(-g.y)) * p.y);
-                    v[e] = *reinterpret_cast<const uint32_t*>(&h);
+                    sum += f.x + f.y;
                 }
             }
+            float off0 = 1024.0f * sum * inv_factor(BITS, m, 0), off1 = 1024.0f * sum * inv_factor(BITS, m, 1);
+            // group size >= 128: the statistics of a pair of steps (a warp's lanes 8-15 hold the second step of 0-7's)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int i = 4 * q + e, r = i & 7;
-                xs[s * 32 + 8 * (r & 3) + 4 * (m >> 1) + 2 * (m & 1) + (r >> 2)] = v[e];
-                const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
-                sum += f.x + f.y;
+            for (int d = 1; d < (GSHIFT ? 16 : 8); d <<= 1) {
+                sum += __shfl_xor_sync(0xffffffffu, sum, d);
+                off0 += __shfl_xor_sync(0xffffffffu, off0, d);
+                off1 += __shfl_xor_sync(0xffffffffu, off1, d);
             }
+            if (s < S && q == 0 && (GSHIFT == 0 || (s & 1) == 0))
+                xstat[GSHIFT ? s >> 1 : s] = make_float4(sum, off0, off1, 0.0f);
         }
-        float off0 = 1024.0f * sum * inv_factor(BITS, m, 0), off1 = 1024.0f * sum * inv_factor(BITS, m, 1);
-        // group size >= 128: the statistics of a pair of steps (a warp's lanes 8-15 hold the second step of 0-7's)
-#pragma unroll
-        for (int d = 1; d < (GSHIFT ? 16 : 8); d <<= 1) {
-            sum += __shfl_xor_sync(0xffffffffu, sum, d);
-            off0 += __shfl_xor_sync(0xffffffffu, off0, d);
-            off1 += __shfl_xor_sync(0xffffffffu, off1, d);
-        }
-        if (s < S && q == 0 && (GSHIFT == 0 || (s & 1) == 0))
-            xstat[GSHIFT ? s >> 1 : s] = make_float4(sum, off0, off1, 0.0f);
     }
     __syncthreads();
     if (QW && threadIdx.x == 0) QDEC_MARK(2);

@@ -71,10 +71,11 @@ def test_dequant_kernel_equals_reference(bits, N, K, gs):
 
 
 @pytest.mark.parametrize("mode", ["norm", "glu"])
-def test_gemv_applies_the_input_transform_while_staging(mode):
+@pytest.mark.parametrize("K", [4096, 14336, 576])  # one round of the staging's loads, 3.5 rounds, a partial one
+def test_gemv_applies_the_input_transform_while_staging(mode, K):
     from localllm import ops
     from localllm.kernels.gemv import Packed, gemv
-    N, K = 1024, 4096
+    N = 1024
     q = random_quant(N, K, 4, 128)
     if mode == "norm":
         x, w = torch.randn(K, device="cuda").half() * 3, torch.rand(K, device="cuda") + 0.5
