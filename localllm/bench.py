@@ -255,6 +255,28 @@ def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 50, kv_bits
         return _replay_time(dec, reps)
 
 
+def sampled_decode_time(model, params, prompt: int = 16, ctx: int = 256, n: int = 128) -> float:
+    """Seconds per token of generate()'s loop without the tokenizer: each step's graph ends by choosing the next
+    token (sampling.next_token with `params`), and the host reads each token while the next step runs."""
+    from .decode import Decoder
+    dec = Decoder(model, ctx)
+    seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=model.device)
+    draws = torch.rand(n)
+    with torch.inference_mode():
+        for _ in range(2):  # the first round captures the graph
+            dec.start(dec.prefill(list(range(1, prompt + 1))), prompt, seen, params, draws)
+            token = dec.read()
+            t0 = time.perf_counter()
+            for _ in range(n - 1):
+                dec.advance()
+                following = dec.read()
+                token()
+                token = following
+            token()
+            dt = (time.perf_counter() - t0) / (n - 1)
+    return dt
+
+
 def _replay_time(dec, reps: int) -> float:
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -276,8 +298,6 @@ def prefill_time(model, tokens: int = 512) -> float:
 
 def hf_generate_tps(cfg, new_tokens: int = 64) -> float:
     """transformers fp16 generate (its default path) on a random model of the same shape, tokens/s."""
-    import time
-
     from transformers import LlamaConfig, LlamaForCausalLM
     hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                          intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
@@ -301,6 +321,7 @@ def hf_generate_tps(cfg, new_tokens: int = 64) -> float:
 
 def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
     from .config import ModelConfig
+    from .sampling import SamplingParams
     cfg = ModelConfig(**LLAMA3_8B_CONFIG)
     bw = copy_bandwidth()
     rows = []
@@ -318,6 +339,7 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
         nbytes = weight_bytes(m)
         t = decode_time(m, kv_bits=kv_bits)
         rows.append({"bits": bits, "ms": t * 1e3, "prefill512_ms": prefill_time(m) * 1e3, "tok/s": 1 / t,
+                     "sampled_tok/s": 1 / sampled_decode_time(m, SamplingParams()),
                      "roofline_tok/s": bw / nbytes,
                      "of_roofline": nbytes / bw / t, "vs_fp16_graph": t16 / t, "bytes_ratio": fp16_bytes / nbytes,
                      "vs_hf": (1 / t) / hf_tps, "gpu_mem_GB": used / 1e9,
@@ -325,13 +347,15 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
         del m
     print(f"\nDecode, batch 1, Llama-3-8B shapes, random weights, context 256 ({kv_bits}-bit KV cache), CUDA graph "
           f"replay (copy bandwidth {bw / 1e9:.0f} GB/s)")
-    print(f"fp16 (same decoder, CUDA graph): {1 / t16:.1f} tok/s; transformers fp16 generate: {hf_tps:.1f} tok/s")
+    print(f"fp16 (same decoder, CUDA graph): {1 / t16:.1f} tok/s; transformers fp16 generate: {hf_tps:.1f} tok/s; "
+          "sampled: generate()'s token loop at its default sampling (temperature 0.7, top-p 0.9), tokenizer aside")
     print(f"{'bits':>4} {'ms/tok':>7} {'tok/s':>7} {'roofline':>8} {'% roof':>7} {'vs fp16':>8} {'bytes x':>8} "
-          f"{'vs HF':>6} {'GPU GB':>7} {'model GB':>9} {'prefill 512 ms':>14}")
+          f"{'vs HF':>6} {'GPU GB':>7} {'model GB':>9} {'prefill 512 ms':>14} {'sampled tok/s':>13}")
     for r in rows:
         print(f"{r['bits']:>4} {r['ms']:7.2f} {r['tok/s']:7.1f} {r['roofline_tok/s']:8.1f} "
               f"{100 * r['of_roofline']:6.1f}% {r['vs_fp16_graph']:7.2f}x {r['bytes_ratio']:7.2f}x "
-              f"{r['vs_hf']:5.1f}x {r['gpu_mem_GB']:7.2f} {r['packed_GB']:9.2f} {r['prefill512_ms']:14.1f}")
+              f"{r['vs_hf']:5.1f}x {r['gpu_mem_GB']:7.2f} {r['packed_GB']:9.2f} {r['prefill512_ms']:14.1f} "
+              f"{r['sampled_tok/s']:13.1f}")
     return rows
 
 
@@ -420,8 +444,6 @@ def bench_e2e_qdec(bits: int = 3, k_chunk: int = 8, kv_bits: int = 16) -> None:
 def bench_tune(bits: int = 3, budgets=(0.025, 0.05, 0.1, 0.2)) -> None:
     """`localllm tune` on an 8B-shaped random model (random pinned residuals, calibration-like b0/b15), without
     the perplexity column and without writing profiles: the tuner's table on this GPU and how long it takes."""
-    import time
-
     from .config import ModelConfig
     from .tuner.tune import table, tune
     t0 = time.perf_counter()
@@ -454,7 +476,7 @@ DEMO_PROMPTS = ("What is the capital of France?", "Write a Python function that 
 def bench_demo(new_tokens: int = 32, kv_bits: int = 16) -> None:
     """The demo model on the GPU: greedy agreement with the CPU reference, decode tokens/s, memory."""
     from .demo import GGUF, cache_dir, demo_model
-    from .generate import encode_prompt
+    from .generate import encode_prompt, generate
     from .runtime import load
     if not (cache_dir() / "demo" / GGUF).exists():
         print(f"\ndemo model: {cache_dir() / 'demo' / GGUF} is not here (no network on this machine); skipped")
@@ -472,6 +494,13 @@ def bench_demo(new_tokens: int = 32, kv_bits: int = 16) -> None:
     sizes = gpu.sizes()
     print(f"  decode: {t * 1e3:.3f} ms/token = {1 / t:.0f} tok/s (llama.cpp Q4_1 on an H100: 923 tok/s); "
           f"GPU weights {sizes['gpu_bytes'] / 2**20:.0f} MiB")
+    gpu.eos_ids = []  # 256 tokens whatever they are
+    for label, temp in (("greedy", 0.0), ("default sampling", 0.7)):
+        s = generate(gpu, [{"role": "user", "content": DEMO_PROMPTS[0]}], max_new_tokens=256, temperature=temp,
+                     seed=0, stream=True)
+        s.text()
+        print(f"  generate(), {label}, 256 tokens: {s.stats.tokens_per_second:.0f} tok/s (tokenizer included: what "
+              f"the chat shows)")
 
 
 def bench_prefill(bits_list=(4, 3), lengths=(512, 2048, 8192)) -> list[dict]:

@@ -1,13 +1,18 @@
 """One token at a time: eager on the CPU, one captured CUDA graph per decode step on a GPU.
 
-The graph is captured once per Decoder over static buffers (token, position, KV cache); each step copies the
-new token and position in and replays it, so Python does nothing per layer per token.
+The graphs are captured once per Decoder over static buffers (token, position, KV cache, sampling state). step()
+copies a given token and position in and replays the model alone (teacher-forced evaluation); advance() replays the
+model and the choice of the next token, which stays on the GPU as the next step's input, so generation needs no host
+round trip between steps: the host reads each token (read()) while the next step already runs.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from .model import KVCache, Transformer
+from .sampling import SamplingParams, next_token
 
 
 class Decoder:
@@ -20,6 +25,16 @@ class Decoder:
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.logits: torch.Tensor | None = None
+        # sampling state (start()): tokens in the context, settings, one uniform draw per token and the next one's index
+        self.seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=dev)
+        self.params = SamplingParams().tensor(dev)
+        self.draws = torch.zeros(max_len, device=dev)
+        self.drawn = torch.zeros((), dtype=torch.long, device=dev)
+        self.greedy = True
+        self._advance_graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # by greedy
+        self._reads = 0  # tokens read since start()
+        if self.use_graph:  # read(): a pinned slot per token, so every token's copy stays until the next start()
+            self._host = torch.zeros(max_len + 1, dtype=torch.long, pin_memory=True)
 
     @property
     def max_len(self) -> int:
@@ -42,14 +57,70 @@ class Decoder:
         self.graph.replay()
         return self.logits[0, -1]
 
+    def start(self, logits: torch.Tensor, pos: int, seen: torch.Tensor, params: SamplingParams,
+              draws: torch.Tensor) -> None:
+        """Begin generating after a prompt of `pos` tokens whose last logits are `logits`: choose the first token
+        (read() gives it) and set up advance(). seen: bool [V], the prompt's tokens (for the repetition penalty);
+        draws: float [n] uniforms in [0, 1), one per token to generate (at most max_len)."""
+        self.greedy = params.greedy
+        self.params.copy_(params.tensor())
+        self.seen.copy_(seen)
+        self.draws[:len(draws)].copy_(draws)
+        self.drawn.zero_()
+        self.pos.fill_(pos)
+        self._reads = 0
+        self._choose(logits)
+
+    def advance(self) -> None:
+        """Run the last chosen token through the model and choose the next (read() gives it)."""
+        if not self.use_graph:
+            self._choose(self.model(self.tok, int(self.pos), self.cache)[0, -1])
+            self.pos += 1
+            return
+        if self.greedy not in self._advance_graphs:
+            self._advance_graphs[self.greedy] = self._graph_of(self._advance_once, keep_state=True)[0]
+        self._advance_graphs[self.greedy].replay()
+
+    def read(self) -> Callable[[], int]:
+        """The token just chosen, as a function that returns it (until the next start()): on a GPU its copy to the
+        host is queued now and waited for only when called, so the caller can queue the next advance() first."""
+        if not self.use_graph:
+            t = int(self.tok)
+            return lambda: t
+        i = self._reads
+        self._reads += 1
+        self._host[i:i + 1].copy_(self.tok.view(1), non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return lambda: (copied.synchronize(), int(self._host[i]))[1]
+
+    def _choose(self, logits: torch.Tensor) -> None:
+        t = next_token(logits, self.seen, self.params, self.draws.index_select(0, self.drawn.view(1)).view(()),
+                       self.greedy)
+        self.seen.index_fill_(0, t.view(1), True)
+        self.tok.copy_(t.view(1, 1))
+        self.drawn += 1
+
+    def _advance_once(self) -> None:
+        self._choose(self.model.step(self.tok, self.pos, self.cache, self.max_len)[0, -1])
+        self.pos += 1
+
     def _capture(self) -> None:
         # the whole cache length is attended (masked by position), so one graph serves every position
-        run = lambda: self.model.step(self.tok, self.pos, self.cache, self.max_len)  # noqa: E731
+        self.graph, self.logits = self._graph_of(lambda: self.model.step(self.tok, self.pos, self.cache, self.max_len))
+
+    def _graph_of(self, run: Callable, keep_state: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
+        """run captured as a CUDA graph, and what it returned. keep_state: the warm-up run's changes to the token,
+        position and sampling state are undone (its KV-cache write is the one the replay makes again)."""
+        state = [t.clone() for t in (self.tok, self.pos, self.seen, self.drawn)] if keep_state else []
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: kernel compilation and allocations stay out of the graph
             run()
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = run()
+        for t, saved in zip((self.tok, self.pos, self.seen, self.drawn), state):
+            t.copy_(saved)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = run()
+        return g, out

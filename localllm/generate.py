@@ -1,4 +1,4 @@
-"""Text generation: chat templates, sampling, stop strings and streaming."""
+"""Text generation: chat templates, the token loop (sampling.py chooses the tokens), stop strings and streaming."""
 from __future__ import annotations
 
 import time
@@ -9,53 +9,7 @@ import torch
 
 from .errors import LocalLLMError
 from .runtime import LocalModel, load
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.7   # 0 = greedy
-    top_p: float = 0.9
-    top_k: int = 0             # 0 = off
-    repetition_penalty: float = 1.0
-
-    def check(self) -> None:
-        # written as what must hold, so that NaN (which fails every comparison) is refused too
-        ok = {"temperature": self.temperature >= 0, "top_p": 0 < self.top_p <= 1, "top_k": self.top_k >= 0,
-              "repetition_penalty": self.repetition_penalty > 0}
-        bad = ", ".join(f"{k}={getattr(self, k)}" for k, good in ok.items() if not good)
-        if bad:
-            raise LocalLLMError(f"bad sampling settings ({bad}): need temperature >= 0, 0 < top_p <= 1, top_k >= 0, "
-                                "repetition_penalty > 0")
-
-
-def warp(logits: torch.Tensor, seen: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """logits [V] (float32), seen: bool [V] tokens already in the context -> the logits to sample from.
-
-    Same semantics as transformers' processors: repetition penalty, temperature, top-k, top-p."""
-    logits = logits.clone()
-    if p.repetition_penalty != 1.0:
-        s = logits[seen]
-        logits[seen] = torch.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
-    if p.temperature == 0:
-        return logits
-    logits = logits / p.temperature
-    if p.top_k > 0:
-        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > p.top_p  # tokens entirely past the nucleus; the top one always stays
-        logits[order[drop]] = float("-inf")
-    return logits
-
-
-def sample(logits: torch.Tensor, seen: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> torch.Tensor:
-    """The next token id (0-dim tensor): greedy at temperature 0, else drawn from warp()'s distribution."""
-    logits = warp(logits, seen, p)
-    if p.temperature == 0:
-        return logits.argmax()
-    return torch.multinomial(logits.softmax(-1), 1, generator=gen)[0]
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -115,31 +69,38 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     if len(ids) >= limit:
         raise LocalLLMError(f"the prompt has {len(ids)} tokens; this model's context is {limit}: shorten it")
     max_new_tokens = min(max_new_tokens, limit - len(ids))
-    gen = torch.Generator(device=dev).manual_seed(seed)
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed + 1)
     dec = lm.decoder(len(ids) + max_new_tokens)
     seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=dev)
     seen[torch.tensor(ids, device=dev)] = True
+    # one uniform draw per token, made on the CPU: the same seed chooses the same tokens on every device
+    draws = torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(seed))
     eos = set(lm.eos_ids)
     stats.prompt_tokens = len(ids)
     t0 = time.perf_counter()
     out: list[int] = []
     emitted = 0  # characters of the decoded text already yielded
     with torch.inference_mode():
-        logits = dec.prefill(ids)
+        dec.start(dec.prefill(ids), len(ids), seen, params, draws)
+        token = dec.read()
         for step in range(max_new_tokens):
-            nxt = sample(logits, seen, params, gen)
-            t = int(nxt)
+            more = step + 1 < max_new_tokens
+            if step and more:  # the next token is queued before this one is read: the GPU keeps busy
+                dec.advance()
+                following = dec.read()
+            t = token()
             if step == 0:
                 stats.time_to_first_token = time.perf_counter() - t0
                 t1 = time.perf_counter()
+                if more:  # queued after the first token is out: a new Decoder's first advance captures its graph
+                    dec.advance()
+                    following = dec.read()
             if t in eos:
                 stats.finish_reason = "eos"
                 break
             out.append(t)
             stats.new_tokens = len(out)
             stats.decode_seconds = time.perf_counter() - t1  # kept current: a closed stream's stats stay true
-            seen[t] = True
             text = tok.decode(out, skip_special_tokens=True)
             cut = min((i for i in (text.find(s, max(0, emitted - len(s))) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
@@ -153,8 +114,8 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
             if end > emitted:
                 yield text[emitted:end]
                 emitted = end
-            if step + 1 < max_new_tokens:
-                logits = dec.step(nxt, len(ids) + step)
+            if more:
+                token = following
         else:
             stats.finish_reason = "length"
             text = tok.decode(out, skip_special_tokens=True)

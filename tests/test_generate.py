@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.generate import SamplingParams, encode_prompt, generate, warp
+from localllm.generate import encode_prompt, generate
 from localllm.runtime import load
+from localllm.sampling import SamplingParams, next_token, warp
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,65 @@ def test_warp_matches_transformers_processors(params):
         procs.append(TopPLogitsWarper(params.top_p))
     for proc in procs:
         want = proc(ctx[None], want)
-    got = warp(logits, seen, params)
+    s, order = warp(logits, seen, params.tensor())
+    assert torch.all(s[:-1] >= s[1:])  # sorted, largest first
+    got = torch.empty(V)
+    got[order] = s
     assert torch.equal(torch.isinf(got), torch.isinf(want[0]))
     assert torch.allclose(got.softmax(-1), want[0].softmax(-1), atol=1e-6)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0, 1.0, 0, 1.0), SamplingParams(0.7, 0.9, 0, 1.2),
+                                    SamplingParams(1.3, 0.95, 20, 1.0)])
+def test_next_token_draws_each_token_with_its_probability(params):
+    """Evenly spaced draws u pick each token as often as warp()'s distribution says (inverse CDF): the counts of
+    M draws are within one of M * p."""
+    V, M = 300, 20000
+    logits, seen = torch.randn(V) * 2, torch.rand(V) < 0.1
+    s, order = warp(logits, seen, params.tensor())
+    p = torch.zeros(V, dtype=torch.float64)
+    p[order] = s.double().softmax(-1)
+    counts = torch.zeros(V, dtype=torch.float64)
+    for u in (torch.arange(M, dtype=torch.float64) + 0.5) / M:
+        counts[next_token(logits, seen, params.tensor(), u.float(), greedy=False)] += 1
+    assert (counts - M * p).abs().max() <= 1.5
+    assert counts[p == 0].sum() == 0
+
+
+def test_greedy_next_token_is_the_penalized_argmax():
+    V = 1000
+    logits, seen = torch.randn(V), torch.zeros(V, dtype=torch.bool)
+    top = int(logits.argmax())
+    assert int(next_token(logits, seen, SamplingParams(0.0).tensor(), torch.tensor(0.3), greedy=True)) == top
+    seen[top] = True  # a penalty of 1e3 pushes it below the second largest
+    got = next_token(logits, seen, SamplingParams(0.0, 1.0, 0, 1e3).tensor(), torch.tensor(0.3), greedy=True)
+    want = int(torch.where(seen, torch.where(logits > 0, logits / 1e3, logits * 1e3), logits).argmax())
+    assert int(got) == want != top
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.0, 1.0, 0, 1.2), SamplingParams(0.9, 0.9, 40, 1.1)])
+def test_decoder_generates_what_step_by_step_sampling_gives(lm, params):
+    """Decoder.start/advance/read (the generation loop, the next token chosen inside the step) give the tokens of a
+    plain loop: step() for the logits, next_token on the same draws, the repetition mask kept by hand."""
+    ids, n = encode_prompt(lm, "The river ran"), 12
+    draws = torch.rand(n, generator=torch.Generator().manual_seed(5))
+    V = lm.model.cfg.vocab_size
+    seen = torch.zeros(V, dtype=torch.bool)
+    seen[torch.tensor(ids)] = True
+    dec = lm.decoder(len(ids) + n)
+    with torch.inference_mode():
+        dec.start(dec.prefill(ids), len(ids), seen, params, draws)
+        got = [dec.read()()]
+        for _ in range(n - 1):
+            dec.advance()
+            got.append(dec.read()())
+        logits, want, mask = dec.prefill(ids), [], seen.clone()
+        for i in range(n):
+            t = int(next_token(logits, mask, params.tensor(), draws[i], params.greedy))
+            want.append(t)
+            mask[t] = True
+            logits = dec.step(torch.tensor(t), len(ids) + i)
+    assert got == want
 
 
 def test_greedy_matches_transformers_generate(tiny_ckpt):

@@ -32,6 +32,38 @@ def test_graph_replay_equals_eager(tiny_quant):
             assert torch.allclose(a, b, atol=2e-2, rtol=1e-2), pos
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_generation_graph_chooses_what_step_by_step_sampling_gives(tiny_quant, greedy):
+    """advance() as a CUDA graph (the model and the choice of the next token, which stays on the GPU; the host reads
+    each token while the next step runs) gives the tokens of step()'s graph followed by next_token, twice in a row
+    (the capture's warm-up leaves no trace in the sampling state)."""
+    from localllm.sampling import SamplingParams, next_token
+    lm = load(tiny_quant, device="cuda", qdec="off")
+    V, n = lm.model.cfg.vocab_size, 20
+    ids = torch.randint(0, V, (12,)).tolist()
+    params = SamplingParams(0.0, 1.0, 0, 1.3) if greedy else SamplingParams(0.9, 0.95, 50, 1.1)
+    draws = torch.rand(n)
+    seen = torch.zeros(V, dtype=torch.bool, device="cuda")
+    seen[torch.tensor(ids)] = True
+    dec = Decoder(lm.model, 40)
+    runs = []
+    with torch.inference_mode():
+        for _ in range(2):
+            dec.start(dec.prefill(ids), len(ids), seen, params, draws)
+            reads = [dec.read()]
+            for _ in range(n - 1):
+                dec.advance()
+                reads.append(dec.read())
+            runs.append([r() for r in reads])
+        logits, want, mask, u = dec.prefill(ids), [], seen.clone(), draws.cuda()
+        for i in range(n):
+            t = next_token(logits, mask, params.tensor("cuda"), u[i], params.greedy)
+            want.append(int(t))
+            mask[t] = True
+            logits = dec.step(t, len(ids) + i)
+    assert runs[0] == runs[1] == want
+
+
 @pytest.mark.parametrize("rows,D", [(1, 4096), (7, 576), (3, 5120)])
 def test_fused_kernels_match_torch_reference(rows, D):
     from localllm import ops

@@ -14,8 +14,9 @@ from typing import Callable
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.generate import SamplingParams, Stats, generate
+from localllm.generate import Stats, generate
 from localllm.runtime import LocalModel, load
+from localllm.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
