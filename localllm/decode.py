@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from .model import KVCache, Transformer
-from .sampling import SamplingParams, next_token
+from .sampling import SamplingParams, choose
 
 
 class Decoder:
@@ -95,11 +95,7 @@ class Decoder:
         return lambda: (copied.synchronize(), int(self._host[i]))[1]
 
     def _choose(self, logits: torch.Tensor) -> None:
-        t = next_token(logits, self.seen, self.params, self.draws.index_select(0, self.drawn.view(1)).view(()),
-                       self.greedy)
-        self.seen.index_fill_(0, t.view(1), True)
-        self.tok.copy_(t.view(1, 1))
-        self.drawn += 1
+        choose(logits, self.seen, self.params, self.draws, self.drawn, self.tok, self.greedy)
 
     def _advance_once(self) -> None:
         self._choose(self.model.step(self.tok, self.pos, self.cache, self.max_len)[0, -1])

@@ -9,13 +9,14 @@ import torch.nn.functional as F
 
 
 @functools.cache
-def _kernels() -> bool:
+def cuda_kernels() -> bool:
+    """Whether the kernels of kernels/ run here (a GPU, CuPy, not switched off)."""
     from .kernels import cuda
     return cuda.available()
 
 
 def _fused(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype == torch.float16 and x.is_contiguous() and _kernels()
+    return x.is_cuda and x.dtype == torch.float16 and x.is_contiguous() and cuda_kernels()
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Choosing the next token on the device: greedy or sampled (repetition penalty, temperature, top-k, top-p, as
 transformers' processors), with the settings and the random draws as tensors, no host sync and no shape that depends
-on the data, so that a decode step's CUDA graph can end with it (decode.Decoder.advance)."""
+on the data, so that a decode step's CUDA graph can end with it (decode.Decoder.advance). The torch code here defines
+the function; on a GPU choose() runs it as fused kernels around torch's sort (kernels/sampling.cu)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import LocalLLMError
+from .ops import cuda_kernels
 
 
 @dataclass
@@ -44,27 +46,49 @@ def penalized(logits: torch.Tensor, seen: torch.Tensor, rep: torch.Tensor) -> to
     return torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
 
 
-def warp(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits to sample from, sorted in descending order, and their token ids: repetition penalty, temperature,
-    top-k (ties with the k-th kept), top-p (the smallest prefix whose probability reaches top_p, at least one token);
-    removed tokens are -inf. params: SamplingParams.tensor()."""
+def nucleus(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The distribution to sample from, over the tokens in descending order of their warped logits: (order, e, c, n)
+    with e the unnormalized probabilities (0 where top-k removes a token), c = cumsum(e) and n the number of tokens
+    top-p keeps (a prefix: the smallest one whose probability reaches top_p, at least one token). Repetition penalty,
+    temperature, top-k (ties with the k-th kept) and top-p as transformers' processors. params:
+    SamplingParams.tensor().
+
+    No reduction over the vocabulary besides the sort: the largest logit is the sorted first, and the total is the
+    last of the cumulative sum (on the H100 a softmax or a max over 128K logits took 14-34 us, a cumsum 4.5)."""
     t, top_p, top_k, rep = params.unbind()
-    s, order = (penalized(logits, seen, rep) / t).sort(descending=True)
+    s, order = (penalized(logits, seen, rep) / t).sort(descending=True, stable=True)  # ties: the same order anywhere
     kth = s.index_select(0, (top_k.long() - 1).clamp(0, s.numel() - 1).view(1))
-    s = torch.where((top_k > 0) & (s < kth), float("-inf"), s)
-    probs = s.softmax(-1)
-    drop = (probs.cumsum(-1) - probs > top_p) & (top_p < 1)  # tokens entirely past the nucleus
-    return torch.where(drop, float("-inf"), s), order
+    e = torch.where((top_k > 0) & (s < kth), 0.0, (s - s[:1]).exp_())
+    c = e.cumsum(-1)
+    # a token stays while the probability of the tokens before it is at most top_p; the mass before a token never
+    # decreases, so the kept tokens are the first n (top_p = 1 keeps every token, the zero ones are never drawn)
+    n = torch.searchsorted(c - e, top_p * c[-1:], right=True)
+    return order, e, c, n
 
 
 def next_token(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor, u: torch.Tensor,
                greedy: bool) -> torch.Tensor:
     """The next token id, a 0-dim int64 tensor on logits' device: the largest penalized logit when greedy, else the
-    token whose interval of warp()'s cumulative distribution holds the uniform draw u (a 0-dim tensor in [0, 1)), so
-    that the same draws choose the same tokens on every device."""
+    token whose interval of nucleus()'s cumulative distribution holds the uniform draw u (a 0-dim tensor in [0, 1)),
+    so that the same draws choose the same tokens on every device."""
     if greedy:
         return penalized(logits, seen, params[3]).argmax()
-    s, order = warp(logits, seen, params)
-    cdf = s.softmax(-1).cumsum(-1)
-    i = torch.searchsorted(cdf, (u * cdf[-1]).reshape(1)).clamp_(max=cdf.numel() - 1)
+    order, _, c, n = nucleus(logits, seen, params)
+    last = n - 1
+    # the first token whose cumulative mass exceeds u times the kept mass: zero-probability tokens never are
+    i = torch.searchsorted(c, u * c.index_select(0, last), side="right").clamp_(max=last)
     return order.index_select(0, i).view(())
+
+
+def choose(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor, draws: torch.Tensor, drawn: torch.Tensor,
+           tok: torch.Tensor, greedy: bool) -> None:
+    """A decoder's next token, in place: tok = next_token(logits, seen, params, draws[drawn], greedy), the token marked
+    seen and drawn advanced by one. logits float32 [V], seen bool [V], draws float32 [n], drawn int64 0-dim, tok int64
+    [1, 1]."""
+    if logits.is_cuda and cuda_kernels():
+        from .kernels import sampling
+        return sampling.choose(logits.contiguous(), seen, params, draws, drawn, tok, greedy)
+    t = next_token(logits, seen, params, draws.index_select(0, drawn.view(1)).view(()), greedy)
+    seen.index_fill_(0, t.view(1), True)
+    tok.copy_(t.view(1, 1))
+    drawn += 1

@@ -5,7 +5,18 @@ import torch
 from localllm.errors import LocalLLMError
 from localllm.generate import encode_prompt, generate
 from localllm.runtime import load
-from localllm.sampling import SamplingParams, next_token, warp
+from localllm.sampling import SamplingParams, next_token, nucleus
+
+
+def probabilities(logits, seen, params):
+    """nucleus()'s distribution over the token ids (float64 [V]), with its invariants checked."""
+    order, e, c, n = nucleus(logits, seen, params.tensor())
+    assert e[0] == 1 and torch.all(e[1:] <= e[:-1]) and torch.all(e >= 0)  # largest first, relative to the largest
+    assert torch.allclose(c, e.cumsum(-1)) and 1 <= int(n) <= len(e)
+    assert torch.equal(order.sort().values, torch.arange(len(e)))
+    p = torch.zeros(len(e), dtype=torch.float64)
+    p[order[:n]] = e[:n].double() / e[:n].double().sum()
+    return p
 
 
 @pytest.fixture(scope="module")
@@ -31,24 +42,19 @@ def test_warp_matches_transformers_processors(params):
         procs.append(TopPLogitsWarper(params.top_p))
     for proc in procs:
         want = proc(ctx[None], want)
-    s, order = warp(logits, seen, params.tensor())
-    assert torch.all(s[:-1] >= s[1:])  # sorted, largest first
-    got = torch.empty(V)
-    got[order] = s
-    assert torch.equal(torch.isinf(got), torch.isinf(want[0]))
-    assert torch.allclose(got.softmax(-1), want[0].softmax(-1), atol=1e-6)
+    got = probabilities(logits, seen, params)
+    assert torch.equal(got == 0, torch.isinf(want[0]))
+    assert torch.allclose(got, want[0].double().softmax(-1), atol=1e-6)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0, 1.0, 0, 1.0), SamplingParams(0.7, 0.9, 0, 1.2),
                                     SamplingParams(1.3, 0.95, 20, 1.0)])
 def test_next_token_draws_each_token_with_its_probability(params):
-    """Evenly spaced draws u pick each token as often as warp()'s distribution says (inverse CDF): the counts of
+    """Evenly spaced draws u pick each token as often as nucleus()'s distribution says (inverse CDF): the counts of
     M draws are within one of M * p."""
     V, M = 300, 20000
     logits, seen = torch.randn(V) * 2, torch.rand(V) < 0.1
-    s, order = warp(logits, seen, params.tensor())
-    p = torch.zeros(V, dtype=torch.float64)
-    p[order] = s.double().softmax(-1)
+    p = probabilities(logits, seen, params)
     counts = torch.zeros(V, dtype=torch.float64)
     for u in (torch.arange(M, dtype=torch.float64) + 0.5) / M:
         counts[next_token(logits, seen, params.tensor(), u.float(), greedy=False)] += 1

@@ -1,0 +1,61 @@
+"""The next-token kernels (kernels/sampling.cu) choose what the torch reference (sampling.next_token) chooses."""
+import pytest
+import torch
+
+from localllm.sampling import SamplingParams, next_token, nucleus
+
+pytestmark = pytest.mark.gpu
+
+PARAMS = [SamplingParams(0.0, 1.0, 0, 1.0), SamplingParams(0.0, 1.0, 0, 1.3), SamplingParams(1.0, 1.0, 0, 1.0),
+          SamplingParams(0.7, 0.9, 0, 1.0), SamplingParams(0.9, 0.95, 40, 1.1), SamplingParams(1.3, 0.5, 3, 0.8),
+          SamplingParams(0.5, 1.0, 1, 1.0)]
+
+
+def kernel_choice(logits, seen, params, u):
+    from localllm.kernels import sampling
+    tok, after = torch.zeros(1, 1, dtype=torch.long, device="cuda"), seen.clone()
+    drawn = torch.zeros((), dtype=torch.long, device="cuda")
+    draws = torch.tensor([0.5, u, 0.5], device="cuda")
+    drawn.fill_(1)  # the draw is read at the counter
+    sampling.choose(logits, after, params.tensor("cuda"), draws, drawn, tok, params.greedy)
+    t = int(tok)
+    assert int(drawn) == 2 and bool(after[t])
+    after[t] = seen[t]
+    assert torch.equal(after, seen)  # only the chosen token is marked
+    return t
+
+
+@pytest.mark.parametrize("V", [300, 49152, 128256])
+@pytest.mark.parametrize("params", PARAMS)
+def test_kernels_choose_the_reference_token(V, params):
+    """Random fp16-valued logits (ties included) and draws: greedy gives the same token; sampled gives the reference's
+    token, or, where the cumulative sums' rounding differs (the tail's tokens have intervals narrower than that, so on
+    a large vocabulary a few draws in 12 land there), a token whose reference interval holds the draw to 1e-5."""
+    for _ in range(12):
+        logits = (torch.randn(V, device="cuda") * 4).half().float()
+        seen = torch.rand(V, device="cuda") < 0.05
+        u = float(torch.rand(()))
+        got = kernel_choice(logits, seen, params, u)
+        want = int(next_token(logits, seen, params.tensor("cuda"), torch.tensor(u, device="cuda"), params.greedy))
+        if got == want:
+            continue
+        assert not params.greedy, (got, want)
+        order, _, c, n = nucleus(logits, seen, params.tensor("cuda"))
+        j = int((order == got).nonzero())
+        cdf = (c[:int(n)] / c[int(n) - 1]).double().cpu()
+        assert j < int(n) and (cdf[j - 1] if j else 0.0) - 1e-5 <= u <= cdf[j] + 1e-5, (j, u)
+
+
+def test_sampled_kernel_draws_each_token_with_its_probability():
+    """Evenly spaced draws over one distribution pick each token as often as the reference's probabilities say."""
+    V, M = 2000, 4000
+    logits, seen = torch.randn(V, device="cuda") * 2, torch.zeros(V, dtype=torch.bool, device="cuda")
+    params = SamplingParams(0.8, 0.9, 50, 1.0)
+    order, e, _, n = nucleus(logits, seen, params.tensor("cuda"))
+    p = torch.zeros(V, dtype=torch.float64)
+    p[order[:n].cpu()] = (e[:n] / e[:n].sum()).double().cpu()
+    counts = torch.zeros(V, dtype=torch.float64)
+    for i in range(M):
+        counts[kernel_choice(logits, seen, params, (i + 0.5) / M)] += 1
+    assert (counts - M * p).abs().max() <= 1.5
+    assert counts[p == 0].sum() == 0
