@@ -55,6 +55,35 @@ def encode_prompt(lm: LocalModel, prompt: str | list[dict]) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
+class Detokenizer:
+    """The text of a growing list of tokens, decoding a few tokens per new one: decoding the whole reply at every token
+    costs O(length) each (42 us at 256 tokens for the demo's tokenizer, more than a step of the demo on the GPU).
+    A window starts a few tokens back (`prefix`), so that a tokenizer that drops the first token's leading space
+    (SentencePiece) or a character split across tokens decodes the same in the window as in the whole; the new text is
+    what the window gained past its decoding up to `read`. A window ending in an incomplete character waits."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.text = tokenizer, [], ""
+        self.prefix = self.read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> str:
+        """The text so far, with `token` appended (without a trailing incomplete character)."""
+        self.ids.append(token)
+        before, after = self._decode(self.ids[self.prefix:self.read]), self._decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+        return self.text
+
+    def final(self) -> str:
+        """The whole text, an incomplete last character included."""
+        before, after = self._decode(self.ids[self.prefix:self.read]), self._decode(self.ids[self.prefix:])
+        return self.text + after[len(before):]
+
+
 def _held_back(text: str, stops: list[str]) -> int:
     """Length of the longest tail of `text` that could still grow into a stop string."""
     return max((n for s in stops for n in range(min(len(s) - 1, len(text)), 0, -1) if s.startswith(text[-n:])),
@@ -78,7 +107,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     eos = set(lm.eos_ids)
     stats.prompt_tokens = len(ids)
     t0 = time.perf_counter()
-    out: list[int] = []
+    detok = Detokenizer(tok)
     emitted = 0  # characters of the decoded text already yielded
     with torch.inference_mode():
         dec.start(dec.prefill(ids), len(ids), seen, params, draws)
@@ -98,10 +127,9 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
             if t in eos:
                 stats.finish_reason = "eos"
                 break
-            out.append(t)
-            stats.new_tokens = len(out)
+            text = detok.add(t)
+            stats.new_tokens = len(detok.ids)
             stats.decode_seconds = time.perf_counter() - t1  # kept current: a closed stream's stats stay true
-            text = tok.decode(out, skip_special_tokens=True)
             cut = min((i for i in (text.find(s, max(0, emitted - len(s))) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
                 if cut > emitted:
@@ -109,8 +137,6 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
                 stats.finish_reason = "stop"
                 break
             end = len(text) - _held_back(text, stops)
-            # an incomplete multi-byte character decodes to one or more U+FFFD: wait for the rest
-            end = min(end, len(text.rstrip("\ufffd")))
             if end > emitted:
                 yield text[emitted:end]
                 emitted = end
@@ -118,7 +144,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
                 token = following
         else:
             stats.finish_reason = "length"
-            text = tok.decode(out, skip_special_tokens=True)
+            text = detok.final()
             if len(text) > emitted:
                 yield text[emitted:]
 

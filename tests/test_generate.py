@@ -195,3 +195,39 @@ def test_decoder_is_kept_and_grows_geometrically(lm):
     second = lm.decoder(300)
     assert second is not first and second.max_len == min(512, lm.model.cfg.max_position_embeddings)
     assert lm.decoder(2000).max_len == min(2048, lm.model.cfg.max_position_embeddings)
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style BPE (a leading '▁' for a space, dropped at the start of a decoded text)."""
+    from importlib import resources
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    text = resources.files("localllm").joinpath("data", "calibration.txt").read_text()
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(text.split("\n\n"), trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "</s>"]
+                                                                    + bytes_, show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_detokenizer_gives_the_whole_decoding(kind):
+    """Token by token, the incremental text is the whole list's decoding up to an incomplete last character (random
+    tokens split characters across tokens, and special tokens decode to nothing); at the end, all of it."""
+    from localllm.generate import Detokenizer
+    from tests.conftest import make_tokenizer
+    tok = make_tokenizer(384) if kind == "byte-level" else metaspace_tokenizer()
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for _ in range(20):
+        ids = torch.randint(0, len(tok), (60,), generator=gen).tolist()
+        if kind == "metaspace":  # real text too: words that start with '▁'
+            ids = tok("Plants make sugar from light and water. " * 2)["input_ids"] + ids
+        d = Detokenizer(tok)
+        for i, t in enumerate(ids):
+            whole, text = tok.decode(ids[:i + 1], skip_special_tokens=True), d.add(t)
+            assert whole.startswith(text) and (text == whole or whole.endswith("\ufffd")), (i, whole, text)
+        assert d.final() == tok.decode(ids, skip_special_tokens=True)
