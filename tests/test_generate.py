@@ -219,7 +219,7 @@ def test_detokenizer_gives_the_whole_decoding(kind):
     """Token by token, the incremental text is the whole list's decoding up to an incomplete last character (random
     tokens split characters across tokens, and special tokens decode to nothing); at the end, all of it."""
     from localllm.generate import Detokenizer
-    from tests.conftest import make_tokenizer
+    from conftest import make_tokenizer
     tok = make_tokenizer(384) if kind == "byte-level" else metaspace_tokenizer()
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     for _ in range(20):
