@@ -66,13 +66,15 @@ class Detokenizer:
         self.tok, self.ids, self.text = tokenizer, [], ""
         self.prefix = self.read = 0
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def _window(self) -> tuple[str, str]:
+        """The window decoded up to `read`, and whole."""
+        decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return decode(self.ids[self.prefix:self.read]), decode(self.ids[self.prefix:])
 
     def add(self, token: int) -> str:
         """The text so far, with `token` appended (without a trailing incomplete character)."""
         self.ids.append(token)
-        before, after = self._decode(self.ids[self.prefix:self.read]), self._decode(self.ids[self.prefix:])
+        before, after = self._window()
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.text += after[len(before):]
             self.prefix, self.read = self.read, len(self.ids)
@@ -80,7 +82,7 @@ class Detokenizer:
 
     def final(self) -> str:
         """The whole text, an incomplete last character included."""
-        before, after = self._decode(self.ids[self.prefix:self.read]), self._decode(self.ids[self.prefix:])
+        before, after = self._window()
         return self.text + after[len(before):]
 
 
