@@ -60,30 +60,22 @@ class Detokenizer:
     costs O(length) each (42 us at 256 tokens for the demo's tokenizer, more than a step of the demo on the GPU).
     A window starts a few tokens back (`prefix`), so that a tokenizer that drops the first token's leading space
     (SentencePiece) or a character split across tokens decodes the same in the window as in the whole; the new text is
-    what the window gained past its decoding up to `read`. A window ending in an incomplete character waits."""
+    what the window gained past its decoding up to `read`. While the window ends in an incomplete character (U+FFFD)
+    it stays where it is, so that the character's later bytes complete it."""
 
     def __init__(self, tokenizer):
-        self.tok, self.ids, self.text = tokenizer, [], ""
+        self.tok, self.ids, self.text = tokenizer, [], ""  # text: the decoding of ids[:read]
         self.prefix = self.read = 0
 
-    def _window(self) -> tuple[str, str]:
-        """The window decoded up to `read`, and whole."""
-        decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-        return decode(self.ids[self.prefix:self.read]), decode(self.ids[self.prefix:])
-
     def add(self, token: int) -> str:
-        """The text so far, with `token` appended (without a trailing incomplete character)."""
+        """What decoding the whole list with `token` appended gives."""
         self.ids.append(token)
-        before, after = self._window()
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)
-        return self.text
-
-    def final(self) -> str:
-        """The whole text, an incomplete last character included."""
-        before, after = self._window()
-        return self.text + after[len(before):]
+        decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        before, after = decode(self.ids[self.prefix:self.read]), decode(self.ids[self.prefix:])
+        text = self.text + after[len(before):]
+        if len(after) > len(before) and not after.endswith("\ufffd"):  # the window moves on past new, whole text
+            self.text, self.prefix, self.read = text, self.read, len(self.ids)
+        return text
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -139,6 +131,8 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
                 stats.finish_reason = "stop"
                 break
             end = len(text) - _held_back(text, stops)
+            # an incomplete multi-byte character decodes to one or more U+FFFD: wait for the rest
+            end = min(end, len(text.rstrip("\ufffd")))
             if end > emitted:
                 yield text[emitted:end]
                 emitted = end
@@ -146,7 +140,6 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
                 token = following
         else:
             stats.finish_reason = "length"
-            text = detok.final()
             if len(text) > emitted:
                 yield text[emitted:]
 

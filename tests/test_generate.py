@@ -216,10 +216,11 @@ def metaspace_tokenizer():
 
 @pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
 def test_detokenizer_gives_the_whole_decoding(kind):
-    """Token by token, the incremental text is the whole list's decoding up to an incomplete last character (random
-    tokens split characters across tokens, and special tokens decode to nothing); at the end, all of it."""
-    from localllm.generate import Detokenizer
+    """Token by token, the incremental text is the whole list's decoding (random tokens split characters across
+    tokens, leave invalid bytes behind, and special tokens decode to nothing)."""
     from conftest import make_tokenizer
+
+    from localllm.generate import Detokenizer
     tok = make_tokenizer(384) if kind == "byte-level" else metaspace_tokenizer()
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     for _ in range(20):
@@ -228,6 +229,4 @@ def test_detokenizer_gives_the_whole_decoding(kind):
             ids = tok("Plants make sugar from light and water. " * 2)["input_ids"] + ids
         d = Detokenizer(tok)
         for i, t in enumerate(ids):
-            whole, text = tok.decode(ids[:i + 1], skip_special_tokens=True), d.add(t)
-            assert whole.startswith(text) and (text == whole or whole.endswith("\ufffd")), (i, whole, text)
-        assert d.final() == tok.decode(ids, skip_special_tokens=True)
+            assert d.add(t) == tok.decode(ids[:i + 1], skip_special_tokens=True), i
