@@ -257,7 +257,7 @@ def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 50, kv_bits
 
 def sampled_decode_time(model, params, prompt: int = 16, ctx: int = 256, n: int = 128) -> float:
     """Seconds per token of generate()'s loop without the tokenizer: each step's graph ends by choosing the next
-    token (sampling.next_token with `params`), and the host reads each token while the next step runs."""
+    token (sampling.choose with `params`), and the host reads each token while the next step runs (Decoder.tokens)."""
     from .decode import Decoder
     dec = Decoder(model, ctx)
     seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=model.device)
@@ -265,14 +265,11 @@ def sampled_decode_time(model, params, prompt: int = 16, ctx: int = 256, n: int 
     with torch.inference_mode():
         for _ in range(2):  # the first round captures the graph
             dec.start(dec.prefill(list(range(1, prompt + 1))), prompt, seen, params, draws)
-            token = dec.read()
+            tokens = dec.tokens(n)
+            next(tokens)
             t0 = time.perf_counter()
-            for _ in range(n - 1):
-                dec.advance()
-                following = dec.read()
-                token()
-                token = following
-            token()
+            for _ in tokens:
+                pass
             dt = (time.perf_counter() - t0) / (n - 1)
     return dt
 

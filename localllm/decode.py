@@ -7,7 +7,7 @@ round trip between steps: the host reads each token (read()) while the next step
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -80,6 +80,24 @@ class Decoder:
         if self.greedy not in self._advance_graphs:
             self._advance_graphs[self.greedy] = self._graph_of(self._advance_once, keep_state=True)[0]
         self._advance_graphs[self.greedy].replay()
+
+    def tokens(self, n: int) -> Iterator[int]:
+        """The next n tokens, the first the one start() chose. From the second on, each step is queued before the
+        token before it is read, so the GPU keeps busy while the caller handles a token; the first step is queued
+        only when the caller asks for the second token (a new Decoder's first advance() captures its graph, which
+        the first token need not wait for)."""
+        token = self.read()
+        for i in range(n):
+            more = i + 1 < n
+            if i and more:
+                self.advance()
+                following = self.read()
+            yield token()
+            if not i and more:
+                self.advance()
+                following = self.read()
+            if more:
+                token = following
 
     def read(self) -> Callable[[], int]:
         """The token just chosen, as a function that returns it (until the next start()): on a GPU its copy to the

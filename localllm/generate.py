@@ -105,19 +105,10 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     emitted = 0  # characters of the decoded text already yielded
     with torch.inference_mode():
         dec.start(dec.prefill(ids), len(ids), seen, params, draws)
-        token = dec.read()
-        for step in range(max_new_tokens):
-            more = step + 1 < max_new_tokens
-            if step and more:  # the next token is queued before this one is read: the GPU keeps busy
-                dec.advance()
-                following = dec.read()
-            t = token()
+        for step, t in enumerate(dec.tokens(max_new_tokens)):
             if step == 0:
                 stats.time_to_first_token = time.perf_counter() - t0
                 t1 = time.perf_counter()
-                if more:  # queued after the first token is out: a new Decoder's first advance captures its graph
-                    dec.advance()
-                    following = dec.read()
             if t in eos:
                 stats.finish_reason = "eos"
                 break
@@ -136,8 +127,6 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
             if end > emitted:
                 yield text[emitted:end]
                 emitted = end
-            if more:
-                token = following
         else:
             stats.finish_reason = "length"
             if len(text) > emitted:
