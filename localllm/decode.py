@@ -77,9 +77,19 @@ class Decoder:
             self._choose(self.model(self.tok, int(self.pos), self.cache)[0, -1])
             self.pos += 1
             return
-        if self.greedy not in self._advance_graphs:
-            self._advance_graphs[self.greedy] = self._graph_of(self._advance_once, keep_state=True)[0]
+        self.capture(self.greedy)
         self._advance_graphs[self.greedy].replay()
+
+    def capture(self, greedy: bool) -> None:
+        """Capture advance()'s graph for a greedy or a sampled choice now (its first use would), e.g. while a UI
+        loads. The capture's warm-up step writes the cache at the current position, which generation overwrites."""
+        if not self.use_graph or greedy in self._advance_graphs:
+            return
+        was, self.greedy = self.greedy, greedy
+        try:
+            self._advance_graphs[greedy] = self._graph_of(self._advance_once, keep_state=True)[0]
+        finally:
+            self.greedy = was
 
     def tokens(self, n: int) -> Iterator[int]:
         """The next n tokens, the first the one start() chose. From the second on, each step is queued before the

@@ -88,6 +88,27 @@ class LocalModel:
             self._decoder = Decoder(self.model, n, kv_bits=self.kv_bits)
         return self._decoder
 
+    def warm_up(self, max_len: int) -> None:
+        """On a GPU, do now what a first reply of up to max_len tokens (prompt and reply) would otherwise wait for:
+        the Decoder and its KV cache, the prompt kernels, and the captured decode graphs of a greedy and a sampled
+        choice (the demo model's first reply ran at ~0.6x of later ones without this). A chat UI calls it while it
+        loads; set_qdec and a longer reply make a new Decoder, whose graphs are captured at first use again. Nothing
+        to do on the CPU."""
+        if self.model.device.type != "cuda":
+            return
+        from .progress import progress
+        try:
+            dec = self.decoder(max_len)
+        except LocalLLMError:  # that much cache does not fit: the first reply sizes its own, and says if it cannot
+            return
+        with torch.inference_mode():  # as generate() runs
+            for step in progress(range(3), "capturing decode graphs", unit="step"):
+                if step == 0:
+                    dec.prefill([0] * 8)  # the cache's first rows, overwritten by the first prompt
+                else:
+                    dec.capture(greedy=step == 1)
+        torch.cuda.synchronize(self.model.device)
+
     def set_qdec(self, qdec: str | int | dict = "on", budget: float | None = None) -> None:
         """qdec: "on", "off", a k_chunk for every layer type, or a dict {"mode": "exact"|"approx"|"static"|"random",
         "k_chunk": int | {kind: int}, "n_tb": int | {kind: int} (GPU only; default: qdec.default_n_tb)}.

@@ -126,6 +126,12 @@ def test_seed_determinism_and_streaming(lm):
     assert len(others) > 1
 
 
+def test_warm_up_is_nothing_to_do_on_the_cpu(lm):
+    lm._decoder = None
+    lm.warm_up(64)
+    assert lm._decoder is None  # no graphs to capture; a reply makes its Decoder as before
+
+
 def test_stop_string_ends_the_text_before_it(lm):
     lm.eos_ids = []
     full = generate(lm, "Hello", max_new_tokens=40, temperature=0, seed=3)

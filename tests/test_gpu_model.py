@@ -146,3 +146,21 @@ def test_decode_with_fused_attention_matches_full_forward():
             got = torch.stack(got).float()
             rel = ((got - full[119:]).norm() / full[119:].norm()).item()
             assert rel < 2e-2, (use_graph, rel)
+
+
+def test_warm_up_captures_what_the_first_reply_replays(tiny_quant):
+    """warm_up makes the Decoder and both choices' graphs that a first reply then uses without capturing, and the
+    reply is what it is without the warm-up (the warm-up's cache rows are overwritten)."""
+    from localllm.generate import generate
+    cold = load(tiny_quant, device="cuda", qdec="off")
+    cold.eos_ids = []
+    want = {t: generate(cold, "hello there", max_new_tokens=24, temperature=t, seed=3) for t in (0.0, 0.8)}
+    lm = load(tiny_quant, device="cuda", qdec="off")
+    lm.eos_ids = []
+    lm.warm_up(64)
+    dec = lm.decoder(1)
+    assert set(dec._advance_graphs) == {True, False} and dec.max_len >= 64
+    graphs = dict(dec._advance_graphs)
+    for t, text in want.items():
+        assert generate(lm, "hello there", max_new_tokens=24, temperature=t, seed=3) == text
+    assert lm.decoder(1) is dec and dec._advance_graphs == graphs  # nothing captured again

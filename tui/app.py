@@ -131,6 +131,8 @@ class ChatApp(App):
             with observe(self._report):
                 lm = open_model(self.model_src, self.gguf_file, qdec=self.qdec, device=self.device,
                                 budget=self.budget, kv_bits=self.kv_bits, prefill_int8=self.prefill_int8)
+                # the first reply then runs as fast as later ones (a short first prompt and the default length)
+                lm.warm_up(self.settings.max_new_tokens + 512)
         except _Closing:
             return
         except Exception as e:  # noqa: BLE001 - a missing model, a full GPU...: a message in the app
