@@ -13,15 +13,15 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 # optional arguments: which benchmarks (localllm.bench: gemv, gemv-lut, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune,
 # prefill, kv, kv-ppl; --kv-bits 8|4 for the decoders of e2e, demo, breakdown, e2e-qdec);
-# GPU_TESTS=0 skips the tests
+# GPU_TESTS=0 skips the tests; TESTS="tests/test_gpu_qdec.py ..." runs those files only
 tests_rc=0
 if [ "${GPU_TESTS:-1}" = 1 ]; then
-  python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.txt"
+  python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.txt"
   tests_rc=${PIPESTATUS[0]}
   # again with plain launches: what a GPU before Hopper (no programmatic dependent launch) runs (GPU_TESTS_NO_PDL=0
   # skips this pass)
   if [ "${GPU_TESTS_NO_PDL:-1}" = 1 ]; then
-    LOCALLLM_NO_PDL=1 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests_no_pdl.txt"
+    LOCALLLM_NO_PDL=1 python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests_no_pdl.txt"
     tests_rc=$(( tests_rc | PIPESTATUS[0] ))
   fi
 fi

@@ -42,7 +42,7 @@ x = torch.randn(K, device="cuda").half()
 grid = grid_of(N, torch.device("cuda"))
 res = qdec.HostResidual.pin(QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32),
                                           (torch.rand(N) * 0.01).half()))
-part = torch.empty(qdec.chunks(K) * N, device="cuda")
+part = qdec.new_part([(K, N)], "cuda")
 names = ["start", "x ready", "staged", "selected", "fetched", "flagged", "streamed", "flags seen", "end",
          "tile 1 done", "select: A", "select: B", "fetch: start", "word 1 landed", "round landed"]
 FETCH_ONLY = (3, 4, 5, 10, 11, 12, 13, 14)

@@ -34,14 +34,17 @@ def test_problem_of_the_model_on_this_gpu(tiny_quant):
 
 def test_gemv_oracle_times_are_sane():
     """On 8B shapes (two layers each, random weights and residuals): positive, below a millisecond, QDEC not
-    faster than the base GEMV (beyond noise), more channels not cheaper than fewer by much."""
+    faster than the base GEMV (beyond noise), more channels not cheaper than fewer by much. Each time is the best of
+    two: a stray slow median (the base of down once measured 29 us against its usual 14 without PDL) is noise, not
+    the oracle."""
     from localllm.bench import random_local_model
     from localllm.config import ModelConfig
     from localllm.bench import LLAMA3_8B_CONFIG
     from localllm.tuner.timing import GemvTimer, problem_of
     lm = random_local_model(ModelConfig(**{**LLAMA3_8B_CONFIG, "num_layers": 2}), 3, copies=2)
     p = problem_of(lm)
-    t = GemvTimer(lm, reps=10)
+    timer = GemvTimer(lm, reps=10)
+    t = lambda *a: min(timer(*a), timer(*a))  # noqa: E731
     for lay in p.layers:
         base = t(lay.kind, 0, 0)
         assert 1e-6 < base < 1e-3, (lay.kind, base)

@@ -172,7 +172,8 @@ def test_gpu_sections_fill_the_report(tmp_path, tiny_ckpt, cache):
     rep = json.loads((out / "report.json").read_text())
     k = rep["sections"]["kernel"]["model"]
     assert set(k) == {"qkv", "o", "gate_up", "down"}
-    assert all(0.5 < v < 100 for e in k.values() for r in e["ratio"].values() for v in r.values())
+    ratios = {(kind, n, kc): v for kind, e in k.items() for n, r in e["ratio"].items() for kc, v in r.items()}
+    assert all(0.5 < v < 100 for v in ratios.values()), ratios
     (pts,) = rep["sections"]["pareto"]["bits"].values()
     assert pts["ms_off"] > 0 and math.isfinite(pts["ppl_off"])
     assert all(p["ms"] > 0 and math.isfinite(p["ppl"]) and p["slowdown"] <= 0.2 for p in pts["points"])
