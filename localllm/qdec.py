@@ -1,8 +1,9 @@
 """Reference semantics of QDEC channel selection and error compensation (paper sec. 4.3).
 
 y = W_hat x + R_hat[:, S] x[S], where S is the union over 1024-channel chunks of the input of
-the k channels picked in each chunk. This CPU module defines what the fused GPU kernel must
-compute; it favours clarity over speed but is vectorized over tokens.
+the k channels picked in each chunk. This module defines what the fused GPU kernel must compute, and the CPU path
+runs it at every decode step: vectorized over tokens and chunks, the selection in numpy (a step's selection is a few
+dozen operations on 1024-channel chunks, and torch's per-operation overhead cost several times the work).
 
 Every select_* function returns idx long [T, k_total(k_chunk, K)]: chunk by chunk, and
 ascending channel index inside a chunk.
@@ -10,6 +11,7 @@ ascending channel index inside a chunk.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -66,26 +68,27 @@ def bucket_index(a: Tensor, b0: float, b15: float) -> Tensor:
         a <  b15: 16 + clamp(floor((b15 - a) * inv_lo), 0, 15)
     Returns uint8 of a's shape.
     """
-    a = a.float()
-    inv_hi, inv_lo = bucket_widths(b0, b15)
-    b0_t, b15_t = torch.tensor(b0, dtype=torch.float32), torch.tensor(b15, dtype=torch.float32)
-    upper = torch.floor((b0_t - a) * inv_hi).clamp(0, _HALF - 1)
-    lower = _HALF + torch.floor((b15_t - a) * inv_lo).clamp(0, _HALF - 1)
-    return torch.where(a >= b15_t, upper, lower).to(torch.uint8)
+    return torch.from_numpy(_buckets(_numpy(a), b0, b15)).to(a.device)
 
 
-_M32 = 0xFFFFFFFF
+def _numpy(x: Tensor) -> np.ndarray:
+    return x.detach().float().cpu().numpy()
 
 
-def _mul32(a: Tensor, c: int) -> Tensor:
-    """a * c mod 2^32 for int64 a in [0, 2^32), without overflowing int64."""
-    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & _M32
+def _buckets(a: np.ndarray, b0: float, b15: float) -> np.ndarray:
+    """bucket_index on float32 a (every operation in float32)."""
+    f = np.float32
+    inv_hi, inv_lo = (f(v) for v in bucket_widths(b0, b15))
+    with np.errstate(all="ignore"):  # as torch: inf and nan inputs land where IEEE arithmetic puts them, silently
+        upper = np.minimum(np.maximum(np.floor((f(b0) - a) * inv_hi), 0), _HALF - 1)
+        lower = _HALF + np.minimum(np.maximum(np.floor((f(b15) - a) * inv_lo), 0), _HALF - 1)
+        return np.where(a >= f(b15), upper, lower).astype(np.uint8)
 
 
-def _fmix32(h: Tensor) -> Tensor:
-    """MurmurHash3's 32-bit finalizer on int64 values in [0, 2^32)."""
-    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
-    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finalizer on uint32 (numpy's uint32 products wrap mod 2^32)."""
+    h = (h ^ (h >> 16)) * np.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * np.uint32(0xC2B2AE35)
     return h ^ (h >> 16)
 
 
@@ -97,9 +100,22 @@ def boundary_order(x: Tensor) -> tuple[Tensor, Tensor]:
     seed = fmix32(sum_i fmix32(i * 65536 + u_i) mod 2^32), u_i the fp16 bits of x_i, so the choice is a fixed
     function of the input (the same on CPU and GPU, in eager and graph replay) that changes with it.
     """
-    u = x.half().view(torch.int16).long() & 0xFFFF
-    i = torch.arange(x.shape[-1], dtype=torch.int64, device=x.device)
-    h = _fmix32(_fmix32(i * 65536 + u).sum(-1, keepdim=True) & _M32)
+    xs = _numpy(x)
+    h = _element_hashes(xs, np.arange(xs.shape[-1], dtype=np.uint32))
+    A, off = _order_of(h.sum(-1, keepdims=True, dtype=np.uint64))
+    return torch.from_numpy(A.astype(np.int64)).to(x.device), torch.from_numpy(off.astype(np.int64)).to(x.device)
+
+
+def _element_hashes(x: np.ndarray, i: np.ndarray) -> np.ndarray:
+    """fmix32(i * 65536 + u) of float32 x, u its fp16 bits, i each channel's place in its chunk (uint32)."""
+    with np.errstate(over="ignore"):  # beyond fp16's range: inf, as the kernel's fp16 input has
+        u = x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    return _fmix32((i << 16) | u)
+
+
+def _order_of(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(A, off) uint32 of each chunk from the sum of its element hashes (any unsigned width)."""
+    h = _fmix32((sums & 0xFFFFFFFF).astype(np.uint32))
     return 2 * (h & 511) + 1, (h >> 9) & 1023
 
 
@@ -131,16 +147,31 @@ def select_approx(x: Tensor, k_chunk: int, b0: float, b15: float) -> Tensor:
     <= k; from the first bucket that would overflow (the boundary bucket) the remaining
     k - count channels are taken in the pseudo-random order of boundary_order.
     """
-    def pick(xc: Tensor, k: int) -> Tensor:
-        # The rule takes the k smallest keys bucket * 1024 + p, p the boundary order's priority (a permutation of
-        # 0..1023, so keys are distinct): every bucket before the boundary one is smaller than any key from there
-        # on, and inside the boundary bucket lower p goes first.
-        A, off = boundary_order(xc)
-        p = (torch.arange(xc.shape[-1], dtype=torch.int64, device=xc.device) * A + off) & (CHUNK - 1)
-        key = bucket_index(xc.float().abs(), b0, b15).float() * CHUNK + p  # < 2^15: exact in float32
-        return key.topk(k, dim=-1, largest=False).indices
+    xs = _numpy(x)
+    T, K = xs.shape
+    i, chunk = _places(K)
+    # The rule takes the k smallest keys bucket * 1024 + p per chunk, p the boundary order's priority (a
+    # permutation of 0..1023, so keys are distinct): every bucket before the boundary one is smaller than any key
+    # from there on, and inside the boundary bucket lower p goes first. Keys of the whole input at once:
+    A, off = _order_of(np.add.reduceat(_element_hashes(xs, i), np.arange(0, K, CHUNK), axis=-1, dtype=np.uint64))
+    p = (i * A[:, chunk] + off[:, chunk]) & (CHUNK - 1)
+    key = _buckets(np.abs(xs), b0, b15).astype(np.int32) * CHUNK + p.astype(np.int32)
+    C, r = divmod(K, CHUNK)
+    parts = []
+    for start, n, size in ((0, C, CHUNK), (C * CHUNK, 1, r)):  # every full chunk at once, then a partial one
+        if n and size:
+            k = k_for_chunk(k_chunk, size)
+            kc = key[:, start:start + n * size].reshape(T, n, size)
+            idx = np.sort(np.argpartition(kc, k - 1, axis=-1)[..., :k], axis=-1) if k else kc[..., :0]
+            parts.append((idx.astype(np.int64) + start + np.arange(n)[:, None] * size).reshape(T, n * k))
+    return torch.from_numpy(np.concatenate(parts, axis=-1)).to(x.device)
 
-    return _per_chunk(x, k_chunk, pick)
+
+@functools.cache
+def _places(K: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each of K channels' place in its 1024-channel chunk (uint32) and its chunk's number."""
+    pos = np.arange(K, dtype=np.uint32)
+    return pos % CHUNK, pos // CHUNK
 
 
 def select_static(importance: Tensor, k_chunk: int, t: int) -> Tensor:
