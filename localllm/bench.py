@@ -163,7 +163,8 @@ QDEC_K = (0, 2, 4, 8, 16, 32, 64)
 
 def bench_qdec(bits: int = 3, group_size: int = 128) -> list[dict]:
     """Base GEMV alone vs with QDEC (the paper's Figure 17 as a table) on the 8B shapes, for k_chunk in QDEC_K and
-    a few n_tb; the zero-copy bandwidth at the largest k vs a pinned memcpy."""
+    every viable n_tb (the tuner's choices), then the best n_tb per k_chunk; the zero-copy bandwidth at the largest
+    k vs a pinned memcpy."""
     from .kernels import qdec
     from .kernels.gemv import gemv, grid_of
     from .quant import QuantResidual
@@ -179,8 +180,7 @@ def bench_qdec(bits: int = 3, group_size: int = 128) -> list[dict]:
                                                    (torch.rand(N) * 0.01).half())) for _ in sets]
         part = qdec.new_part([(K, N)], "cuda")
         base = time_graph([lambda s=s, x=x: gemv(x, s[0], out=s[1]) for s, x in zip(sets, xs)])
-        ok = qdec.viable_n_tb(K, N, grid)
-        for n_tb in sorted({ok[0], ok[len(ok) // 2], qdec.default_n_tb(K, N, grid), ok[-1]}):
+        for n_tb in qdec.viable_n_tb(K, N, grid):
             row = {"layer": name, "N": N, "K": K, "n_tb": n_tb, "base_us": base * 1e6, "us": {}}
             for k in QDEC_K[1:]:
                 a = xs[0].float().abs()
@@ -202,6 +202,12 @@ def bench_qdec(bits: int = 3, group_size: int = 128) -> list[dict]:
         cells = " ".join(f"{r['us'][k]:6.2f} {100 * (r['us'][k] / r['base_us'] - 1):+5.0f}%" for k in QDEC_K[1:])
         print(f"{r['layer']:8} {r['n_tb']:>4} {r['base_us']:6.2f} {cells} "
               f"{r['zero_copy_GBs']:8.1f} ({100 * r['zero_copy_GBs'] * 1e9 / pcie:3.0f}% of memcpy)")
+    print("best n_tb per k_chunk (slowdown, n_tb); issue 4's target: k_chunk 8 within +10% on every layer type")
+    for name in LLAMA3_8B:
+        mine = [r for r in rows if r["layer"] == name]
+        best = {k: min(mine, key=lambda r: r["us"][k]) for k in QDEC_K[1:]}  # noqa: B023
+        print(f"{name:8}      {mine[0]['base_us']:6.2f} " + " ".join(
+            f"{100 * (b['us'][k] / b['base_us'] - 1):+6.0f}% ({b['n_tb']:>2})" for k, b in best.items()))
     return rows
 
 
