@@ -51,7 +51,7 @@ def cmd_chat(a) -> None:
     settings.check()
     from .tui.app import ChatApp
     ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, budget=a.budget, settings=settings,
-            save_dir=a.save_dir, kv_bits=a.kv_bits, prefill_int8=a.prefill_int8).run()
+            save_dir=a.save_dir, kv_bits=a.kv_bits, prefill_int8=a.prefill_int8, tune=not a.no_tune).run()
 
 
 def cmd_info(a) -> None:
@@ -237,6 +237,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, help="the same seed for every reply (default: a new one each)")
     _model_options(c)
     c.add_argument("--save-dir", default=".", help="where ctrl+s saves the chat (default: the current folder)")
+    c.add_argument("--no-tune", action="store_true",
+                   help="on a GPU with no tuning profile for this model, keep QDEC's default k_chunk instead of "
+                        "tuning once for --budget (seconds; the profile is saved next to the model)")
     c.set_defaults(func=cmd_chat)
 
     i = sub.add_parser("info", help="sizes, bits, calibration and tuning profiles of a model")

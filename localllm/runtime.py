@@ -33,6 +33,7 @@ class LocalModel:
     budget: float = DEFAULT_BUDGET  # the slowdown budget whose tuning profile qdec="on" uses on a GPU
     qdec_source: str = "QDEC off"  # one line: where the QDEC setting comes from (shown by the chat UI)
     qdec_overhead: float | None = None  # the tuning profile's measured decode slowdown (0.041 = +4.1%), else None
+    qdec_untuned: bool = False  # qdec="on" on a GPU fell back to the default k_chunk: no tuning profile applies
     _tuned: object = field(default=None, repr=False)  # tuner.profile.Selection for self.budget, looked up once
     kv_bits: int = 16  # KV cache width: 16 (the model's dtype), 8 or 4 (kvquant); set_kv_bits changes it
 
@@ -119,6 +120,7 @@ class LocalModel:
         saying where the setting comes from) and qdec_overhead (the profile's measured slowdown, else None)."""
         if budget is not None and budget != self.budget:
             self.budget, self._tuned = budget, None
+        self.qdec_untuned = False
         self._decoder = None  # a captured graph holds the old settings
         if qdec in ("off", 0, None, False):
             self.settings.mode, self.qdec_source, self.qdec_overhead = "off", "QDEC off", None
@@ -169,6 +171,16 @@ class LocalModel:
         if self._apply("approx", DEFAULT_K_CHUNK):
             self.qdec_source = f"default k_chunk {DEFAULT_K_CHUNK}: no tuning profile for this GPU (run `localllm " \
                                f"tune {self.path}`)"
+            self.qdec_untuned = True
+
+    def autotune(self) -> None:
+        """Tune QDEC on this GPU for self.budget (GEMV timings and measured decode steps, no perplexity), write the
+        profile next to the model and use it. `localllm chat` does this once where QDEC would run untuned: the
+        default k_chunk on every layer can cost far more than a budget (the demo model on an H100: +117% per token,
+        its GEMVs lasting ~2 us against a ~5 us compensating chain)."""
+        from .tuner.tune import tune
+        tune(self, [self.budget], evaluate=False)
+        self.set_qdec("on")
 
     def _apply(self, mode: str, k: int | dict, n_tb: int | dict | None = None) -> bool:
         """Check and apply a QDEC setting (on a GPU: place every compensated layer's launch). False: the launches

@@ -55,6 +55,8 @@ def test_chat_starts_the_app_with_the_options(tiny_quant, monkeypatch):
     assert (app.model_src, app.device, app.qdec, app.budget, app.kv_bits) == (str(tiny_quant), "cpu", "off", 0.1, 4)
     assert (app.settings.system, app.settings.temperature, app.settings.max_new_tokens, app.settings.seed) == \
         ("Be brief.", 0.0, 9, 3)
+    assert app.tune  # tunes QDEC once where no profile applies, unless --no-tune
+    assert main(["chat", str(tiny_quant), "--device", "cpu", "--no-tune"]) == 0 and not started[1].tune
 
 
 def test_chat_errors_before_the_app_are_one_line(capsys):

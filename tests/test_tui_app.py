@@ -331,10 +331,11 @@ async def test_a_failing_reply_is_a_message_and_the_chat_goes_on(tiny_quant, mon
 @scenario
 async def test_on_the_gpu_the_status_bar_shows_the_gpu_and_pinned_residuals(tiny_quant, replies):
     import torch
-    app = ChatApp(str(tiny_quant), device="cuda", settings=ReplySettings(max_new_tokens=12, seed=3))
+    app = ChatApp(str(tiny_quant), device="cuda", settings=ReplySettings(max_new_tokens=12, seed=3), tune=False)
     async with app.run_test(size=SIZE) as pilot:
         session = await loaded(pilot)
         assert session.lm.model.device.type == "cuda" and session.lm.settings.mode == "approx"
+        assert session.lm.qdec_untuned  # tune=False: the default k_chunk, no profile written
         reply = await done(pilot, await send(pilot, replies, "Hello"))
         want = generate(session.lm, [{"role": "user", "content": "Hello"}], max_new_tokens=12, temperature=0.7,
                         top_p=0.9, seed=3)
@@ -343,3 +344,24 @@ async def test_on_the_gpu_the_status_bar_shows_the_gpu_and_pinned_residuals(tiny
         pinned = sum(lin.residual.nbytes for lin in session.lm.model.linears() if lin.host_residual is not None)
         assert status.startswith(torch.cuda.get_device_name()) and pinned > 0
         assert "GPU mem —" not in status and " pinned" in status and "QDEC overhead" in status
+
+
+@pytest.mark.gpu
+@scenario
+async def test_on_the_gpu_without_a_profile_the_chat_tunes_qdec_once(tiny_quant, tmp_path):
+    """No tuning profile for this GPU: loading tunes QDEC for the budget, saves the profile next to the model and
+    uses it; the next start finds it and tunes nothing."""
+    import shutil
+    from localllm.tuner import profile as profiles
+    model = shutil.copytree(tiny_quant, tmp_path / "m")
+    for _ in range(2):
+        app = ChatApp(str(model), device="cuda", budget=0.2, settings=ReplySettings(max_new_tokens=4, seed=3))
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.session is not None, "the model to load (and QDEC to tune)", 300)
+            lm = app.session.lm
+            assert not lm.qdec_untuned and lm.qdec_source.startswith("tuned on") and "20% budget" in lm.qdec_source
+            files = sorted((model / profiles.DIR).glob("*.json"))
+            assert len(files) == 1
+            if _ == 0:
+                stamp = files[0].stat().st_mtime_ns
+    assert files[0].stat().st_mtime_ns == stamp

@@ -2,6 +2,7 @@
 Textual worker threads and reports to the UI thread with messages, so the UI never waits on the model."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from textual import events, work
@@ -12,6 +13,7 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Input, Static
 from textual.worker import Worker, get_current_worker
 
+from localllm.errors import LocalLLMError
 from localllm.progress import observe
 from localllm.runtime import LocalModel
 
@@ -89,10 +91,10 @@ class ChatApp(App):
 
     def __init__(self, model: str | None = None, *, gguf_file: str | None = None, device: str = "cpu",
                  qdec: str | int = "on", budget: float | None = None, settings: ReplySettings | None = None,
-                 save_dir: str | Path = ".", kv_bits: int = 16, prefill_int8: bool = False):
+                 save_dir: str | Path = ".", kv_bits: int = 16, prefill_int8: bool = False, tune: bool = True):
         super().__init__()
         self.model_src, self.gguf_file, self.device, self.qdec, self.budget = model, gguf_file, device, qdec, budget
-        self.kv_bits, self.prefill_int8 = kv_bits, prefill_int8
+        self.kv_bits, self.prefill_int8, self.tune = kv_bits, prefill_int8, tune
         self.settings = settings or ReplySettings()
         self.save_dir = save_dir
         self.session: ChatSession | None = None
@@ -131,6 +133,11 @@ class ChatApp(App):
             with observe(self._report):
                 lm = open_model(self.model_src, self.gguf_file, qdec=self.qdec, device=self.device,
                                 budget=self.budget, kv_bits=self.kv_bits, prefill_int8=self.prefill_int8)
+                if self.tune and lm.qdec_untuned:  # once per GPU and model: the profile is saved next to the model
+                    try:
+                        lm.autotune()
+                    except LocalLLMError as e:  # e.g. a profile file in the way: chat with the default, say why
+                        print(f"localllm: could not tune QDEC ({e}); using {lm.qdec_source}", file=sys.stderr)
                 # the first reply then runs as fast as later ones (a short first prompt and the default length)
                 lm.warm_up(self.settings.max_new_tokens + 512)
         except _Closing:
