@@ -92,7 +92,7 @@ class LocalModel:
     def warm_up(self, max_len: int) -> None:
         """On a GPU, do now what a first reply of up to max_len tokens (prompt and reply) would otherwise wait for:
         the Decoder and its KV cache, the prompt kernels, and the captured decode graphs of a greedy and a sampled
-        choice (the demo model's first reply ran at ~0.6x of later ones without this). A chat UI calls it while it
+        choice (without this the demo model's first reply ran at 0.55-0.8x of later ones on the H100). A chat UI calls it while it
         loads; set_qdec and a longer reply make a new Decoder, whose graphs are captured at first use again. Nothing
         to do on the CPU."""
         if self.model.device.type != "cuda":
@@ -179,8 +179,10 @@ class LocalModel:
         default k_chunk on every layer can cost far more than a budget (the demo model on an H100: +117% per token,
         its GEMVs lasting ~2 us against a ~5 us compensating chain)."""
         from .tuner.tune import tune
-        tune(self, [self.budget], evaluate=False)
-        self.set_qdec("on")
+        try:
+            tune(self, [self.budget], evaluate=False)
+        finally:  # the new profile, or (tuning failed) the default as before
+            self.set_qdec("on")
 
     def _apply(self, mode: str, k: int | dict, n_tb: int | dict | None = None) -> bool:
         """Check and apply a QDEC setting (on a GPU: place every compensated layer's launch). False: the launches
