@@ -119,25 +119,32 @@ def _order_of(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return 2 * (h & 511) + 1, (h >> 9) & 1023
 
 
-def _per_chunk(x: Tensor, k_chunk: int, pick: Callable[[Tensor, int], Tensor]) -> Tensor:
-    """Apply pick(xc, k) -> chunk-local idx [T, C, k] of the k channels chosen in each chunk of xc [T, C, c] to all
-    the full 1024-channel chunks of x [T, K] at once, then to a last partial chunk; the sorted global indices
-    [T, k_total]. (Chunk by chunk, a decode step's selection cost a CPU ~0.2 ms per chunk, mostly per-op overhead.)"""
+def _per_chunk(x: np.ndarray, k_chunk: int, pick: Callable[[np.ndarray, int], np.ndarray],
+               device: torch.device | str = "cpu") -> Tensor:
+    """Apply pick(xc, k) -> chunk-local idx [T, C, k] of the k >= 1 channels chosen in each chunk of xc [T, C, c] to
+    all the full 1024-channel chunks of x [T, K] at once, then to a last partial chunk; the sorted global indices
+    [T, k_total] on `device`. (Chunk by chunk, a decode step's selection cost a CPU ~0.2 ms per chunk, mostly
+    per-operation overhead.)"""
     T, K = x.shape
     C, r = divmod(K, CHUNK)
     parts = []
     for start, n, size in ((0, C, CHUNK), (C * CHUNK, 1, r)):
         if n and size:
             k = k_for_chunk(k_chunk, size)
-            idx = pick(x[:, start:start + n * size].reshape(T, n, size), k).sort(dim=-1).values
-            offsets = start + torch.arange(n, device=x.device)[:, None] * size
-            parts.append((idx + offsets).reshape(T, n * k))
-    return torch.cat(parts, dim=-1)
+            xc = x[:, start:start + n * size].reshape(T, n, size)
+            idx = np.sort(pick(xc, k), axis=-1).astype(np.int64) if k else np.zeros((T, n, 0), np.int64)
+            parts.append((idx + start + np.arange(n)[:, None] * size).reshape(T, n * k))
+    return torch.from_numpy(np.concatenate(parts, axis=-1)).to(device)
+
+
+def _torch_top(a: np.ndarray, k: int) -> np.ndarray:
+    """torch.topk's indices of the k largest along the last axis."""
+    return torch.from_numpy(np.ascontiguousarray(a)).topk(k, dim=-1).indices.numpy()
 
 
 def select_exact(x: Tensor, k_chunk: int) -> Tensor:
     """Exact top-k of |x| per chunk (torch.topk; ties broken arbitrarily): x [T, K] -> idx [T, k_total]."""
-    return _per_chunk(x.float().abs(), k_chunk, lambda a, k: a.topk(k, dim=-1).indices)
+    return _per_chunk(np.abs(_numpy(x)), k_chunk, _torch_top, x.device)
 
 
 def select_approx(x: Tensor, k_chunk: int, b0: float, b15: float) -> Tensor:
@@ -148,23 +155,15 @@ def select_approx(x: Tensor, k_chunk: int, b0: float, b15: float) -> Tensor:
     k - count channels are taken in the pseudo-random order of boundary_order.
     """
     xs = _numpy(x)
-    T, K = xs.shape
-    i, chunk = _places(K)
+    i, chunk = _places(xs.shape[1])
     # The rule takes the k smallest keys bucket * 1024 + p per chunk, p the boundary order's priority (a
     # permutation of 0..1023, so keys are distinct): every bucket before the boundary one is smaller than any key
     # from there on, and inside the boundary bucket lower p goes first. Keys of the whole input at once:
-    A, off = _order_of(np.add.reduceat(_element_hashes(xs, i), np.arange(0, K, CHUNK), axis=-1, dtype=np.uint64))
+    sums = np.add.reduceat(_element_hashes(xs, i), np.arange(0, xs.shape[1], CHUNK), axis=-1, dtype=np.uint64)
+    A, off = _order_of(sums)
     p = (i * A[:, chunk] + off[:, chunk]) & (CHUNK - 1)
     key = _buckets(np.abs(xs), b0, b15).astype(np.int32) * CHUNK + p.astype(np.int32)
-    C, r = divmod(K, CHUNK)
-    parts = []
-    for start, n, size in ((0, C, CHUNK), (C * CHUNK, 1, r)):  # every full chunk at once, then a partial one
-        if n and size:
-            k = k_for_chunk(k_chunk, size)
-            kc = key[:, start:start + n * size].reshape(T, n, size)
-            idx = np.sort(np.argpartition(kc, k - 1, axis=-1)[..., :k], axis=-1) if k else kc[..., :0]
-            parts.append((idx.astype(np.int64) + start + np.arange(n)[:, None] * size).reshape(T, n * k))
-    return torch.from_numpy(np.concatenate(parts, axis=-1)).to(x.device)
+    return _per_chunk(key, k_chunk, lambda kc, k: np.argpartition(kc, k - 1, axis=-1)[..., :k], x.device)
 
 
 @functools.cache
@@ -176,14 +175,14 @@ def _places(K: int) -> tuple[np.ndarray, np.ndarray]:
 
 def select_static(importance: Tensor, k_chunk: int, t: int) -> Tensor:
     """Top-k of a calibration importance vector [K] per chunk, the same for all t tokens -> idx [t, k_total]."""
-    idx = _per_chunk(importance.float()[None], k_chunk, lambda imp, k: imp.topk(k, dim=-1).indices)
+    idx = _per_chunk(_numpy(importance)[None], k_chunk, _torch_top, importance.device)
     return idx.expand(t, -1).contiguous()
 
 
 def select_random(t: int, in_features: int, k_chunk: int, generator: torch.Generator | None = None) -> Tensor:
     """A uniform random k-subset of each chunk, independently per token -> idx [t, k_total]."""
-    return _per_chunk(torch.empty(t, in_features), k_chunk,
-                      lambda xc, k: torch.rand(xc.shape, generator=generator).topk(k, dim=-1).indices)
+    return _per_chunk(np.empty((t, in_features), np.float32), k_chunk,
+                      lambda xc, k: _torch_top(torch.rand(xc.shape, generator=generator).numpy(), k))
 
 
 def compensate(x: Tensor, idx: Tensor, residual: QuantResidual) -> Tensor:

@@ -102,12 +102,11 @@ class LocalModel:
             dec = self.decoder(max_len)
         except LocalLLMError:  # that much cache does not fit: the first reply sizes its own, and says if it cannot
             return
+        steps = (lambda: dec.prefill([0] * 8),  # the cache's first rows, overwritten by the first prompt
+                 lambda: dec.capture(greedy=True), lambda: dec.capture(greedy=False))
         with torch.inference_mode():  # as generate() runs
-            for step in progress(range(3), "capturing decode graphs", unit="step"):
-                if step == 0:
-                    dec.prefill([0] * 8)  # the cache's first rows, overwritten by the first prompt
-                else:
-                    dec.capture(greedy=step == 1)
+            for step in progress(steps, "capturing decode graphs", unit="step"):
+                step()
         torch.cuda.synchronize(self.model.device)
 
     def set_qdec(self, qdec: str | int | dict = "on", budget: float | None = None) -> None:
