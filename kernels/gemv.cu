@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     __shared__ uint32_t seq;
     unsigned long long ticket = 0;
     if (QW && threadIdx.x == 32 * WARPS) ticket = atomicAdd(state, 1ull);
-    if (QW && threadIdx.x == 0) QDEC_MARK(0);
+    if (threadIdx.x == 0) QDEC_MARK(0);
     if (QW && !streamer) {  // the residual scales of this block's outputs (no kernel writes them): asynchronously now
         const int u = threadIdx.x - 32 * WARPS;
         const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(sscale));
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     // Weights are nobody's output: they were requested before waiting for the kernel that produces x.
     wait_previous();
     start_next();
-    if (QW && threadIdx.x == 0) QDEC_MARK(1);
+    if (threadIdx.x == 0) QDEC_MARK(1);
 
     // The input transform: with norm_w, x becomes fp16(x * rsqrt(mean(x^2) + eps) * norm_w) (ops.rmsnorm); with
     // glu, x is [gate | up] (2K halves) and becomes fp16(silu(gate) * up) (ops.silu_mul). Each block redoes it:
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
         }
     }
     __syncthreads();
-    if (QW && threadIdx.x == 0) QDEC_MARK(2);
+    if (threadIdx.x == 0) QDEC_MARK(2);
 
     __shared__ float red[2][WARPS][16];
     const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: rows g and g + 8, columns 2t, 2t + 1
@@ -418,6 +418,9 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             acc0 = acc1 = 0.0f;
             for (int p = lo; p < hi; p++) {
                 cp_async_wait<DEPTH - 2>();  // this pair's copies have landed (DEPTH - 2 younger ones may not have)
+#ifdef QDEC_MARKS
+                if (threadIdx.x == 0 && tile == t_begin && p == lo) QDEC_MARK(15);
+#endif
                 __syncwarp();  // ... every lane's, and every lane has read the slot computed last
                 issue();  // the pair DEPTH - 1 ahead, into that slot
                 compute(p);
@@ -428,7 +431,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 red[buf][warp][g + 8] = acc1;
             }
             asm volatile("bar.sync 1, %0;\n" ::"n"(32 * WARPS) : "memory");  // the streaming warps only
-            if (QW && threadIdx.x == 0 && tile == t_begin) QDEC_MARK(9);
+            if (threadIdx.x == 0 && tile == t_begin) QDEC_MARK(9);
             if (threadIdx.x < 16) {
                 float v = 0.0f;
 #pragma unroll
@@ -441,7 +444,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             }
         }
         cp_async_wait<0>();
-        if (QW && threadIdx.x == 0) QDEC_MARK(6);
+        if (threadIdx.x == 0) QDEC_MARK(6);
     } else if constexpr (QW > 0) {  // QDEC warps
         if (threadIdx.x == 32 * WARPS) seq = (uint32_t)(ticket / gridDim.x) + 1u;
         cp_async_wait<0>();  // the scales
@@ -457,6 +460,8 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             y[n] = __float2half_rn(fmaf(__half2float(sscale[n - o0]), v, ybuf[n - o0]));
         }
         if (threadIdx.x == 0) QDEC_MARK(8);
+    } else if (threadIdx.x == 0) {
+        QDEC_MARK(8);
     }
 }
 

@@ -1,7 +1,8 @@
 """Where a QDEC GEMV's time goes: globaltimer stamps of each block's phases (kernels/qdec.cuh, QDEC_MARKS build).
 
-python scripts/qdec_timeline.py [layer] [bits] [k_chunk,...] [n_tb,...]   e.g.  qkv 3 2,8,32 4,8
-(n_tb default: qdec.default_n_tb and the largest viable one)
+python scripts/qdec_timeline.py [layer] [bits] [k_chunk,...] [n_tb,...] [fused]   e.g.  qkv 3 0,2,8,32 4,8
+(n_tb default: qdec.default_n_tb and the largest viable one; n_tb "-" for the default. k_chunk 0: the plain GEMV, no
+QDEC. fused: the input transform decode applies, RMSNorm for qkv and gate_up, SwiGLU for down; else plain x)
 """
 import functools
 import os
@@ -35,34 +36,55 @@ cuda.module = _marked
 layer = sys.argv[1] if len(sys.argv) > 1 else "qkv"
 bits = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 ks = [int(k) for k in (sys.argv[3] if len(sys.argv) > 3 else "2,8,32").split(",")]
+fused = len(sys.argv) > 5 and sys.argv[5] == "fused"
 N, K = LLAMA3_8B[layer]
 sets, _ = gemv_sets(N, K, bits, 128)
 w, out = sets[0]
 x = torch.randn(K, device="cuda").half()
+kw = {}
+if fused and layer == "down":
+    kw = {"glu": True}
+elif fused and layer in ("qkv", "gate_up"):
+    kw = {"norm": (torch.rand(K, device="cuda") + 0.5, 1e-5)}
+xin = torch.randn(2 * K, device="cuda").half() if kw.get("glu") else x
 grid = grid_of(N, torch.device("cuda"))
 res = qdec.HostResidual.pin(QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32),
                                           (torch.rand(N) * 0.01).half()))
 part = qdec.new_part([(K, N)], "cuda")
 names = ["start", "x ready", "staged", "selected", "fetched", "flagged", "streamed", "flags seen", "end",
-         "tile 1 done", "select: A", "select: B", "fetch: start", "word 1 landed", "round landed"]
+         "tile 1 done", "select: A", "select: B", "fetch: start", "word 1 landed", "round landed", "pair 1 landed"]
 FETCH_ONLY = (3, 4, 5, 10, 11, 12, 13, 14)
+
+
+def marks(blocks):
+    import cupy
+    ptr = cuda.module("gemv", torch.cuda.current_device(), NAMES).get_global("qdec_marks")
+    m = cupy.ndarray((1024 * 16,), dtype=cupy.uint64, memptr=ptr)[: blocks * 16].get().reshape(blocks, 16)
+    m = m.astype(np.int64)
+    return (m - m[:, 0].min()) / 1e3  # us since the first block started
+
+
 for k in ks:
-    n_tbs = [int(n) for n in sys.argv[4].split(",")] if len(sys.argv) > 4 else \
+    if k == 0:  # the plain GEMV: its phases over all blocks (pair 1 landed: warp 0's first pair, first tile only)
+        for _ in range(5):
+            gemv(xin, w, out=out, **kw)
+        torch.cuda.synchronize()
+        rel = marks(grid)
+        print(f"\n{layer} W{bits} plain GEMV{' (fused input)' if kw else ''}: us since the first block's start, "
+              "median / max over the blocks")
+        for i in (0, 1, 15, 2, 9, 6, 8):
+            print(f"  {names[i]:13} {np.median(rel[:, i]):7.2f} {rel[:, i].max():7.2f}")
+        continue
+    n_tbs = [int(n) for n in sys.argv[4].split(",")] if len(sys.argv) > 4 and sys.argv[4] != "-" else \
         sorted({qdec.default_n_tb(K, N, grid), qdec.viable_n_tb(K, N, grid)[-1]})
     for n_tb in n_tbs:
         a = x.float().abs()
         comp = qdec.Call(res, qdec.new_state(K, N, "cuda"), part, k, n_tb, float(a.max()),
                          float(a[:1024].topk(k).values[-1]), grid)
         for _ in range(5):
-            gemv(x, w, out=out, comp=comp)
+            gemv(xin, w, out=out, comp=comp, **kw)
         torch.cuda.synchronize()
-        mod = cuda.module("gemv", torch.cuda.current_device(), NAMES)
-        import cupy
-        ptr = mod.get_global("qdec_marks")
-        m = cupy.ndarray((1024 * 16,), dtype=cupy.uint64, memptr=ptr)[: grid * 16].get().reshape(grid, 16)
-        m = m.astype(np.int64)
-        t0 = m[:, 0].min()
-        rel = (m - t0) / 1e3  # us since the first block started
+        rel = marks(grid)
         print(f"\n{layer} W{bits} k_chunk={k} n_tb={n_tb}: us since the first block's start, median / max over "
               "the fetching blocks | the others")
         for i, nm in enumerate(names):
