@@ -418,9 +418,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             acc0 = acc1 = 0.0f;
             for (int p = lo; p < hi; p++) {
                 cp_async_wait<DEPTH - 2>();  // this pair's copies have landed (DEPTH - 2 younger ones may not have)
-#ifdef QDEC_MARKS
-                if (threadIdx.x == 0 && tile == t_begin && p == lo) QDEC_MARK(15);
-#endif
+                if (threadIdx.x == 0 && tile == t_begin && p == lo) QDEC_MARK(15);  // empty unless QDEC_MARKS
                 __syncwarp();  // ... every lane's, and every lane has read the slot computed last
                 issue();  // the pair DEPTH - 1 ahead, into that slot
                 compute(p);

@@ -172,9 +172,10 @@ def unpack_codes(qweight: Tensor, bits: int) -> Tensor:
     if spread.any():
         word, pos = (t.to(dev) for t in _bit_table(bits))
         m, e = spread.nonzero(as_tuple=True)
+        pos = pos.int()
         s = torch.zeros(nt, kt, 32, len(m), dtype=torch.int32, device=dev)
         for b in range(bits):
-            s |= ((w[..., word[m, e, b]] >> pos[m, e, b].int()) & 1) << b
+            s |= ((w[..., word[m, e, b]] >> pos[m, e, b]) & 1) << b
         f[..., m, e] = s
     c = f.to(torch.uint8).view(nt, kt, 1024)[..., _tile_order().to(dev).flatten()].view(nt, kt, 16, 64)
     return c.transpose(1, 2).reshape(nt * 16, kt * 64)

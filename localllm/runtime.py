@@ -92,9 +92,9 @@ class LocalModel:
     def warm_up(self, max_len: int) -> None:
         """On a GPU, do now what a first reply of up to max_len tokens (prompt and reply) would otherwise wait for:
         the Decoder and its KV cache, the prompt kernels, and the captured decode graphs of a greedy and a sampled
-        choice (without this the demo model's first reply ran at 0.55-0.8x of later ones on the H100). A chat UI calls it while it
-        loads; set_qdec and a longer reply make a new Decoder, whose graphs are captured at first use again. Nothing
-        to do on the CPU."""
+        choice (without this the demo model's first reply ran at 0.55-0.8x of later ones on the H100). A chat UI calls
+        it while it loads; set_qdec and a longer reply make a new Decoder, whose graphs are captured at first use
+        again. Nothing to do on the CPU."""
         if self.model.device.type != "cuda":
             return
         from .progress import progress
