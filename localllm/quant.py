@@ -330,14 +330,17 @@ def _nearest(w: Tensor, centroids: Tensor) -> Tensor:
     return torch.searchsorted(mids, w.contiguous())
 
 
-def lut_centroids(w: Tensor, bits: int, importance: Tensor | None = None, iters: int = 100) -> Tensor:
+def lut_centroids(w: Tensor, bits: int, importance: Tensor | None = None, iters: int = 100, bins: int = 128) -> Tensor:
     """Weighted k-means of each row of w [n, K] into 2^bits centroids -> fp16 [n, 2^bits], ascending.
 
     Minimizes sum_c importance[c] * (w[n, c] - centroid)^2 per row (importance: [K] per input channel, or [n, K];
-    default 1). 1-D Lloyd iterations from the weighted quantiles (i + 1/2) / 2^bits, until no weight changes
-    cluster; an empty cluster keeps its centroid. In 1-D a cluster is a run of the sorted row, so each iteration
-    only places the 2^bits - 1 midpoints in the sorted row and takes the clusters' weighted sums from prefix sums
-    (float64), instead of touching every weight."""
+    default 1). In 1-D an optimal cluster is a run of the sorted row, so the start is the exact optimum of the row
+    coarsened to `bins` runs of consecutive sorted values (_runs_kmeans; exact where K <= bins), and Lloyd iterations
+    over every weight refine it until no weight changes cluster (an empty cluster keeps its centroid). Each Lloyd
+    iteration only places the 2^bits - 1 midpoints in the sorted row and takes the clusters' weighted sums from prefix
+    sums (float64), instead of touching every weight. Lloyd from weighted quantiles alone stopped far from the
+    optimum: on the demo model's weights (whose source is Q4_1) at 4 bits its error was 1.1-1.4x that of RTN g128,
+    this start's 0.7-0.8x (on Gaussian rows 0.94x and 0.92x)."""
     n, k = w.shape
     c = 2**bits
     imp = torch.ones(n, k) if importance is None else importance.float().expand(n, k)
@@ -346,8 +349,7 @@ def lut_centroids(w: Tensor, bits: int, importance: Tensor | None = None, iters:
     imp = imp.gather(1, order).double()
     pw = F.pad(imp.cumsum(1), (1, 0))  # [n, K+1]
     pwx = F.pad((imp * srt.double()).cumsum(1), (1, 0))
-    targets = ((torch.arange(c, dtype=torch.float64) + 0.5) / c * pw[:, -1:]).contiguous()  # [n, C]
-    cent = srt.gather(1, torch.searchsorted(pw[:, 1:].contiguous(), targets).clamp(max=k - 1)).double()
+    cent = torch.cat([_runs_kmeans(srt[r].double(), imp[r], c, bins) for r in _row_blocks(n, 16 * bins * bins)])
     edges = None
     for _ in range(iters):
         mids = ((cent[:, 1:] + cent[:, :-1]) / 2).float().contiguous()
@@ -360,6 +362,38 @@ def lut_centroids(w: Tensor, bits: int, importance: Tensor | None = None, iters:
         num = pwx.gather(1, e).diff(dim=1)
         cent = torch.where(den > 0, num / den.clamp(min=1e-300), cent).sort(dim=1).values
     return cent.half().sort(dim=1).values
+
+
+def _runs_kmeans(srt: Tensor, imp: Tensor, c: int, bins: int) -> Tensor:
+    """The weighted 1-D k-means optimum of each sorted row srt [n, K] (weights imp) with its values grouped into
+    runs of s = ceil(K / bins) consecutive values that stay together: clusters are unions of consecutive runs, found
+    by dynamic programming (cost[i, j]: the weighted squared error of runs i..j around their mean, from prefix sums;
+    best[m][j]: the least error of runs 0..j in m + 1 clusters). -> float64 [n, c] centroids, ascending."""
+    n, k = srt.shape
+    s = -(-k // bins)
+    b = -(-k // s)
+    pad = b * s - k  # the last run is padded with copies of the largest value that weigh nothing
+    x = F.pad(srt, (0, pad), mode="replicate") if pad else srt
+    wt = F.pad(imp, (0, pad)) if pad else imp
+    runs = [F.pad(t.view(n, b, s).sum(-1).cumsum(1), (1, 0)) for t in (wt, wt * x, wt * x * x)]  # prefix sums
+    dev = srt.device
+    i, j = torch.triu_indices(b, b, device=dev)  # run ranges i..j
+    cost = torch.full((n, b, b), torch.inf, dtype=torch.float64, device=dev)
+    pw, px, pq = (r[:, j + 1] - r[:, i] for r in runs)
+    cost[:, i, j] = (pq - px * px / pw).clamp(min=0)
+    best, choice = cost[:, 0], []  # one cluster: runs 0..j
+    for _ in range(1, min(c, b)):
+        best, first = (F.pad(best[:, :-1], (1, 0), value=torch.inf)[:, :, None] + cost).min(1)  # first run of the last
+        choice.append(first)
+    # walk back from the last run: each cluster's first run, its centroid the runs' weighted mean
+    cent = torch.empty(n, c, dtype=torch.float64, device=dev)
+    rows, last = torch.arange(n, device=dev), torch.full((n,), b - 1, device=dev)
+    for m in range(len(choice), -1, -1):
+        first = choice[m - 1][rows, last] if m else torch.zeros(n, dtype=torch.long, device=dev)
+        cent[:, m] = (runs[1][rows, last + 1] - runs[1][rows, first]) / (runs[0][rows, last + 1] - runs[0][rows, first])
+        last = first - 1
+    cent[:, len(choice) + 1:] = cent[:, len(choice):len(choice) + 1]  # fewer runs than clusters: repeat the last
+    return cent.sort(dim=1).values
 
 
 def quantize_lut(w: Tensor, bits: int, importance: Tensor | None = None) -> QuantLUT:

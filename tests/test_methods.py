@@ -136,15 +136,56 @@ def naive_lloyd(row: torch.Tensor, imp: torch.Tensor, c: int, iters: int = 300) 
     return torch.tensor(cent, dtype=torch.float64)
 
 
-def test_lut_centroids_are_weighted_kmeans(seed):
+def kmeans_optimum(row: torch.Tensor, imp: torch.Tensor, c: int) -> float:
+    """The least weighted squared error of c clusters of one row: dynamic programming over runs of the sorted
+    values, in plain Python (O(c K^2))."""
+    order = row.argsort()
+    xs, ws = row[order].double().tolist(), imp[order].double().tolist()
+    pw, px, pq = [0.0], [0.0], [0.0]
+    for x, w in zip(xs, ws):
+        pw.append(pw[-1] + w), px.append(px[-1] + w * x), pq.append(pq[-1] + w * x * x)
+    n = len(xs)
+    err = lambda i, j: pq[j + 1] - pq[i] - (px[j + 1] - px[i]) ** 2 / (pw[j + 1] - pw[i])  # noqa: E731
+    best = [err(0, j) for j in range(n)]
+    for m in range(1, c):
+        best = [min((best[i - 1] + err(i, j) for i in range(m, j + 1)), default=math.inf) for j in range(n)]
+    return best[-1]
+
+
+def weighted_error(row: torch.Tensor, imp: torch.Tensor, cent: torch.Tensor) -> float:
+    """sum_c imp[c] (row[c] - nearest centroid)^2."""
+    d = (row.double()[:, None] - cent.double()[None, :]) ** 2
+    return float((d.min(1).values * imp.double()).sum())
+
+
+def test_lut_centroids_reach_the_weighted_kmeans_optimum(seed):
     torch.manual_seed(seed % 2**31)
-    w = torch.randn(3, 192) * 0.02
-    imp = torch.rand(192) ** 3
+    w = torch.randn(3, 128) * 0.02  # K <= bins: the start is the exact optimum
+    w[0, :64] = w[0, 64:]  # repeated values, as in weights converted from a GGUF file
+    imp = torch.rand(128) ** 3
     got = lut_centroids(w, 3, imp)
-    assert got.dtype == torch.float16 and got.shape == (3, 8)
+    assert got.dtype == torch.float16 and got.shape == (3, 8) and (got.diff(dim=1) >= 0).all()
     for r in range(3):
-        want = naive_lloyd(w[r], imp, 8).half()
-        assert torch.allclose(got[r].float(), want.float(), rtol=2e-3, atol=1e-5), f"seed={seed} row={r}"
+        opt = kmeans_optimum(w[r], imp.clamp(min=1e-12), 8)
+        e = weighted_error(w[r], imp, got[r])
+        assert opt * (1 - 1e-9) <= e <= opt * (1 + 2e-3), f"seed={seed} row={r}: {e} vs the optimum {opt}"
+
+
+def test_lut_centroids_beat_lloyd_from_quantiles(seed):
+    torch.manual_seed(seed % 2**31)
+    w = torch.randn(4, 384) * 0.02  # K > bins: the start is the optimum over runs of 3 sorted values
+    w[1] = torch.round(w[1] * 800) / 800  # few distinct values
+    imp = torch.rand(384) ** 3
+    got = lut_centroids(w, 3, imp)
+    for r in range(4):
+        e, lloyd = weighted_error(w[r], imp, got[r]), weighted_error(w[r], imp, naive_lloyd(w[r], imp, 8).half())
+        assert e <= lloyd * (1 + 1e-3), f"seed={seed} row={r}: {e} vs {lloyd}"
+        # Lloyd's fixed point: each centroid is the weighted mean of the weights nearest to it (within fp16)
+        near = (w[r, :, None] - got[r].float()[None, :]).abs().argmin(1)
+        for m in near.unique():
+            sel = near == m
+            mean = float((w[r, sel].double() * imp[sel]).sum() / imp[sel].double().sum())
+            assert abs(got[r, m].item() - mean) <= 2e-3 * abs(mean) + 1e-6, f"seed={seed} row={r} cluster={m}"
 
 
 @pytest.mark.parametrize("bits", (2, 3, 4))
