@@ -347,9 +347,9 @@ def lut_centroids(w: Tensor, bits: int, importance: Tensor | None = None, iters:
     imp = imp.clamp(min=1e-12)  # every weight pulls a little: zero-importance channels still get a nearby value
     srt, order = w.float().sort(dim=1)
     imp = imp.gather(1, order).double()
-    pw = F.pad(imp.cumsum(1), (1, 0))  # [n, K+1]
-    pwx = F.pad((imp * srt.double()).cumsum(1), (1, 0))
-    cent = torch.cat([_runs_kmeans(srt[r].double(), imp[r], c, bins) for r in _row_blocks(n, 16 * bins * bins)])
+    x = srt.double()
+    pw, pwx, pwxx = (F.pad(t.cumsum(1), (1, 0)) for t in (imp, imp * x, imp * x * x))  # prefix sums [n, K+1]
+    cent = torch.cat([_runs_kmeans(pw[r], pwx[r], pwxx[r], c, bins) for r in _row_blocks(n, 16 * bins * bins)])
     edges = None
     for _ in range(iters):
         mids = ((cent[:, 1:] + cent[:, :-1]) / 2).float().contiguous()
@@ -364,23 +364,22 @@ def lut_centroids(w: Tensor, bits: int, importance: Tensor | None = None, iters:
     return cent.half().sort(dim=1).values
 
 
-def _runs_kmeans(srt: Tensor, imp: Tensor, c: int, bins: int) -> Tensor:
-    """The weighted 1-D k-means optimum of each sorted row srt [n, K] (weights imp) with its values grouped into
-    runs of s = ceil(K / bins) consecutive values that stay together: clusters are unions of consecutive runs, found
-    by dynamic programming (cost[i, j]: the weighted squared error of runs i..j around their mean, from prefix sums;
-    best[m][j]: the least error of runs 0..j in m + 1 clusters). -> float64 [n, c] centroids, ascending."""
-    n, k = srt.shape
+def _runs_kmeans(pw: Tensor, pwx: Tensor, pwxx: Tensor, c: int, bins: int) -> Tensor:
+    """The weighted 1-D k-means optimum of sorted rows, given as prefix sums [n, K+1] of the weights w, w x and
+    w x^2, with their values grouped into runs of s = ceil(K / bins) consecutive values that stay together: clusters
+    are unions of consecutive runs, found by dynamic programming (cost[i, j]: the weighted squared error of runs
+    i..j around their mean; best[m][j]: the least error of runs 0..j in m + 1 clusters). -> float64 [n, c]
+    centroids, ascending."""
+    n, k = pw.shape[0], pw.shape[1] - 1
     s = -(-k // bins)
-    b = -(-k // s)
-    pad = b * s - k  # the last run is padded with copies of the largest value that weigh nothing
-    x = F.pad(srt, (0, pad), mode="replicate") if pad else srt
-    wt = F.pad(imp, (0, pad)) if pad else imp
-    runs = [F.pad(t.view(n, b, s).sum(-1).cumsum(1), (1, 0)) for t in (wt, wt * x, wt * x * x)]  # prefix sums
-    dev = srt.device
+    b = -(-k // s)  # runs, the last one possibly shorter
+    dev = pw.device
+    bounds = (torch.arange(b + 1, device=dev) * s).clamp(max=k)
+    runs = [t[:, bounds] for t in (pw, pwx, pwxx)]  # prefix sums at the runs' bounds [n, b+1]
     i, j = torch.triu_indices(b, b, device=dev)  # run ranges i..j
     cost = torch.full((n, b, b), torch.inf, dtype=torch.float64, device=dev)
-    pw, px, pq = (r[:, j + 1] - r[:, i] for r in runs)
-    cost[:, i, j] = (pq - px * px / pw).clamp(min=0)
+    sw, sx, sxx = (r[:, j + 1] - r[:, i] for r in runs)
+    cost[:, i, j] = (sxx - sx * sx / sw).clamp(min=0)
     best, choice = cost[:, 0], []  # one cluster: runs 0..j
     for _ in range(1, min(c, b)):
         best, first = (F.pad(best[:, :-1], (1, 0), value=torch.inf)[:, :, None] + cost).min(1)  # first run of the last
