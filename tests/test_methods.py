@@ -173,19 +173,41 @@ def test_lut_centroids_reach_the_weighted_kmeans_optimum(seed):
 
 def test_lut_centroids_beat_lloyd_from_quantiles(seed):
     torch.manual_seed(seed % 2**31)
-    w = torch.randn(4, 384) * 0.02  # K > bins: the start is the optimum over runs of 3 sorted values
-    w[1] = torch.round(w[1] * 800) / 800  # few distinct values
+    w = torch.randn(16, 384) * 0.02  # K > bins: the start is the optimum over runs of 3 sorted values
+    w[1::4] = torch.round(w[1::4] * 800) / 800  # few distinct values
     imp = torch.rand(384) ** 3
     got = lut_centroids(w, 3, imp)
-    for r in range(4):
+    ratios = []
+    for r in range(16):
         e, lloyd = weighted_error(w[r], imp, got[r]), weighted_error(w[r], imp, naive_lloyd(w[r], imp, 8).half())
-        assert e <= lloyd * (1 + 1e-3), f"seed={seed} row={r}: {e} vs {lloyd}"
-        # Lloyd's fixed point: each centroid is the weighted mean of the weights nearest to it (within fp16)
-        near = (w[r, :, None] - got[r].float()[None, :]).abs().argmin(1)
-        for m in near.unique():
-            sel = near == m
-            mean = float((w[r, sel].double() * imp[sel]).sum() / imp[sel].double().sum())
-            assert abs(got[r, m].item() - mean) <= 2e-3 * abs(mean) + 1e-6, f"seed={seed} row={r} cluster={m}"
+        # the start is exact only up to runs of 3 values: a row may end a little above Lloyd's (<= 1.6% in 6400 rows)
+        assert e <= lloyd * 1.05, f"seed={seed} row={r}: {e} vs {lloyd}"
+        ratios.append(e / lloyd)
+        assert_lloyd_fixed_point(w[r], imp, got[r], f"seed={seed} row={r}")
+    assert sum(ratios) / 16 < 0.95, f"seed={seed}: error {sum(ratios) / 16:.3f}x Lloyd's on average"  # ~0.85x
+
+
+def assert_lloyd_fixed_point(row: torch.Tensor, imp: torch.Tensor, cent: torch.Tensor, where: str) -> None:
+    """Each fp16 centroid is the weighted mean of the weights nearest to it. Rounding the centroids to fp16 moves
+    the midpoints by up to an ulp, so a weight that close to a midpoint may belong to either side: some choice of
+    sides for those must give every mean."""
+    x, c = row.double(), cent.double()
+    d = (x[:, None] - c[None, :]).abs()
+    near = d.argmin(1)
+    two = d.topk(2, dim=1, largest=False)
+    ulp = float(torch.finfo(torch.float16).eps) * c.abs().max().item()
+    unsure = x[two.values[:, 1] - two.values[:, 0] <= ulp].unique()  # equal weights move together
+    for m in near.unique().tolist():
+        sides = [v for v in unsure.tolist() if m in two.indices[x == v][0].tolist()]
+        assert len(sides) <= 8, f"{where} cluster={m}: {len(sides)} values at its midpoints"
+        means = []
+        for pick in range(2 ** len(sides)):
+            sel = (near == m).clone()
+            for b, v in enumerate(sides):
+                sel[x == v] = bool(pick >> b & 1)
+            if sel.any():
+                means.append(float((x[sel] * imp[sel]).sum() / imp[sel].double().sum()))
+        assert min(abs(c[m].item() - u) for u in means) <= 2e-3 * abs(c[m].item()) + 1e-6, f"{where} cluster={m}"
 
 
 @pytest.mark.parametrize("bits", (2, 3, 4))
