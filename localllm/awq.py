@@ -13,20 +13,27 @@ into whatever produces x:
     down           the up rows of gate_up (silu(gate) * up is linear in up)
 
 o is searched before qkv and down before gate_up, because their folds change the v / up rows that qkv / gate_up
-then quantize. The folded block computes the same function as the source block (tests check it in float64).
+then quantize. Then, as AWQ does, each group's range is shrunk where that lowers the error (clip_search): the
+weights beyond it take the end codes, and the residual (QDEC) keeps what the clipping cut. The folded block computes the same function as the source block (tests check it in float64).
 equalize_o folds scales of the same form into o, taken from its weights alone (for squeezellm's per-row tables).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .config import ModelConfig
+from .quant import TILE_N, rtn_dequantized
 
 ALPHAS = tuple(i / 20 for i in range(20))  # 0, 0.05, ..., 0.95 (AWQ's grid)
 SEARCH_TOKENS = 512  # calibration vectors the error is measured on (evenly spaced over the calibration text)
+CLIPS = tuple(1 - i / 20 for i in range(10))  # 1, 0.95, ..., 0.55: a group's range shrunk by up to 45% (AWQ's grid)
+CLIP_BLOCK = 1 << 22  # weights per block of rows in clip_search (its float64 temporaries)
 
 
 def scales_of(mean_abs: Tensor, alpha: float) -> Tensor:
@@ -56,6 +63,31 @@ def search(w: Tensor, x: Tensor, quantize: Callable[[Tensor], Tensor], mean_abs:
         if err < best[0]:
             best = (err, s, alpha)
     return best[1], best[2]
+
+
+def clip_search(w: Tensor, x: Tensor, bits: int, group_size: int) -> Tensor:
+    """Per row and group of w [N, K], the shrink of RTN's range in CLIPS that minimizes the group's share of the
+    output error on the inputs x [T, K], sum_t (x_t,g . (Q(w)_g - w_g))^2 = d_g^T H_g d_g with H_g = X_g^T X_g
+    (each group alone, as AWQ: the cross-group terms are left out) -> clip [N, G] float32 for quantize_rtn. A
+    shrink wins only if strictly better, so a group whose weights have no outliers keeps its whole range."""
+    n, k = w.shape
+    g = math.ceil(k / group_size)
+    xg = F.pad(x.double(), (0, g * group_size - k)).view(-1, g, group_size).transpose(0, 1)  # [G, T, gs]
+    gram = xg.transpose(1, 2) @ xg  # [G, gs, gs]
+    best = torch.ones(n, g)
+    step = max(TILE_N, CLIP_BLOCK // (g * group_size) // TILE_N * TILE_N)
+    for rows in (slice(r0, min(n, r0 + step)) for r0 in range(0, n, step)):
+        m = rows.stop - rows.start
+        best_err = torch.full((m, g), math.inf, dtype=torch.float64)
+        for r in CLIPS:
+            clip = torch.full((m, g), r)
+            d = (rtn_dequantized(w[rows], bits, group_size, clip) - w[rows].float()).double()
+            d = F.pad(d, (0, g * group_size - k)).view(m, g, group_size).transpose(0, 1)  # [G, m, gs]
+            err = ((d @ gram) * d).sum(-1).T  # [n, G]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best[rows] = torch.where(better, clip, best[rows])
+    return best
 
 
 def tied_mean_abs(x: Tensor, cfg: ModelConfig) -> Tensor:
@@ -117,14 +149,18 @@ def equalize_o(t: dict, cfg: ModelConfig) -> tuple[dict, Tensor]:
     return _float32(fold(t, cfg, {"o": s})), s
 
 
-def awq_block(t: dict, cfg: ModelConfig, inputs: dict[str, Tensor], quantize: Callable[[Tensor], Tensor]
-              ) -> tuple[dict, dict[str, float]]:
-    """Search and fold one block's scales: t (block tensors), inputs[kind] [T, K] the calibration inputs of each
-    projection in the source block (folding leaves the block's function, so these, unchanged) ->
-    (folded float32 tensors, alpha per kind)."""
+def awq_block(t: dict, cfg: ModelConfig, inputs: dict[str, Tensor], bits: int, group_size: int
+              ) -> tuple[dict, dict[str, float], dict[str, Tensor]]:
+    """Search and fold one block's scales, then search its clipping: t (block tensors), inputs[kind] [T, K] the
+    calibration inputs of each projection in the source block (folding leaves the block's function, so these,
+    unchanged) -> (folded float32 tensors, alpha per kind, clip [N, G] per kind for quantize_rtn)."""
+    quantize = lambda w: rtn_dequantized(w, bits, group_size)  # noqa: E731
     s, alphas, cur = {}, {}, t
     for kind in ("o", "qkv", "down", "gate_up"):  # the producer's weights are searched after their fold
         mean = tied_mean_abs(inputs[kind], cfg) if kind == "o" else None
         s[kind], alphas[kind] = search(cur[kind]["weight"], inputs[kind], quantize, mean)
         cur = fold(t, cfg, s)
-    return _float32(cur), alphas
+    cur = _float32(cur)
+    # the folded weights multiply x / s
+    clips = {kind: clip_search(cur[kind]["weight"], inputs[kind].double() / s[kind], bits, group_size) for kind in s}
+    return cur, alphas, clips

@@ -254,8 +254,8 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--bits", default="4", choices=("2", "2.5", "3", "3.5", "4"),
                    help="bits per weight; 2.5 / 3.5: half the blocks one bit lower, chosen by KL sensitivity")
     q.add_argument("--method", default="rtn", choices=("rtn", "awq", "squeezellm"),
-                   help="base quantizer: rtn (round to nearest), awq (activation-aware scaling, then rtn), "
-                        "squeezellm (non-uniform per-channel tables by sensitivity-weighted k-means)")
+                   help="base quantizer: rtn (round to nearest), awq (activation-aware scaling and clipping, then "
+                        "rtn), squeezellm (non-uniform per-channel tables by sensitivity-weighted k-means)")
     q.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES, help="rtn and awq only")
     q.add_argument("--no-residuals", action="store_true", help="skip QDEC residuals")
     q.add_argument("--no-smooth-attention", action="store_true",

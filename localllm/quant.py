@@ -213,8 +213,9 @@ class QuantWeight:
         return out
 
 
-def _rtn_groups(w: Tensor, bits: int, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def _rtn_groups(w: Tensor, bits: int, group_size: int, clip: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Group-wise RTN of rows w [n, K]: (codes float [n, G, gs], fp16 scales [n, G], zeros float [n, G]).
+    clip [n, G] (<= 1) shrinks each group's range to clip * [min, max]; the weights outside it take the end codes.
 
     Zero padding of the partial last group is harmless: the range includes 0 anyway."""
     maxq = 2**bits - 1
@@ -222,6 +223,8 @@ def _rtn_groups(w: Tensor, bits: int, group_size: int) -> tuple[Tensor, Tensor, 
     wg = F.pad(w.float(), (0, g * group_size - w.shape[1])).view(-1, g, group_size)  # [n, G, gs]
     lo = wg.amin(-1).clamp(max=0)  # [n, G]
     hi = wg.amax(-1).clamp(min=0)
+    if clip is not None:
+        lo, hi = lo * clip, hi * clip
     scale16 = ((hi - lo) / maxq).clamp(min=_FP16_MIN_NORMAL).half()
     if torch.isinf(scale16).any():
         raise ValueError("weight range too large for fp16 scales")
@@ -239,6 +242,11 @@ def _check_weight(w: Tensor, bits: int) -> None:
     _check_shape(*w.shape)
 
 
+def _check_clip(clip: Tensor | None, n: int, g: int) -> None:
+    if clip is not None and (clip.shape != (n, g) or not ((clip > 0) & (clip <= 1)).all()):
+        raise ValueError(f"clip must be [N, G] = [{n}, {g}] ratios in (0, 1], got {tuple(clip.shape)}")
+
+
 def _check_rtn_args(w: Tensor, bits: int, group_size: int) -> None:
     _check_weight(w, bits)
     if group_size < 1:
@@ -247,23 +255,24 @@ def _check_rtn_args(w: Tensor, bits: int, group_size: int) -> None:
         raise ValueError(f"group_size must be a multiple of {TILE_K}, got {group_size}")
 
 
-def quantize_rtn(w: Tensor, bits: int, group_size: int = 128) -> QuantWeight:
+def quantize_rtn(w: Tensor, bits: int, group_size: int = 128, clip: Tensor | None = None) -> QuantWeight:
     """Round-to-nearest asymmetric quantization over groups of `group_size` input channels per row.
 
     K need not be a multiple of group_size (the last group is partial) but must be a multiple
     of 32. The group range is widened to include 0 so the integer zero point always lies in
     [0, 2^bits - 1] and every weight is within scale/2 of the grid (a one-signed group would
     otherwise be clipped). Codes use the fp16-rounded scale, so dequantize() is exactly the
-    stored representation.
+    stored representation. clip [N, G]: each group's range shrunk to clip * [min, max] (awq.clip_search).
     """
     _check_rtn_args(w, bits, group_size)
+    _check_clip(clip, w.shape[0], math.ceil(w.shape[1] / group_size))
     n, k = w.shape
     g = math.ceil(k / group_size)
     qweight = torch.empty(n // TILE_N, k * bits // 2, dtype=torch.int32)
     scales = torch.empty(n, g, dtype=torch.float16)
     zeros = torch.empty(n, g, dtype=torch.uint8)
     for rows in _row_blocks(n, k, TILE_N):
-        codes, scale16, zero = _rtn_groups(w[rows], bits, group_size)
+        codes, scale16, zero = _rtn_groups(w[rows], bits, group_size, None if clip is None else clip[rows])
         qweight[rows.start // TILE_N: rows.stop // TILE_N] = pack_codes(codes.flatten(1)[:, :k].to(torch.uint8), bits)
         scales[rows] = scale16
         zeros[rows] = zero.to(torch.uint8)
@@ -277,13 +286,15 @@ def residual_qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def rtn_dequantized(w: Tensor, bits: int, group_size: int = 128) -> Tensor:
-    """quantize_rtn(w, bits, group_size).dequantize() without packing: float32 [N, K] (searches call it often)."""
+def rtn_dequantized(w: Tensor, bits: int, group_size: int = 128, clip: Tensor | None = None) -> Tensor:
+    """quantize_rtn(w, bits, group_size, clip).dequantize() without packing: float32 [N, K] (searches call it
+    often)."""
     _check_rtn_args(w, bits, group_size)
     n, k = w.shape
+    _check_clip(clip, n, math.ceil(k / group_size))
     out = torch.empty(n, k, dtype=torch.float32, device=w.device)
     for rows in _row_blocks(n, k):
-        codes, scale16, zero = _rtn_groups(w[rows], bits, group_size)
+        codes, scale16, zero = _rtn_groups(w[rows], bits, group_size, None if clip is None else clip[rows])
         out[rows] = ((codes - zero[..., None]) * scale16.float()[..., None]).flatten(1)[:, :k]
     return out
 

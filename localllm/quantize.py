@@ -7,7 +7,8 @@ activations) to record the statistics QDEC's bucket boundaries come from.
 Methods (the base quantizer; QDEC works on top of each):
     rtn         group-wise asymmetric round-to-nearest
     awq         rtn after AWQ's per-input-channel scaling, found on the block's calibration inputs and folded into
-                the block (awq.py), so the runtime is unchanged
+                the block (awq.py), so the runtime is unchanged; each group's range clipped where that lowers the
+                error on those inputs
     squeezellm  non-uniform: per output channel, 2^bits fp16 values by k-means weighted by each weight's
                 sensitivity, the square root of the Fisher diagonal on the calibration text (fisher.py,
                 quant.quantize_lut); o's input channels first evened out per head by folded scales
@@ -38,8 +39,7 @@ from .model import KINDS, Linear, QdecSettings, RMSNorm, attention_mask, build_b
 from .progress import progress
 from .qdec import ActStats
 from .smooth_attention import ALPHA as SMOOTH_ALPHA, factors as smooth_factors, fold as smooth_fold, key_max
-from .quant import (BASE_BITS, GROUP_SIZES, TILE_K, TILE_N, quantize_lut, quantize_residual, quantize_rtn,
-                    rtn_dequantized)
+from .quant import BASE_BITS, GROUP_SIZES, TILE_K, TILE_N, quantize_lut, quantize_residual, quantize_rtn
 
 DEFAULT_CALIB = "calibration.txt"  # shipped in localllm/data
 METHODS = ("rtn", "awq", "squeezellm")
@@ -96,9 +96,9 @@ def quantize_block(t: dict, bits: int, group_size: int, residuals: bool, method:
     """Dense block tensors (Checkpoint.block_tensors) -> (build_block's arguments for the quantized block, what the
     method found: AWQ's alpha per kind). calib, per kind: for awq the block's calibration inputs (block_inputs; awq
     also needs the model config), for squeezellm the weights' sensitivity (fisher.fisher_diagonal)."""
-    info = {}
+    info, clips = {}, {}
     if method == "awq":
-        t, info = awq.awq_block(t, cfg, calib, lambda w: rtn_dequantized(w, bits, group_size))
+        t, info, clips = awq.awq_block(t, cfg, calib, bits, group_size)
     elif method == "squeezellm":
         t, s_o = awq.equalize_o(t, cfg)
     out = {"attn_norm": t["attn_norm"], "mlp_norm": t["mlp_norm"]}
@@ -107,7 +107,7 @@ def quantize_block(t: dict, bits: int, group_size: int, residuals: bool, method:
         if method == "squeezellm":  # k-means weighted by sqrt(Fisher) (fisher.py: why sqrt); o's of W diag(s): F / s^2
             q = quantize_lut(w, bits, calib[kind].sqrt() / (s_o.float() if kind == "o" else 1.0))
         else:
-            q = quantize_rtn(w, bits, group_size)
+            q = quantize_rtn(w, bits, group_size, clips.get(kind))
         res = quantize_residual(w - q.dequantize()) if residuals else None
         out[kind] = {"quant": q, "bias": t[kind].get("bias"), "residual": res}
     return out, info
@@ -241,6 +241,8 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         del blk, qt
     if method == "awq":
         quant["awq_alpha"] = found
+        quant["awq_clip"] = f"per row and group, the range shrunk by {1 - awq.CLIPS[-1]:.0%} at most where that " \
+                            "lowers the group's output error on the calibration inputs"
     tensors[0]["embed"] = embed.half()
     tensors[0]["norm"] = ckpt.final_norm().half()
     if (lm_head := ckpt.lm_head()) is not None:

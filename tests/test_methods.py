@@ -106,12 +106,39 @@ def test_awq_block_quantizes_the_folded_weights(seed):
               (("qkv", 128), ("o", 128), ("gate_up", 128), ("down", 192))}
     qt, alphas = quantize_block(t, 3, 64, True, "awq", inputs, cfg)
     assert set(alphas) == set(KINDS)
-    folded, _ = awq.awq_block(t, cfg, inputs, lambda w: rtn_dequantized(w, 3, 64))
-    for kind in KINDS:  # the stored weights are the RTN of the folded weights, the residual of what was stored
-        assert torch.equal(qt[kind]["quant"].dequantize(), quantize_rtn(folded[kind]["weight"], 3, 64).dequantize())
+    folded, _, clips = awq.awq_block(t, cfg, inputs, 3, 64)
+    for kind in KINDS:  # the stored weights are the clipped RTN of the folded weights, the residual of what was stored
+        assert torch.equal(qt[kind]["quant"].dequantize(),
+                           quantize_rtn(folded[kind]["weight"], 3, 64, clips[kind]).dequantize())
         r = folded[kind]["weight"] - qt[kind]["quant"].dequantize()
         assert ((r - qt[kind]["residual"].dequantize()) ** 2).mean() < 0.05 * (r ** 2).mean(), f"seed={seed}"
     assert torch.equal(qt["attn_norm"], folded["attn_norm"])
+    assert any((c < 1).any() for c in clips.values()), "random weights: some group gains from clipping"
+
+
+def test_awq_clip_search_picks_each_groups_least_output_error(seed, monkeypatch):
+    torch.manual_seed(seed % 2**31)
+    w = torch.randn(32, 192) * 0.02
+    w[torch.rand(32, 192) < 0.01] *= 8  # outliers that stretch their group's range
+    x = torch.randn(400, 192) * (torch.rand(192) * 3 + 0.2)
+    clip = awq.clip_search(w, x, 3, 64)
+    grid = torch.tensor(awq.CLIPS, dtype=torch.float32)
+    assert clip.shape == (32, 3) and torch.isin(clip, grid).all()
+    # brute force over the grid, each group's error summed over the tokens
+    errs = torch.stack([((x.double().view(400, 1, 3, 64) * (rtn_dequantized(w, 3, 64, torch.full((32, 3), r))
+                                                             - w).double().view(1, 32, 3, 64)).sum(-1) ** 2).sum(0)
+                        for r in awq.CLIPS])  # [clips, N, G]
+    picked = errs.gather(0, (clip[None] == grid[:, None, None]).float().argmax(0)[None])[0]
+    assert (picked <= errs.min(0).values * (1 + 1e-9)).all(), f"seed={seed}"
+    assert (clip < 1).float().mean() > 0.5, f"seed={seed}: most groups gain from clipping (~92%)"
+    # the layer's output error falls (the cross-group terms were left out of the search, so not by construction)
+    out_err = lambda w_hat: ((x @ (w_hat - w).T) ** 2).mean().item()  # noqa: E731
+    plain, clipped = (out_err(quantize_rtn(w, 3, 64, c).dequantize()) for c in (None, clip))
+    assert clipped < 0.95 * plain, f"seed={seed}: {clipped} vs {plain}"  # ~0.77x
+    with pytest.raises(ValueError, match="clip"):
+        quantize_rtn(w, 3, 64, torch.full((32, 3), 1.5))
+    monkeypatch.setattr(awq, "CLIP_BLOCK", 20 * 192)  # blocks of 16 rows (the packing's tile): the same choice
+    assert torch.equal(awq.clip_search(w, x, 3, 64), clip)
 
 
 # ------------------------------------------------------------------------------------------- SqueezeLLM tables
@@ -337,6 +364,7 @@ def test_methods_end_to_end(method_quant, tiny_ckpt):
     assert q["method"] == method and q["bits"] == 3.5 and sorted(q["block_bits"]) == [3, 4]
     assert len(q["sensitivity"]["kl"]) == 2 and q["sensitivity"]["tokens"] > 0
     assert q["layout"] == ("lut-mma-v3" if method == "squeezellm" else "rtn-mma-v3")
+    assert ("awq_alpha" in q and "awq_clip" in q) == (method == "awq")
     lm, src = load(path, qdec="off"), load(tiny_ckpt).model
     for blk, bits in zip(lm.model.blocks, q["block_bits"]):
         assert {lin.quant.bits for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)} == {bits}
