@@ -406,9 +406,10 @@ def _runs_kmeans(pw: Tensor, pwx: Tensor, pwxx: Tensor, c: int, bins: int) -> Te
     return cent.sort(dim=1).values
 
 
-def quantize_lut(w: Tensor, bits: int, importance: Tensor | None = None) -> QuantLUT:
+def quantize_lut(w: Tensor, bits: int, importance: Tensor | None = None, x: Tensor | None = None) -> QuantLUT:
     """Per-output-channel non-uniform quantization: lut_centroids, then every weight takes the code of its
-    nearest fp16 centroid (so dequantize() is exactly the stored representation)."""
+    nearest fp16 centroid (so dequantize() is exactly the stored representation). With calibration inputs x [T, K],
+    the table values are then refit to the layer's output error on them, the codes kept (refit_table)."""
     _check_weight(w, bits)
     n, k = w.shape
     qweight = torch.empty(n // TILE_N, k * bits // 2, dtype=torch.int32)
@@ -417,9 +418,37 @@ def quantize_lut(w: Tensor, bits: int, importance: Tensor | None = None) -> Quan
         imp = None if importance is None else importance[rows] if importance.ndim == 2 else importance
         cent = lut_centroids(w[rows], bits, imp)
         codes = _nearest(w[rows].float(), cent.float())
+        if x is not None:
+            cent = refit_table(w[rows], codes, cent, x).half()
+            cent, order = cent.sort(dim=1)  # tables ascend: renumber the codes with them
+            codes = order.argsort(dim=1).gather(1, codes)
         qweight[rows.start // TILE_N: rows.stop // TILE_N] = pack_codes(codes.to(torch.uint8), bits)
         lut[rows] = cent
     return QuantLUT(qweight, lut, bits, k)
+
+
+def refit_table(w: Tensor, codes: Tensor, cent: Tensor, x: Tensor, damp: float = 1e-2) -> Tensor:
+    """Table values l [n, C] (float64) minimizing each row's output error on the inputs x [T, K] with the codes
+    [n, K] kept: ||X (A l - w)||^2 + lam ||l - cent||^2, A the codes as one-hot [K, C], lam = damp * mean diag(M):
+    (M + lam I) l = A^T X^T X w + lam cent with M = (X A)^T (X A), a C x C solve per row. The k-means weighs every
+    weight alone; this counts the products of different weights' errors through X too, as AWQ's clipping does. A
+    value no weight takes keeps its k-means value, and (before rounding to fp16) the error never exceeds cent's."""
+    n, k = w.shape
+    c = cent.shape[1]
+    out = torch.empty(n, c, dtype=torch.float64)
+    x = x.float()
+    for r0 in range(0, n, max(1, _BLOCK_ELEMS // (k * c))):
+        rows = slice(r0, min(n, r0 + max(1, _BLOCK_ELEMS // (k * c))))
+        m = rows.stop - rows.start
+        hot = torch.zeros(k, m * c)
+        hot[torch.arange(k)[:, None], torch.arange(m) * c + codes[rows].T.long()] = 1.0
+        xa = (x @ hot).view(-1, m, c).double()  # [T, m, C]: X A per row
+        y = (x @ w[rows].float().T).double()  # [T, m]
+        mm = torch.einsum("tmc,tmd->mcd", xa, xa)
+        lam = damp * mm.diagonal(dim1=1, dim2=2).mean(1).clamp(min=1e-30)
+        rhs = torch.einsum("tmc,tm->mc", xa, y) + lam[:, None] * cent[rows].double()
+        out[rows] = torch.linalg.solve(mm + lam[:, None, None] * torch.eye(c, dtype=torch.float64), rhs)
+    return out
 
 
 @dataclass

@@ -11,8 +11,10 @@ from localllm import awq
 from localllm.config import ModelConfig, rope_inv_freq
 from localllm.errors import LocalLLMError
 from localllm.model import KINDS, QdecSettings, attention_mask, build_block, rope_tables
-from localllm.quant import QuantLUT, lut_centroids, pack_codes, quantize_lut, quantize_rtn, rtn_dequantized
-from localllm.quantize import block_inputs, kl_sensitivity, mixed_bits, quantize, quantize_block
+from localllm.quant import (QuantLUT, lut_centroids, pack_codes, quantize_lut, quantize_rtn, refit_table,
+                            rtn_dequantized)
+from localllm.quantize import (REFIT_K_CHUNK, REFIT_TOKENS, block_inputs, kl_sensitivity, mixed_bits, quantize,
+                               quantize_block, refit_inputs)
 from localllm.runtime import load
 
 
@@ -296,15 +298,59 @@ def test_equalized_tables_fit_rows_whose_channels_differ_in_scale(seed):
     assert err(equalized) < err(plain), f"seed={seed}"
 
 
+def test_refit_table_is_the_least_squares_fit_of_the_output(seed):
+    torch.manual_seed(seed % 2**31)
+    w = torch.randn(32, 128) * 0.02
+    x = torch.randn(600, 128) * (torch.rand(128) * 3 + 0.2)
+    cent = lut_centroids(w, 3)
+    codes = (w[:, :, None] - cent.float()[:, None, :]).abs().argmin(-1)
+    codes[0][codes[0] == 7] = 6  # row 0 leaves its last value unused
+    got = refit_table(w[16:], codes[16:], cent[16:], x, damp=0.0)
+    err = lambda r, table: ((x.double() @ (table[codes[r]] - w[r].double())) ** 2).sum().item()  # noqa: E731
+    for r in range(16, 32):  # undamped: the plain least-squares solution over X A
+        a = F.one_hot(codes[r], 8).double()
+        want = torch.linalg.lstsq(x.double() @ a, x.double() @ w[r].double()).solution
+        assert torch.allclose(got[r - 16], want, rtol=1e-4, atol=1e-7), f"seed={seed} row={r}"
+        assert err(r, got[r - 16]) <= err(r, cent[r].double()), f"seed={seed} row={r}"
+    damped = refit_table(w, codes, cent, x)
+    assert torch.isclose(damped[0, 7], cent[0, 7].double(), rtol=1e-9)  # an unused value keeps its k-means value
+    assert all(err(r, damped[r]) <= err(r, cent[r].double()) for r in range(32)), f"seed={seed}"
+    # quantize_lut with inputs: ascending tables, each weight's value the refit one of its k-means code
+    q = quantize_lut(w, 3, None, x)
+    assert (q.lut.diff(dim=1) >= 0).all()
+    codes = (w[:, :, None] - cent.float()[:, None, :]).abs().argmin(-1)
+    assert torch.equal(q.dequantize(), refit_table(w, codes, cent, x).half().float().gather(1, codes))
+
+
 def test_squeezellm_block_quantizes_the_equalized_o(seed):
     cfg, t = CFG, random_block(CFG, torch.float32)
     fisher = {k: torch.rand(*t[k]["weight"].shape) for k in KINDS}
-    qt, _ = quantize_block(t, 3, 64, True, "squeezellm", fisher, cfg)
+    inputs = {k: torch.randn(300, n) * torch.rand(n) * 4 for k, n in
+              (("qkv", 128), ("o", 128), ("gate_up", 128), ("down", 192))}
     folded, s = awq.equalize_o(t, cfg)
     assert not torch.equal(folded["qkv"]["weight"], t["qkv"]["weight"])  # the v rows took 1 / s
-    for kind in KINDS:
-        want = quantize_lut(folded[kind]["weight"], 3, fisher[kind].sqrt() / (s.float() if kind == "o" else 1.0))
-        assert torch.equal(qt[kind]["quant"].lut, want.lut) and torch.equal(qt[kind]["quant"].qweight, want.qweight)
+    for calib in ((fisher, None), (fisher, inputs)):
+        qt, _ = quantize_block(t, 3, 64, True, "squeezellm", calib, cfg)
+        for kind in KINDS:  # the equalized o multiplies x / s: its Fisher is F / s^2, its inputs x / s
+            so = s.float() if kind == "o" else 1.0
+            x = None if calib[1] is None else refit_inputs(inputs[kind] / so)
+            want = quantize_lut(folded[kind]["weight"], 3, fisher[kind].sqrt() / so, x)
+            assert torch.equal(qt[kind]["quant"].lut, want.lut) and torch.equal(qt[kind]["quant"].qweight, want.qweight)
+
+
+def test_refit_inputs_mask_the_channels_qdec_compensates():
+    x = torch.randn(5000, 2048)
+    x[x == 0] = 1.0  # 10M normal draws hold an exact zero now and then
+    got = refit_inputs(x)
+    n = REFIT_TOKENS
+    assert got.shape == (2 * n, 2048) and torch.equal(got[:n], x[torch.linspace(0, 4999, n).long()])
+    masked = got[n:]
+    for chunk in (slice(0, 1024), slice(1024, 2048)):  # per 1024 channels, the REFIT_K_CHUNK largest |x| are zeroed
+        plain, m = got[:n, chunk], masked[:, chunk]
+        assert ((m == 0).sum(1) == REFIT_K_CHUNK).all()
+        kept_max = m.abs().max(1).values
+        dropped_min = torch.where(m == 0, plain.abs(), torch.inf).min(1).values
+        assert (dropped_min >= kept_max).all() and torch.equal(m[m != 0], plain[m != 0])
 
 
 # ----------------------------------------------------------------------------------------------- mixed bits
@@ -365,6 +411,7 @@ def test_methods_end_to_end(method_quant, tiny_ckpt):
     assert len(q["sensitivity"]["kl"]) == 2 and q["sensitivity"]["tokens"] > 0
     assert q["layout"] == ("lut-mma-v3" if method == "squeezellm" else "rtn-mma-v3")
     assert ("awq_alpha" in q and "awq_clip" in q) == (method == "awq")
+    assert ("table_refit" in q) == (method == "squeezellm")
     lm, src = load(path, qdec="off"), load(tiny_ckpt).model
     for blk, bits in zip(lm.model.blocks, q["block_bits"]):
         assert {lin.quant.bits for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)} == {bits}
