@@ -13,15 +13,15 @@ into whatever produces x:
     down           the up rows of gate_up (silu(gate) * up is linear in up)
 
 o is searched before qkv and down before gate_up, because their folds change the v / up rows that qkv / gate_up
-then quantize. Then, as AWQ does, each group's range is shrunk where that lowers the error (clip_search): the
-weights beyond it take the end codes, and the residual (QDEC) keeps what the clipping cut. The folded block computes the same function as the source block (tests check it in float64).
+then quantize. The folded block computes the same function as the source block (tests check it in float64). Then, as
+AWQ does, each group's range is shrunk where that lowers the error (clip_search): the weights beyond it take the end
+codes, and the residual (QDEC) keeps what the clipping cut.
 equalize_o folds scales of the same form into o, taken from its weights alone (for squeezellm's per-row tables).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +83,7 @@ def clip_search(w: Tensor, x: Tensor, bits: int, group_size: int) -> Tensor:
             clip = torch.full((m, g), r)
             d = (rtn_dequantized(w[rows], bits, group_size, clip) - w[rows].float()).double()
             d = F.pad(d, (0, g * group_size - k)).view(m, g, group_size).transpose(0, 1)  # [G, m, gs]
-            err = ((d @ gram) * d).sum(-1).T  # [n, G]
+            err = ((d @ gram) * d).sum(-1).T  # [m, G]
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best[rows] = torch.where(better, clip, best[rows])
