@@ -28,12 +28,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import ModelConfig
-from .quant import TILE_N, rtn_dequantized
+from .quant import TILE_N, _row_blocks, rtn_dequantized
 
 ALPHAS = tuple(i / 20 for i in range(20))  # 0, 0.05, ..., 0.95 (AWQ's grid)
 SEARCH_TOKENS = 512  # calibration vectors the error is measured on (evenly spaced over the calibration text)
 CLIPS = tuple(1 - i / 20 for i in range(10))  # 1, 0.95, ..., 0.55: a group's range shrunk by up to 45% (AWQ's grid)
-CLIP_BLOCK = 1 << 22  # weights per block of rows in clip_search (its float64 temporaries)
 
 
 def scales_of(mean_abs: Tensor, alpha: float) -> Tensor:
@@ -75,8 +74,7 @@ def clip_search(w: Tensor, x: Tensor, bits: int, group_size: int) -> Tensor:
     xg = F.pad(x.double(), (0, g * group_size - k)).view(-1, g, group_size).transpose(0, 1)  # [G, T, gs]
     gram = xg.transpose(1, 2) @ xg  # [G, gs, gs]
     best = torch.ones(n, g)
-    step = max(TILE_N, CLIP_BLOCK // (g * group_size) // TILE_N * TILE_N)
-    for rows in (slice(r0, min(n, r0 + step)) for r0 in range(0, n, step)):
+    for rows in _row_blocks(n, k, TILE_N):  # bounded float64 temporaries
         m = rows.stop - rows.start
         best_err = torch.full((m, g), math.inf, dtype=torch.float64)
         for r in CLIPS:

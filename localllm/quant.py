@@ -242,17 +242,15 @@ def _check_weight(w: Tensor, bits: int) -> None:
     _check_shape(*w.shape)
 
 
-def _check_clip(clip: Tensor | None, n: int, g: int) -> None:
-    if clip is not None and (clip.shape != (n, g) or not ((clip > 0) & (clip <= 1)).all()):
-        raise ValueError(f"clip must be [N, G] = [{n}, {g}] ratios in (0, 1], got {tuple(clip.shape)}")
-
-
-def _check_rtn_args(w: Tensor, bits: int, group_size: int) -> None:
+def _check_rtn_args(w: Tensor, bits: int, group_size: int, clip: Tensor | None = None) -> None:
     _check_weight(w, bits)
     if group_size < 1:
         raise ValueError(f"group_size must be positive, got {group_size}")
     if group_size % TILE_K:
         raise ValueError(f"group_size must be a multiple of {TILE_K}, got {group_size}")
+    n, g = w.shape[0], math.ceil(w.shape[1] / group_size)
+    if clip is not None and (clip.shape != (n, g) or not ((clip > 0) & (clip <= 1)).all()):
+        raise ValueError(f"clip must be [N, G] = [{n}, {g}] ratios in (0, 1], got {tuple(clip.shape)}")
 
 
 def quantize_rtn(w: Tensor, bits: int, group_size: int = 128, clip: Tensor | None = None) -> QuantWeight:
@@ -264,8 +262,7 @@ def quantize_rtn(w: Tensor, bits: int, group_size: int = 128, clip: Tensor | Non
     otherwise be clipped). Codes use the fp16-rounded scale, so dequantize() is exactly the
     stored representation. clip [N, G]: each group's range shrunk to clip * [min, max] (awq.clip_search).
     """
-    _check_rtn_args(w, bits, group_size)
-    _check_clip(clip, w.shape[0], math.ceil(w.shape[1] / group_size))
+    _check_rtn_args(w, bits, group_size, clip)
     n, k = w.shape
     g = math.ceil(k / group_size)
     qweight = torch.empty(n // TILE_N, k * bits // 2, dtype=torch.int32)
@@ -289,9 +286,8 @@ def residual_qmax(bits: int) -> int:
 def rtn_dequantized(w: Tensor, bits: int, group_size: int = 128, clip: Tensor | None = None) -> Tensor:
     """quantize_rtn(w, bits, group_size, clip).dequantize() without packing: float32 [N, K] (searches call it
     often)."""
-    _check_rtn_args(w, bits, group_size)
+    _check_rtn_args(w, bits, group_size, clip)
     n, k = w.shape
-    _check_clip(clip, n, math.ceil(k / group_size))
     out = torch.empty(n, k, dtype=torch.float32, device=w.device)
     for rows in _row_blocks(n, k):
         codes, scale16, zero = _rtn_groups(w[rows], bits, group_size, None if clip is None else clip[rows])
@@ -437,8 +433,7 @@ def refit_table(w: Tensor, codes: Tensor, cent: Tensor, x: Tensor, damp: float =
     c = cent.shape[1]
     out = torch.empty(n, c, dtype=torch.float64)
     x = x.float()
-    for r0 in range(0, n, max(1, _BLOCK_ELEMS // (k * c))):
-        rows = slice(r0, min(n, r0 + max(1, _BLOCK_ELEMS // (k * c))))
+    for rows in _row_blocks(n, k * c):  # the one-hot codes [K, rows * C]
         m = rows.stop - rows.start
         hot = torch.zeros(k, m * c)
         hot[torch.arange(k)[:, None], torch.arange(m) * c + codes[rows].T.long()] = 1.0

@@ -104,11 +104,11 @@ def quantize_block(t: dict, bits: int, group_size: int, residuals: bool, method:
         t, info, clips = awq.awq_block(t, cfg, calib, bits, group_size)
     elif method == "squeezellm":
         t, s_o = awq.equalize_o(t, cfg)
+        fisher, inputs = calib
     out = {"attn_norm": t["attn_norm"], "mlp_norm": t["mlp_norm"]}
     for kind in KINDS:
         w = t[kind]["weight"]
         if method == "squeezellm":  # k-means weighted by sqrt(Fisher) (fisher.py: why sqrt); o's of W diag(s): F / s^2
-            fisher, inputs = calib
             so = s_o.float() if kind == "o" else 1.0
             x = None if inputs is None else refit_inputs(inputs[kind] / so)  # the folded o multiplies x / s
             q = quantize_lut(w, bits, fisher[kind].sqrt() / so, x)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from localllm import awq
+from localllm import awq, quant
 from localllm.config import ModelConfig, rope_inv_freq
 from localllm.errors import LocalLLMError
 from localllm.model import KINDS, QdecSettings, attention_mask, build_block, rope_tables
@@ -139,7 +139,7 @@ def test_awq_clip_search_picks_each_groups_least_output_error(seed, monkeypatch)
     assert clipped < 0.95 * plain, f"seed={seed}: {clipped} vs {plain}"  # ~0.77x
     with pytest.raises(ValueError, match="clip"):
         quantize_rtn(w, 3, 64, torch.full((32, 3), 1.5))
-    monkeypatch.setattr(awq, "CLIP_BLOCK", 20 * 192)  # blocks of 16 rows (the packing's tile): the same choice
+    monkeypatch.setattr(quant, "_BLOCK_ELEMS", 20 * 192)  # blocks of 16 rows (the packing's tile): the same choice
     assert torch.equal(awq.clip_search(w, x, 3, 64), clip)
 
 
