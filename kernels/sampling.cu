@@ -17,28 +17,17 @@ __device__ __forceinline__ void commit(int64 token, int64* tok, bool* seen, int6
     drawn[0] += 1;
 }
 
-// Greedy: the first index of the largest penalized logit (torch.argmax's rule for ties). One block of 1024 threads,
-// each taking 4 consecutive logits per load and 4 loads at a time (one at a time, latency-bound: 30 us at 128K).
+// Greedy: the first index of the largest penalized logit (torch.argmax's rule for ties). Blocks of 1024 threads take
+// 16K logits a round, each thread 4 consecutive ones per load and 4 loads at a time; the last block to finish reduces
+// the blocks' picks (one block alone was latency-bound: 10 / 20 us at 49K / 128K).
+constexpr int GREEDY_SPAN = 16 * 1024;  // logits per block per round
+
 __device__ __forceinline__ void better(float x, int i, float& best, int& at) {
     if (x > best || (x == best && i < at)) best = x, at = i;
 }
 
-__global__ void __launch_bounds__(1024) greedy_token(const float* __restrict__ logits, bool* seen,
-                                                    const float* __restrict__ params, int V, int64* tok,
-                                                    int64* drawn) {
-    const float rep = params[3];
-    float best = __int_as_float(0xff800000u);  // -inf (NVRTC has no INFINITY)
-    int at = 0x7fffffff;
-    for (int i0 = 4 * threadIdx.x; i0 < V; i0 += 16 * blockDim.x) {
-        float x[16];
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            const int i = i0 + (j / 4) * 4 * blockDim.x + j % 4;
-            x[j] = i < V ? penalize(logits[i], seen[i], rep) : __int_as_float(0xff800000u);
-        }
-#pragma unroll
-        for (int j = 0; j < 16; j++) better(x[j], i0 + (j / 4) * 4 * blockDim.x + j % 4, best, at);
-    }
+// the block's pick into (best, at) of thread 0
+__device__ __forceinline__ void block_best(float& best, int& at) {
     for (int o = 16; o > 0; o >>= 1) {
         const float b = __shfl_xor_sync(0xffffffffu, best, o);
         const int a = __shfl_xor_sync(0xffffffffu, at, o);
@@ -49,160 +38,579 @@ __global__ void __launch_bounds__(1024) greedy_token(const float* __restrict__ l
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (lane == 0) wb[warp] = best, wa[warp] = at;
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0)
         for (int w = 1; w < (int)(blockDim.x >> 5); w++) better(wb[w], wa[w], best, at);
-        commit(at < V ? at : 0, tok, seen, drawn);  // all NaN: token 0
-    }
 }
 
-// z = penalized(logits) / temperature, the keys that torch sorts (descending, stable) between the two kernels.
-__global__ void warped_logits(const float* __restrict__ logits, const bool* __restrict__ seen,
-                              const float* __restrict__ params, float* __restrict__ z, int V) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < V) z[i] = penalize(logits[i], seen[i], params[3]) / params[0];
-}
-
-// From the sorted keys s (descending) and their token ids: e_i = exp(s_i - s_0), 0 past top-k; c = cumsum(e); the
-// kept tokens are those whose preceding mass c_i - e_i is at most top_p times the total; the token is the first
-// whose c_i exceeds u times the kept mass (u = draws[drawn]). One block of 32 warps over rows of 32 keys, in two
-// levels: each warp sums a range of rows (the total, and the mass before each range); then only the range holding the
-// end of the kept tokens, and the one holding the draw, are scanned, each split again over the 32 warps, each warp
-// scanning its rows with shuffles. The same range is always split and summed the same way: the same c.
-struct Keys {
-    const float* s;
-    int V;
-    float s0, kth;
-    bool topk;
-    __device__ float mass(int i) const {
-        if (i >= V) return 0.0f;
-        const float v = s[i];
-        return topk && v < kth ? 0.0f : expf(v - s0);
-    }
-    // the mass of rows [r0, r1), 8 rows' loads at a time, reduced over the warp
-    __device__ float rows_mass(int r0, int r1, int lane) const {
-        float m = 0.0f;
-        for (int r = r0; r < r1; r += 8) {
-            float e[8];
+__global__ void __launch_bounds__(1024) greedy_token(const float* __restrict__ logits, bool* seen,
+                                                    const float* __restrict__ params, int V, float* part_best,
+                                                    int* part_at, unsigned int* done, int64* tok, int64* drawn) {
+    const float rep = params[3];
+    float best = __int_as_float(0xff800000u);  // -inf (NVRTC has no INFINITY)
+    int at = 0x7fffffff;
+    for (int i0 = blockIdx.x * GREEDY_SPAN + 4 * threadIdx.x; i0 < V; i0 += gridDim.x * GREEDY_SPAN) {
+        float x[16];
 #pragma unroll
-            for (int j = 0; j < 8; j++) e[j] = r + j < r1 ? mass(32 * (r + j) + lane) : 0.0f;
-#pragma unroll
-            for (int j = 0; j < 8; j++) m += e[j];
+        for (int j = 0; j < 16; j++) {
+            const int i = i0 + (j / 4) * 4 * blockDim.x + j % 4;
+            x[j] = i < V ? penalize(logits[i], seen[i], rep) : __int_as_float(0xff800000u);
         }
-        for (int o = 16; o > 0; o >>= 1) m += __shfl_xor_sync(0xffffffffu, m, o);
-        return m;
+#pragma unroll
+        for (int j = 0; j < 16; j++) better(x[j], i0 + (j / 4) * 4 * blockDim.x + j % 4, best, at);
     }
+    block_best(best, at);
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        part_best[blockIdx.x] = best, part_at[blockIdx.x] = at;
+        __threadfence();
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    best = __int_as_float(0xff800000u), at = 0x7fffffff;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x)
+        better(__ldcg(&part_best[b]), __ldcg(&part_at[b]), best, at);
+    block_best(best, at);
+    if (threadIdx.x == 0) commit(at < V ? at : 0, tok, seen, drawn);  // all NaN: token 0
+}
+
+// ---- The sampled choice without sorting the vocabulary: one kernel, sample_token ----
+//
+// sampling.nucleus only needs the descending order of the warped logits z near three points: the top-k-th token, the
+// top-p crossing and the draw. The grid (at most one block per SM, all resident: it meets at grid barriers):
+// 1. z = penalized logits / temperature, and the maximum m;
+// 2. a histogram of z over bins of 1/16 nat below m: each bin's count and mass;
+// 3. every block reads off the histogram's prefix sums which bins can hold the three points (make_plan), gathers their
+//    tokens, and the last block to finish sorts them and reads the choice off (choose_gathered). Bins follow the
+//    sort's order (z descending, ties in index order), so the bins before the gathered ones count by their sums.
+// Masses are integers, q = rint(exp(z - m) * 2^39): exact, order-free sums, so the same bits on every replay (a token
+// more than ~27 nats below the top gets 0, where the reference's share is < 1e-12). Where the gathered bins hold more
+// than `cap` tokens (flat distributions) the grid instead selects each point over the whole vocabulary by radix
+// selection of its key (grid_first), a barrier per 8 bits.
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+constexpr int NBINS = 512;       // 1/16 nat each; the last also takes everything further down
+constexpr int THREADS = 1024;    // per block
+constexpr int CHUNK = 4 * THREADS;  // tokens of a chunk; block b takes chunks b, b + gridDim.x, ...
+constexpr int CAP = 2048;        // the most gathered tokens the last block sorts (kernels/sampling.py CAP)
+constexpr int NONE = 0x7fffffff;
+constexpr int RADIX_SETS = 4;    // digit histograms of the slow path: one per selection (each 4 passes of 8 bits)
+
+__device__ __forceinline__ u64 mass_of(float z, float m) {
+    const float e = expf(z - m) * 549755813888.0f;  // 2^39
+    return e > 0.0f ? __float2ull_rn(e) : 0ull;      // NaN: 0
+}
+
+__device__ __forceinline__ int bin_of(float z, float m) {
+    const float d = (m - z) * 16.0f;  // monotone in z, so bins keep the sort's order
+    return d < (float)(NBINS - 1) ? max((int)d, 0) : NBINS - 1;
+}
+
+// A 32-bit key whose ascending order is z's descending order (-0 counts as +0: torch's sort sees them equal)
+__device__ __forceinline__ u32 key_of(float z) {
+    const u32 u = __float_as_uint(z == 0.0f ? 0.0f : z);
+    return (u & 0x80000000u) ? u : ~(u | 0x80000000u);
+}
+__device__ __forceinline__ float z_of(u32 k) {
+    return __uint_as_float((k & 0x80000000u) ? k : ~k & 0x7fffffffu);
+}
+
+// Global memory the kernel shares across blocks (one zeroed buffer per call: a memset node in a CUDA graph)
+struct Work {
+    u32 barrier, done, gathered, pad;
+    u32 hist_count[NBINS];
+    u64 hist_mass[NBINS];
+    u32 radix_count[RADIX_SETS][4][256];
+    u64 radix_mass[RADIX_SETS][4][256];
+    u64 kept_mass;
+    int found;
+};
+static_assert(sizeof(Work) <= 56 * 1024, "kernels/sampling.py's WORK_BYTES");
+
+// Lanes add 1 and their mass q to bin b of a block's histogram (b = n: none). The mass goes into two 32-bit halves
+// (q <= 2^39: bits 0-19 and 20-38; 4096 tokens' sums fit): 64-bit atomics on shared memory stalled where many tokens
+// share a bin (flat logits: 2.7x slower). A warp whose lanes all share one bin (flat distributions) adds once.
+__device__ __forceinline__ void add_to(u32* count, u32* lo, u32* hi, int b, int n, u64 q, int lane) {
+    const u32 ql = (u32)(q & 0xfffffu), qh = (u32)(q >> 20);
+    if (__all_sync(0xffffffffu, b == __shfl_sync(0xffffffffu, b, 0))) {
+        const u32 sl = __reduce_add_sync(0xffffffffu, ql), sh = __reduce_add_sync(0xffffffffu, qh);
+        if (lane == 0 && b < n) atomicAdd(&count[b], 32u), atomicAdd(&lo[b], sl), atomicAdd(&hi[b], sh);
+    } else if (b < n) {
+        atomicAdd(&count[b], 1u);
+        if (q) atomicAdd(&lo[b], ql), atomicAdd(&hi[b], qh);
+    }
+}
+__device__ __forceinline__ u64 joined(u32 lo, u32 hi) { return ((u64)hi << 20) + lo; }
+
+// All blocks meet: writes before it are seen by every block after it (reads of other blocks' data use __ldcg, past
+// the SM's L1).
+__device__ void grid_sync(Work* w, u32& target) {
+    target += gridDim.x;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(&w->barrier, 1u);
+        while (*(volatile u32*)&w->barrier < target) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+struct Plan {
+    int lo, hi, cnt, k;
+    u64 before, total;
+    float m, u, top_p;
 };
 
-// The mass before each of the 32 parts of rows [a, b) (part w: rows a + w * per ...), starting from `before`, in
-// pre[0..32]; every thread of the block calls it. Returns the rows per part.
-__device__ int split(const Keys& k, int a, int b, float before, float* pre) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, per = (b - a + 31) / 32;
-    const int r0 = min(b, a + warp * per), r1 = min(b, r0 + per);
-    const float m = k.rows_mass(r0, r1, lane);
-    __syncthreads();  // pre is free
-    if (lane == 0) pre[warp + 1] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float acc = before;
-        pre[0] = acc;
-        for (int w = 1; w <= 32; w++) pre[w] = acc = acc + pre[w];
+// first b in [0, NBINS) with a[b] > x (a ascending), NBINS if none
+template <typename T>
+__device__ int first_above(const T* a, T x) {
+    int lo = 0, hi = NBINS;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (a[mid] > x) hi = mid; else lo = mid + 1;
     }
-    __syncthreads();
-    return per;
+    return lo;
 }
 
-__global__ void __launch_bounds__(1024, 1) sample_sorted(const float* __restrict__ s, const int64* __restrict__ order,
-                                                     const float* __restrict__ params,
-                                                     const float* __restrict__ draws, int V, int64* tok, bool* seen,
-                                                     int64* drawn) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float top_p = params[1], top_k = params[2];
-    const Keys k{s, V, s[0], s[min(max((int)top_k - 1, 0), V - 1)], top_k > 0.0f};
-    const int rows = (V + 31) / 32;
-    __shared__ float top[33], pre[33], wc[32], v;
-    __shared__ int wi[32], last, target, range;
+// floor(f x), f in [0, 1]
+__device__ __forceinline__ u64 times(float f, u64 x) { return (u64)((double)f * (double)x); }
 
-    // level 1: the mass before each warp's range; the range where the kept tokens end (the last one starting at or
-    // below top_p of the total)
-    const int per1 = split(k, 0, rows, 0.0f, top);
-    if (threadIdx.x == 0) {
-        const float thr = top_p * top[32];
-        int b = 0;
-        for (int w = 1; w < 32; w++)
-            if (w * per1 < rows && (top_p >= 1.0f || top[w] <= thr)) b = w;
-        range = b;
+struct Shared {
+    u32 ccnt[NBINS];
+    u64 cmass[NBINS];
+    Plan P;
+    union {
+        u64 keys[CAP];  // the gathered tokens, sorted
+        struct {
+            u32 count[NBINS], lo[NBINS], hi[NBINS];
+        } hist;  // this block's share of the histogram, per chunk
+        struct {
+            u32 count[256], lo[256], hi[256];
+        } digits;  // this block's share of a radix pass, per chunk
+    };
+    u32 wsum[THREADS / 32];
+    u64 wmass[THREADS / 32];
+    float m, top_p, top_k, u;  // (the settings and the draw, loaded while the logits are read)
+    u64 c_last, sum;
+    int at, cut, last;
+    u32 prefix;
+    u64 before;
+    bool ok;
+};
+
+// Which bins to gather, from the histogram's prefix sums: [lo, hi], cnt tokens, `before` the mass of the bins before
+// lo.
+// - top-k on: bins 0.. the one holding the k-th token (the kept mass needs every kept token, ties with the k-th too);
+// - else top-p < 1: from the bin where the mass passes top_p * C (the crossing) back to the one where it passes
+//   u * top_p * C (the draw is at or after it, as the kept mass is above top_p * C);
+// - else: the draw's bin alone.
+__device__ void make_plan(const Work* w, int V, Shared& S) {
+    if (threadIdx.x < 32) {  // inclusive prefix sums over the bins, 16 per lane
+        constexpr int L = NBINS / 32;
+        const int lane = threadIdx.x;
+        u32 c[L], ca = 0;
+        u64 s[L], sa = 0;
+#pragma unroll
+        for (int j = 0; j < L; j++) {
+            ca += __ldcg(&w->hist_count[lane * L + j]), sa += __ldcg(&w->hist_mass[lane * L + j]);
+            c[j] = ca, s[j] = sa;
+        }
+        u32 co = ca;
+        u64 so = sa;
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 cy = __shfl_up_sync(0xffffffffu, co, o);
+            const u64 sy = __shfl_up_sync(0xffffffffu, so, o);
+            if (lane >= o) co += cy, so += sy;
+        }
+        co -= ca, so -= sa;  // exclusive
+#pragma unroll
+        for (int j = 0; j < L; j++) S.ccnt[lane * L + j] = c[j] + co, S.cmass[lane * L + j] = s[j] + so;
     }
     __syncthreads();
-
-    // level 2 in that range: the last kept token, and c there
-    {
-        const int a = range * per1, b = min(rows, a + per1);
-        const int per = split(k, a, b, top[range], pre);
-        const float thr = top_p * top[32];
-        const int r0 = min(b, a + warp * per), r1 = min(b, r0 + per);
-        float carry = pre[warp], c_at = 0.0f;
-        int kept = -1;
-        for (int r = r0; r < r1; r++) {
-            const int i = 32 * r + lane;
-            const float e = k.mass(i);
-            float sc = e;
-            for (int o = 1; o < 32; o <<= 1) {
-                const float y = __shfl_up_sync(0xffffffffu, sc, o);
-                if (lane >= o) sc += y;
-            }
-            const float c = carry + sc;
-            if (i < V && (top_p >= 1.0f || c - e <= thr)) kept = i, c_at = c;
-            carry = carry + __shfl_sync(0xffffffffu, sc, 31);
+    if (threadIdx.x == 0) {
+        Plan& P = S.P;
+        const float top_p = S.top_p, top_k = S.top_k, u = S.u;
+        const u64 total = S.cmass[NBINS - 1];
+        const int k = top_k > 0.0f ? (int)fminf(top_k, (float)V) : 0;
+        int lo = -1, hi = -1;
+        if (k > 0) {
+            lo = 0, hi = min(first_above<u32>(S.ccnt, (u32)k - 1), NBINS - 1);
+        } else if (top_p < 1.0f) {
+            const u64 thr = times(top_p, total);
+            const int b = first_above<u64>(S.cmass, thr);
+            if (b < NBINS) hi = b, lo = min(first_above<u64>(S.cmass, times(u, thr)), b);
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            const int j = __shfl_xor_sync(0xffffffffu, kept, o);
-            const float cc = __shfl_xor_sync(0xffffffffu, c_at, o);
-            if (j > kept) kept = j, c_at = cc;
+        if (hi < 0) {
+            int b = first_above<u64>(S.cmass, times(u, total));
+            if (b == NBINS) b = first_above<u32>(S.ccnt, S.ccnt[NBINS - 1] - 1);  // rounding: the last bin with tokens
+            lo = hi = min(b, NBINS - 1);
         }
-        if (lane == 0) wi[warp] = kept, wc[warp] = c_at;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int j = 32 * a - 1;  // none in this range (rounding): the one before it
-            float cc = top[range];
-            for (int w = 0; w < 32; w++)
-                if (wi[w] > j) j = wi[w], cc = wc[w];
-            last = max(j, 0);  // j >= 0: token 0 is always kept (no mass before it)
-            v = draws[drawn[0]] * cc;
-            int t = range;
-            for (int w = range - 1; w >= 0; w--)
-                if (top[w + 1] > v) t = w;  // the first range whose mass reaches past v
-            target = t;
-        }
-        __syncthreads();
+        P.lo = lo, P.hi = hi, P.k = k, P.m = S.m, P.u = u, P.top_p = top_p, P.total = total;
+        P.before = lo ? S.cmass[lo - 1] : 0;
+        P.cnt = (int)(S.ccnt[hi] - (lo ? S.ccnt[lo - 1] : 0u));
     }
+    __syncthreads();
+}
 
-    // level 2 in the draw's range: the first c_i > v
-    {
-        const int a = target * per1, b = min(rows, a + per1);
-        const int per = split(k, a, b, top[target], pre);
-        const int r0 = min(b, a + warp * per), r1 = min(b, r0 + per);
-        float carry = pre[warp];
-        int found = 0x7fffffff;
-        for (int r = r0; r < r1; r++) {
-            const int i = 32 * r + lane;
-            float sc = k.mass(i);
-            for (int o = 1; o < 32; o <<= 1) {
-                const float y = __shfl_up_sync(0xffffffffu, sc, o);
-                if (lane >= o) sc += y;
+// The last block: the n gathered tokens sorted, then nucleus() and the draw over them
+__device__ int choose_gathered(const u64* cand, int n, Shared& S) {
+    const Plan& P = S.P;
+    int N = 2;
+    while (N < n) N <<= 1;
+    for (int i = threadIdx.x; i < N; i += THREADS) S.keys[i] = i < n ? __ldcg(&cand[i]) : ~0ull;
+    __syncthreads();
+    for (int k = 2; k <= N; k <<= 1)  // bitonic sort, ascending: z descending, then the index
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < N; i += THREADS) {
+                const int l = i ^ j;
+                if (l > i) {
+                    const u64 a = S.keys[i], b = S.keys[l];
+                    if ((a > b) == ((i & k) == 0)) S.keys[i] = b, S.keys[l] = a;
+                }
             }
-            const unsigned hit = __ballot_sync(0xffffffffu, i < V && carry + sc > v);
-            if (hit) {
-                found = 32 * r + __ffs(hit) - 1;
+            __syncthreads();
+        }
+    // each thread: 4 consecutive tokens of the sorted list, their running masses (top-k: 0 past the k-th one's key)
+    const u32 kkey = P.k > 0 ? (u32)(S.keys[P.k - 1] >> 32) : 0xffffffffu;
+    const int i0 = 4 * threadIdx.x, lane = threadIdx.x & 31;
+    u64 c[4], a = 0;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const int i = i0 + e;
+        const u32 k = (u32)(S.keys[min(i, N - 1)] >> 32);
+        a += i < n && k <= kkey ? mass_of(z_of(k), P.m) : 0ull;
+        c[e] = a;
+    }
+    u64 incl = a;
+    for (int o = 1; o < 32; o <<= 1) {
+        const u64 y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) S.wmass[threadIdx.x >> 5] = incl;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 s = 0;
+        for (int w = 0; w < THREADS / 32; w++) {
+            const u64 t = S.wmass[w];
+            S.wmass[w] = s;
+            s += t;
+        }
+        S.sum = s;  // the gathered tokens' mass
+        S.cut = S.at = NONE;
+    }
+    __syncthreads();
+    const u64 off = P.before + S.wmass[threadIdx.x >> 5] + incl - a;
+#pragma unroll
+    for (int e = 0; e < 4; e++) c[e] += off;
+    const u64 C = P.k > 0 ? S.sum : P.total;  // top-k: the gathered bins hold every kept token
+    if (P.top_p < 1.0f) {  // the last kept token: the first whose running mass passes top_p * C
+        const u64 thr = times(P.top_p, C);
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (i0 + e < n && c[e] > thr) {
+                atomicMin(&S.cut, i0 + e);
                 break;
             }
-            carry = carry + __shfl_sync(0xffffffffu, sc, 31);
+    }
+    __syncthreads();
+    const bool crossed = S.cut != NONE;
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+        if (crossed && i0 + e == S.cut) S.c_last = c[e];
+    if (!crossed && threadIdx.x == 0) S.c_last = C;  // every token kept
+    __syncthreads();
+    const u64 v = times(P.u, S.c_last);  // the draw: the first token whose running mass passes u times the kept mass
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+        if (i0 + e < n && c[e] > v) {
+            atomicMin(&S.at, i0 + e);
+            break;
         }
-        if (lane == 0) wi[warp] = found;
+    __syncthreads();
+    return (int)(u32)S.keys[min(S.at, crossed ? S.cut : n - 1)];  // (S.at NONE only by rounding)
+}
+
+// The first token in sorted order whose running count (by_mass false) or mass (0 for keys past kkey: top-k) passes
+// target, over the whole vocabulary: its key by radix selection, 8 bits a pass (digit histograms in w->radix_*[set]),
+// then its place among the tokens of that key (all of one mass, in index order). False where the total does not pass
+// target. The same in every block. Returns the token in `idx`, the running mass through it in `c`.
+__device__ bool grid_first(const float* z, int V, Work* w, u32& bar, int set, u32 kkey, bool by_mass, u64 target,
+                           Shared& S, int& idx, u64& c) {
+    const float m = S.m;
+    const int lane = threadIdx.x & 31;
+    u32 prefix = 0;
+    u64 before = 0;
+    for (int pass = 0; pass < 4; pass++) {
+        const int shift = 24 - 8 * pass;
+        for (int c0 = blockIdx.x * CHUNK; c0 < V; c0 += gridDim.x * CHUNK) {
+            for (int b = threadIdx.x; b < 256; b += THREADS) S.digits.count[b] = S.digits.lo[b] = S.digits.hi[b] = 0;
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int i = c0 + j * THREADS + threadIdx.x;
+                int d = 256;  // none
+                u64 q = 0;
+                if (i < V) {
+                    const float v = __ldcg(&z[i]);
+                    const u32 k = key_of(v);
+                    if (pass == 0 || (k >> (shift + 8)) == prefix) {
+                        d = (k >> shift) & 255;
+                        q = by_mass ? (k > kkey ? 0ull : mass_of(v, m)) : 1ull;
+                    }
+                }
+                add_to(S.digits.count, S.digits.lo, S.digits.hi, d, 256, q, lane);
+            }
+            __syncthreads();
+            for (int b = threadIdx.x; b < 256; b += THREADS)
+                if (S.digits.count[b]) {
+                    atomicAdd(&w->radix_count[set][pass][b], S.digits.count[b]);
+                    const u64 s = joined(S.digits.lo[b], S.digits.hi[b]);
+                    if (s) atomicAdd(&w->radix_mass[set][pass][b], s);
+                }
+            __syncthreads();
+        }
+        grid_sync(w, bar);
+        if (threadIdx.x < 32) {  // the digit: 8 per lane, the first whose running total passes target
+            u64 s[8], a = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int b = 8 * lane + j;
+                a += by_mass ? __ldcg(&w->radix_mass[set][pass][b]) : (u64)__ldcg(&w->radix_count[set][pass][b]);
+                s[j] = a;
+            }
+            u64 incl = a;
+            for (int o = 1; o < 32; o <<= 1) {
+                const u64 y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            const u64 ex = before + incl - a;
+            int first = 8;
+#pragma unroll
+            for (int j = 7; j >= 0; j--)
+                if (ex + s[j] > target) first = j;
+            const u32 hit = __ballot_sync(0xffffffffu, first < 8);
+            if (lane == 0) S.ok = hit != 0;
+            if (hit && lane == __ffs(hit) - 1) {
+                S.prefix = (prefix << 8) | (u32)(8 * lane + first);
+                S.before = ex + (first ? s[first - 1] : 0ull);
+            }
+        }
+        __syncthreads();
+        if (!S.ok) return false;  // the same in every block
+        prefix = S.prefix, before = S.before;
+        __syncthreads();
+    }
+    // among the tokens of key `prefix`, the j-th in index order: counts per chunk, then the owner of the chunk finds it
+    const u64 g = by_mass ? mass_of(z_of(prefix), m) : 1ull;
+    const u64 j = (target - before) / max(g, 1ull);
+    const int nchunks = (V + CHUNK - 1) / CHUNK;
+    u32* chunk_count = (u32*)w->radix_count[set][0];  // pass 0's digits are read; the slots serve as scratch
+    for (int c0 = blockIdx.x * CHUNK; c0 < V; c0 += gridDim.x * CHUNK) {
+        u32 n = 0;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int i = c0 + 4 * threadIdx.x + e;
+            n += i < V && key_of(__ldcg(&z[i])) == prefix;
+        }
+        for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
+        if (lane == 0) S.wsum[threadIdx.x >> 5] = n;
         __syncthreads();
         if (threadIdx.x == 0) {
-            int f = min(V, 32 * b) - 1;  // none (rounding): the range's last
-            for (int w = 0; w < 32; w++) f = min(f, wi[w]);
-            commit(order[min(f, last)], tok, seen, drawn);
+            u32 t = 0;
+            for (int q = 0; q < THREADS / 32; q++) t += S.wsum[q];
+            chunk_count[c0 / CHUNK] = t;
+        }
+        __syncthreads();
+    }
+    grid_sync(w, bar);
+    if (threadIdx.x == 0) {
+        u64 a = 0;
+        int ch = nchunks - 1;
+        for (int q = 0; q < nchunks; q++) {
+            const u32 t = __ldcg(&chunk_count[q]);
+            if (a + t > j) {
+                ch = q;
+                break;
+            }
+            a += t;
+        }
+        S.at = ch, S.before = j - a;  // the chunk, and the rank within it
+        S.last = V - 1;
+    }
+    __syncthreads();
+    const int ch = S.at;
+    if (ch % (int)gridDim.x == (int)blockIdx.x) {
+        const int i0 = ch * CHUNK + 4 * threadIdx.x;
+        u32 n = 0;
+#pragma unroll
+        for (int e = 0; e < 4; e++) n += i0 + e < V && key_of(__ldcg(&z[i0 + e])) == prefix;
+        u32 incl = n;
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+        }
+        if (lane == 31) S.wsum[threadIdx.x >> 5] = incl;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 a = 0;
+            for (int q = 0; q < THREADS / 32; q++) {
+                const u32 t = S.wsum[q];
+                S.wsum[q] = a;
+                a += t;
+            }
+        }
+        __syncthreads();
+        const u64 r = S.before, ex = S.wsum[threadIdx.x >> 5] + incl - n;
+        if (r >= ex && r < ex + n) {
+            u64 left = r - ex;
+            for (int e = 0; e < 4; e++)
+                if (i0 + e < V && key_of(__ldcg(&z[i0 + e])) == prefix && left-- == 0) {
+                    w->found = i0 + e;
+                    break;
+                }
         }
     }
+    grid_sync(w, bar);
+    idx = __ldcg(&w->found), c = before + (j + 1) * g;
+    return true;
+}
+
+// sampling.nucleus and next_token's draw over the whole vocabulary (the gathered bins would not fit)
+__device__ int choose_whole(const float* z, int V, Work* w, u32& bar, Shared& S) {
+    const Plan P = S.P;
+    int idx;
+    u64 c, C = P.total;
+    u32 kkey = 0xffffffffu;  // no top-k: every key kept
+    if (P.k > 0) {
+        grid_first(z, V, w, bar, 0, kkey, false, (u64)(P.k - 1), S, idx, c);
+        kkey = key_of(__ldcg(&z[idx]));
+        u64 s = 0;
+        for (int c0 = blockIdx.x * CHUNK; c0 < V; c0 += gridDim.x * CHUNK)
+            for (int e = 0; e < 4; e++) {
+                const int i = c0 + e * THREADS + threadIdx.x;
+                if (i < V) {
+                    const float v = __ldcg(&z[i]);
+                    if (key_of(v) <= kkey) s += mass_of(v, P.m);
+                }
+            }
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if ((threadIdx.x & 31) == 0 && s) atomicAdd(&w->kept_mass, s);
+        grid_sync(w, bar);
+        C = __ldcg(&w->kept_mass);
+    }
+    u64 c_last = C;
+    int cut = -1;
+    if (P.top_p < 1.0f && grid_first(z, V, w, bar, 1, kkey, true, times(P.top_p, C), S, idx, c)) c_last = c, cut = idx;
+    if (grid_first(z, V, w, bar, 2, kkey, true, times(P.u, c_last), S, idx, c)) return idx;
+    if (cut >= 0) return cut;
+    grid_first(z, V, w, bar, 3, kkey, true, C - 1, S, idx, c);  // rounding: the last token with mass
+    return idx;
+}
+
+__global__ void __launch_bounds__(THREADS, 1) sample_token(const float* __restrict__ logits, bool* seen,
+                                                           const float* __restrict__ params,
+                                                           const float* __restrict__ draws, float* z, float* block_max,
+                                                           u64* cand, Work* w, int cap, int V, int64* tok,
+                                                           int64* drawn) {
+    __shared__ Shared S;
+    u32 bar = 0;
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) S.top_p = params[1], S.top_k = params[2], S.u = draws[drawn[0]];
+    // 1. z and the maximum
+    {
+        const float t = params[0], rep = params[3];
+        float mx = __int_as_float(0xff800000u);
+        for (int c0 = blockIdx.x * CHUNK; c0 < V; c0 += gridDim.x * CHUNK)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = c0 + e * THREADS + threadIdx.x;
+                if (i < V) {
+                    const float v = penalize(logits[i], seen[i], rep) / t;
+                    z[i] = v;
+                    mx = fmaxf(mx, v);
+                }
+            }
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if (lane == 0) S.wmass[threadIdx.x >> 5] = __float_as_uint(mx);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int q = 1; q < THREADS / 32; q++) mx = fmaxf(mx, __uint_as_float((u32)S.wmass[q]));
+            block_max[blockIdx.x] = mx;
+        }
+        grid_sync(w, bar);
+        if (threadIdx.x < 32) {
+            mx = __int_as_float(0xff800000u);
+            for (int b = threadIdx.x; b < (int)gridDim.x; b += 32) mx = fmaxf(mx, __ldcg(&block_max[b]));
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            if (threadIdx.x == 0) S.m = mx;
+        }
+    }
+    // 2. the histogram
+    __syncthreads();
+    const float m = S.m;
+    for (int c0 = blockIdx.x * CHUNK; c0 < V; c0 += gridDim.x * CHUNK) {
+        for (int b = threadIdx.x; b < NBINS; b += THREADS) S.hist.count[b] = S.hist.lo[b] = S.hist.hi[b] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int i = c0 + e * THREADS + threadIdx.x;
+            int b = NBINS;  // none
+            u64 q = 0;
+            if (i < V) {
+                const float v = z[i];  // this thread's own write
+                b = bin_of(v, m), q = mass_of(v, m);
+            }
+            add_to(S.hist.count, S.hist.lo, S.hist.hi, b, NBINS, q, lane);
+        }
+        __syncthreads();
+        for (int b = threadIdx.x; b < NBINS; b += THREADS)
+            if (S.hist.count[b]) {
+                atomicAdd(&w->hist_count[b], S.hist.count[b]);
+                const u64 s = joined(S.hist.lo[b], S.hist.hi[b]);
+                if (s) atomicAdd(&w->hist_mass[b], s);
+            }
+        __syncthreads();
+    }
+    grid_sync(w, bar);
+    // 3. the plan; gather the bins, the last block chooses; or select over the whole vocabulary
+    make_plan(w, V, S);
+    const Plan& P = S.P;
+    if (P.cnt > cap || P.cnt < 1) {
+        const int t = choose_whole(z, V, w, bar, S);
+        if (blockIdx.x == 0 && threadIdx.x == 0) commit(t, tok, seen, drawn);
+        return;
+    }
+    for (int c0 = blockIdx.x * CHUNK; c0 < V; c0 += gridDim.x * CHUNK)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int i = c0 + e * THREADS + threadIdx.x;
+            float v = 0.0f;
+            bool in = false;
+            if (i < V) {
+                v = z[i];
+                const int b = bin_of(v, P.m);
+                in = b >= P.lo && b <= P.hi;
+            }
+            const u32 mask = __ballot_sync(0xffffffffu, in);
+            if (!mask) continue;
+            const int leader = __ffs(mask) - 1;
+            u32 base = 0;
+            if (lane == leader) base = atomicAdd(&w->gathered, __popc(mask));
+            base = __shfl_sync(0xffffffffu, base, leader);
+            if (in) cand[base + __popc(mask & ((1u << lane) - 1u))] = (u64)key_of(v) << 32 | (u32)i;
+        }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        S.last = atomicAdd(&w->done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!S.last) return;
+    __threadfence();
+    const int t = choose_gathered(cand, P.cnt, S);
+    if (threadIdx.x == 0) commit(t, tok, seen, drawn);
 }

@@ -1,30 +1,51 @@
 """Launchers of the next-token kernels (sampling.cu): what localllm.sampling.choose computes, on the GPU."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from . import cuda
 
-NAMES = ("greedy_token", "warped_logits", "sample_sorted")
+NAMES = ("greedy_token", "sample_token")
+GREEDY_SPAN = 16384   # logits per block per round of greedy_token
+CHUNK = 4096          # tokens per chunk of sample_token (a block takes whole chunks)
+CAP = 2048            # the most gathered tokens sample_token sorts (sampling.cu CAP; past ~2K the selection over
+                      # the whole vocabulary is faster than the sort, H100)
+WORK_BYTES = 56 << 10  # >= sizeof(Work) in sampling.cu (55,328 bytes)
 
 
 def _k(name: str):
     return cuda.kernel("sampling", name, NAMES)
 
 
+@functools.cache
+def _sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def choose(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor, draws: torch.Tensor,
-           drawn: torch.Tensor, tok: torch.Tensor, greedy: bool) -> None:
+           drawn: torch.Tensor, tok: torch.Tensor, greedy: bool, cap: int = CAP) -> None:
     """logits float32 [V], seen bool [V], params float32 [4], draws float32 [n], drawn int64 0-dim, tok int64 [1, 1]
-    (all contiguous, on one GPU); tok, seen and drawn are updated in place."""
-    V, p = logits.numel(), cuda.ptr
+    (all contiguous, on one GPU); tok, seen and drawn are updated in place. cap (<= CAP): the most tokens the sampled
+    choice sorts before it selects over the whole vocabulary instead (tests lower it to reach that path)."""
+    V, p, s = logits.numel(), cuda.ptr, cuda.stream()
+    dev = logits.device
+    sms = _sms(dev.index if dev.index is not None else torch.cuda.current_device())
     if greedy:
-        _k("greedy_token")((1,), (1024,), (p(logits), p(seen), p(params), np.int32(V), p(tok), p(drawn)),
-                           stream=cuda.stream())
+        blocks = min(-(-V // GREEDY_SPAN), sms)
+        part_best = torch.empty(blocks, dtype=torch.float32, device=dev)
+        part_at = torch.empty(blocks, dtype=torch.int32, device=dev)
+        done = torch.zeros(1, dtype=torch.int32, device=dev)
+        _k("greedy_token")((blocks,), (1024,), (p(logits), p(seen), p(params), np.int32(V), p(part_best), p(part_at),
+                                                p(done), p(tok), p(drawn)), stream=s)
         return
-    z = torch.empty(V, dtype=torch.float32, device=logits.device)
-    _k("warped_logits")((-(-V // 256),), (256,), (p(logits), p(seen), p(params), p(z), np.int32(V)),
-                        stream=cuda.stream())
-    s, order = z.sort(descending=True, stable=True)
-    _k("sample_sorted")((1,), (1024,), (p(s), p(order), p(params), p(draws), np.int32(V), p(tok), p(seen),
-                                        p(drawn)), stream=cuda.stream())
+    # blocks meet at grid barriers, so all must be resident at once: at most one per SM (1024 threads each)
+    blocks = min(-(-V // CHUNK), sms)
+    z = torch.empty(V, dtype=torch.float32, device=dev)
+    block_max = torch.empty(blocks, dtype=torch.float32, device=dev)
+    cand = torch.empty(max(cap, 1), dtype=torch.int64, device=dev)
+    work = torch.zeros(WORK_BYTES // 8, dtype=torch.int64, device=dev)  # counters and histograms start at zero
+    _k("sample_token")((blocks,), (1024,), (p(logits), p(seen), p(params), p(draws), p(z), p(block_max), p(cand),
+                                           p(work), np.int32(min(cap, CAP)), np.int32(V), p(tok), p(drawn)), stream=s)

@@ -1,7 +1,8 @@
 """Choosing the next token on the device: greedy or sampled (repetition penalty, temperature, top-k, top-p, as
 transformers' processors), with the settings and the random draws as tensors, no host sync and no shape that depends
 on the data, so that a decode step's CUDA graph can end with it (decode.Decoder.advance). The torch code here defines
-the function; on a GPU choose() runs it as fused kernels around torch's sort (kernels/sampling.cu)."""
+the function; on a GPU choose() runs it as one kernel that sorts only the tokens near the cuts and the draw
+(kernels/sampling.cu)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -11,13 +11,14 @@ PARAMS = [SamplingParams(0.0, 1.0, 0, 1.0), SamplingParams(0.0, 1.0, 0, 1.3), Sa
           SamplingParams(0.5, 1.0, 1, 1.0)]
 
 
-def kernel_choice(logits, seen, params, u):
+def kernel_choice(logits, seen, params, u, cap=None):
     from localllm.kernels import sampling
     tok, after = torch.zeros(1, 1, dtype=torch.long, device="cuda"), seen.clone()
     drawn = torch.zeros((), dtype=torch.long, device="cuda")
     draws = torch.tensor([0.5, u, 0.5], device="cuda")
     drawn.fill_(1)  # the draw is read at the counter
-    sampling.choose(logits, after, params.tensor("cuda"), draws, drawn, tok, params.greedy)
+    sampling.choose(logits, after, params.tensor("cuda"), draws, drawn, tok, params.greedy,
+                    sampling.CAP if cap is None else cap)
     t = int(tok)
     assert int(drawn) == 2 and bool(after[t])
     after[t] = seen[t]
@@ -25,28 +26,60 @@ def kernel_choice(logits, seen, params, u):
     return t
 
 
+def assert_reference_choice(logits, seen, params, u, got):
+    """got is the reference's token, or, where the cumulative sums' rounding differs (the tail's tokens have intervals
+    narrower than that, so on a large vocabulary a few draws in 12 land there), a token whose reference interval holds
+    the draw to 1e-5."""
+    want = int(next_token(logits, seen, params.tensor("cuda"), torch.tensor(u, device="cuda"), params.greedy))
+    if got == want:
+        return
+    assert not params.greedy, (got, want)
+    order, _, c, n = nucleus(logits, seen, params.tensor("cuda"))
+    j = int((order == got).nonzero())
+    cdf = (c[:int(n)] / c[int(n) - 1]).double().cpu()
+    assert j < int(n) and (cdf[j - 1] if j else 0.0) - 1e-5 <= u <= cdf[j] + 1e-5, (j, u)
+
+
+@pytest.mark.parametrize("cap", [None, 0], ids=["gathered", "whole-vocabulary"])
 @pytest.mark.parametrize("V", [300, 49152, 128256])
 @pytest.mark.parametrize("params", PARAMS)
-def test_kernels_choose_the_reference_token(V, params):
-    """Random fp16-valued logits (ties included) and draws: greedy gives the same token; sampled gives the reference's
-    token, or, where the cumulative sums' rounding differs (the tail's tokens have intervals narrower than that, so on
-    a large vocabulary a few draws in 12 land there), a token whose reference interval holds the draw to 1e-5."""
+def test_kernels_choose_the_reference_token(V, params, cap):
+    """Random fp16-valued logits (ties included) and draws: greedy gives the same token, sampled the reference's (up
+    to rounding), both when the sampled choice sorts the gathered bins and when it selects over the whole vocabulary
+    (cap 0)."""
+    if params.greedy and cap == 0:
+        pytest.skip("greedy takes no cap")
     for _ in range(12):
         logits = (torch.randn(V, device="cuda") * 4).half().float()
         seen = torch.rand(V, device="cuda") < 0.05
         u = float(torch.rand(()))
+        assert_reference_choice(logits, seen, params, u, kernel_choice(logits, seen, params, u, cap))
+
+
+@pytest.mark.parametrize("kind", ["equal", "near-equal", "masked"])
+@pytest.mark.parametrize("params", [SamplingParams(0.7, 0.9, 0, 1.0), SamplingParams(1.0, 1.0, 0, 1.0),
+                                    SamplingParams(0.8, 0.95, 5000, 1.1), SamplingParams(1.0, 0.5, 3, 1.0)])
+def test_kernels_choose_the_reference_token_on_flat_logits(kind, params):
+    """Flat distributions, where the bins near the top hold more tokens than the gathered list takes (every logit
+    equal: all in one bin, ties in index order), and logits at -inf (masked tokens: no mass, never drawn)."""
+    V = 128256
+    for _ in range(6):
+        if kind == "equal":
+            logits = torch.full((V,), 1.5, device="cuda")
+        elif kind == "near-equal":
+            logits = (torch.randn(V, device="cuda") * 0.01).half().float()
+        else:
+            logits = (torch.randn(V, device="cuda") * 2).half().float()
+            logits[torch.rand(V, device="cuda") < 0.5] = float("-inf")
+        seen = torch.rand(V, device="cuda") < 0.05
+        u = float(torch.rand(()))
         got = kernel_choice(logits, seen, params, u)
-        want = int(next_token(logits, seen, params.tensor("cuda"), torch.tensor(u, device="cuda"), params.greedy))
-        if got == want:
-            continue
-        assert not params.greedy, (got, want)
-        order, _, c, n = nucleus(logits, seen, params.tensor("cuda"))
-        j = int((order == got).nonzero())
-        cdf = (c[:int(n)] / c[int(n) - 1]).double().cpu()
-        assert j < int(n) and (cdf[j - 1] if j else 0.0) - 1e-5 <= u <= cdf[j] + 1e-5, (j, u)
+        assert logits[got] > float("-inf")
+        assert_reference_choice(logits, seen, params, u, got)
 
 
-def test_sampled_kernel_draws_each_token_with_its_probability():
+@pytest.mark.parametrize("cap", [None, 0], ids=["gathered", "whole-vocabulary"])
+def test_sampled_kernel_draws_each_token_with_its_probability(cap):
     """Evenly spaced draws over one distribution pick each token as often as the reference's probabilities say."""
     V, M = 2000, 4000
     logits, seen = torch.randn(V, device="cuda") * 2, torch.zeros(V, dtype=torch.bool, device="cuda")
@@ -56,6 +89,6 @@ def test_sampled_kernel_draws_each_token_with_its_probability():
     p[order[:n].cpu()] = (e[:n] / e[:n].sum()).double().cpu()
     counts = torch.zeros(V, dtype=torch.float64)
     for i in range(M):
-        counts[kernel_choice(logits, seen, params, (i + 0.5) / M)] += 1
+        counts[kernel_choice(logits, seen, params, (i + 0.5) / M, cap)] += 1
     assert (counts - M * p).abs().max() <= 1.5
     assert counts[p == 0].sum() == 0
