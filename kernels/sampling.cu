@@ -192,7 +192,7 @@ struct Shared {
             u32 count[256], lo[256], hi[256];
         } digits;  // this block's share of a radix pass, per chunk
     };
-    u32 wsum[THREADS / 32];
+    u32 wsum[THREADS / 32], total;
     u64 wmass[THREADS / 32];
     float m, top_p, top_k, u;  // (the settings and the draw, loaded while the logits are read)
     u64 c_last, sum;
@@ -256,6 +256,42 @@ __device__ void make_plan(const Work* w, int V, Shared& S) {
     __syncthreads();
 }
 
+// The block's exclusive prefix sum of x (every thread calls it), in thread order; the block's total into `total`.
+// warp_sums: THREADS / 32 shared slots.
+template <typename T>
+__device__ T block_exclusive(T x, T* warp_sums, T& total) {
+    const int lane = threadIdx.x & 31;
+    T incl = x;
+    for (int o = 1; o < 32; o <<= 1) {
+        const T y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_sums[threadIdx.x >> 5] = incl;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        T a = 0;
+        for (int w = 0; w < THREADS / 32; w++) {
+            const T s = warp_sums[w];
+            warp_sums[w] = a;
+            a += s;
+        }
+        total = a;
+    }
+    __syncthreads();
+    return warp_sums[threadIdx.x >> 5] + incl - x;
+}
+
+// The first of a thread's 4 sorted tokens i0.. (of n) whose running mass c passes target, into *slot (the least over
+// the block)
+__device__ __forceinline__ void first_past(const u64 (&c)[4], int i0, int n, u64 target, int* slot) {
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+        if (i0 + e < n && c[e] > target) {
+            atomicMin(slot, i0 + e);
+            return;
+        }
+}
+
 // The last block: the n gathered tokens sorted, then nucleus() and the draw over them
 __device__ int choose_gathered(const u64* cand, int n, Shared& S) {
     const Plan& P = S.P;
@@ -276,7 +312,7 @@ __device__ int choose_gathered(const u64* cand, int n, Shared& S) {
         }
     // each thread: 4 consecutive tokens of the sorted list, their running masses (top-k: 0 past the k-th one's key)
     const u32 kkey = P.k > 0 ? (u32)(S.keys[P.k - 1] >> 32) : 0xffffffffu;
-    const int i0 = 4 * threadIdx.x, lane = threadIdx.x & 31;
+    const int i0 = 4 * threadIdx.x;
     u64 c[4], a = 0;
 #pragma unroll
     for (int e = 0; e < 4; e++) {
@@ -285,36 +321,13 @@ __device__ int choose_gathered(const u64* cand, int n, Shared& S) {
         a += i < n && k <= kkey ? mass_of(z_of(k), P.m) : 0ull;
         c[e] = a;
     }
-    u64 incl = a;
-    for (int o = 1; o < 32; o <<= 1) {
-        const u64 y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-    }
-    if (lane == 31) S.wmass[threadIdx.x >> 5] = incl;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u64 s = 0;
-        for (int w = 0; w < THREADS / 32; w++) {
-            const u64 t = S.wmass[w];
-            S.wmass[w] = s;
-            s += t;
-        }
-        S.sum = s;  // the gathered tokens' mass
-        S.cut = S.at = NONE;
-    }
-    __syncthreads();
-    const u64 off = P.before + S.wmass[threadIdx.x >> 5] + incl - a;
+    if (threadIdx.x == 0) S.cut = S.at = NONE;
+    const u64 off = P.before + block_exclusive(a, S.wmass, S.sum);  // S.sum: the gathered tokens' mass
 #pragma unroll
     for (int e = 0; e < 4; e++) c[e] += off;
     const u64 C = P.k > 0 ? S.sum : P.total;  // top-k: the gathered bins hold every kept token
     if (P.top_p < 1.0f) {  // the last kept token: the first whose running mass passes top_p * C
-        const u64 thr = times(P.top_p, C);
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            if (i0 + e < n && c[e] > thr) {
-                atomicMin(&S.cut, i0 + e);
-                break;
-            }
+        first_past(c, i0, n, times(P.top_p, C), &S.cut);
     }
     __syncthreads();
     const bool crossed = S.cut != NONE;
@@ -323,13 +336,7 @@ __device__ int choose_gathered(const u64* cand, int n, Shared& S) {
         if (crossed && i0 + e == S.cut) S.c_last = c[e];
     if (!crossed && threadIdx.x == 0) S.c_last = C;  // every token kept
     __syncthreads();
-    const u64 v = times(P.u, S.c_last);  // the draw: the first token whose running mass passes u times the kept mass
-#pragma unroll
-    for (int e = 0; e < 4; e++)
-        if (i0 + e < n && c[e] > v) {
-            atomicMin(&S.at, i0 + e);
-            break;
-        }
+    first_past(c, i0, n, times(P.u, S.c_last), &S.at);  // the draw: where the running mass passes u times the kept
     __syncthreads();
     return (int)(u32)S.keys[min(S.at, crossed ? S.cut : n - 1)];  // (S.at NONE only by rounding)
 }
@@ -439,7 +446,6 @@ __device__ bool grid_first(const float* z, int V, Work* w, u32& bar, int set, u3
             a += t;
         }
         S.at = ch, S.before = j - a;  // the chunk, and the rank within it
-        S.last = V - 1;
     }
     __syncthreads();
     const int ch = S.at;
@@ -448,23 +454,7 @@ __device__ bool grid_first(const float* z, int V, Work* w, u32& bar, int set, u3
         u32 n = 0;
 #pragma unroll
         for (int e = 0; e < 4; e++) n += i0 + e < V && key_of(__ldcg(&z[i0 + e])) == prefix;
-        u32 incl = n;
-        for (int o = 1; o < 32; o <<= 1) {
-            const u32 y = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += y;
-        }
-        if (lane == 31) S.wsum[threadIdx.x >> 5] = incl;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            u32 a = 0;
-            for (int q = 0; q < THREADS / 32; q++) {
-                const u32 t = S.wsum[q];
-                S.wsum[q] = a;
-                a += t;
-            }
-        }
-        __syncthreads();
-        const u64 r = S.before, ex = S.wsum[threadIdx.x >> 5] + incl - n;
+        const u64 r = S.before, ex = block_exclusive(n, S.wsum, S.total);
         if (r >= ex && r < ex + n) {
             u64 left = r - ex;
             for (int e = 0; e < 4; e++)
