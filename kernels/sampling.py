@@ -26,13 +26,15 @@ def _sms(device: int) -> int:
 
 
 def choose(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor, draws: torch.Tensor,
-           drawn: torch.Tensor, tok: torch.Tensor, greedy: bool, cap: int = CAP) -> None:
+           drawn: torch.Tensor, tok: torch.Tensor, greedy: bool, cap: int = CAP, max_blocks: int | None = None
+           ) -> None:
     """logits float32 [V], seen bool [V], params float32 [4], draws float32 [n], drawn int64 0-dim, tok int64 [1, 1]
     (all contiguous, on one GPU); tok, seen and drawn are updated in place. cap (<= CAP): the most tokens the sampled
-    choice sorts before it selects over the whole vocabulary instead (tests lower it to reach that path)."""
+    choice sorts before it selects over the whole vocabulary instead; max_blocks: fewer blocks than SMs (tests use
+    both to reach the other path, and several chunks per block as on a GPU with few SMs)."""
     V, p, s = logits.numel(), cuda.ptr, cuda.stream()
     dev = logits.device
-    sms = _sms(dev.index if dev.index is not None else torch.cuda.current_device())
+    sms = min(_sms(dev.index if dev.index is not None else torch.cuda.current_device()), max_blocks or 1 << 30)
     if greedy:
         blocks = min(-(-V // GREEDY_SPAN), sms)
         part_best = torch.empty(blocks, dtype=torch.float32, device=dev)

@@ -11,14 +11,14 @@ PARAMS = [SamplingParams(0.0, 1.0, 0, 1.0), SamplingParams(0.0, 1.0, 0, 1.3), Sa
           SamplingParams(0.5, 1.0, 1, 1.0)]
 
 
-def kernel_choice(logits, seen, params, u, cap=None):
+def kernel_choice(logits, seen, params, u, cap=None, max_blocks=None):
     from localllm.kernels import sampling
     tok, after = torch.zeros(1, 1, dtype=torch.long, device="cuda"), seen.clone()
     drawn = torch.zeros((), dtype=torch.long, device="cuda")
     draws = torch.tensor([0.5, u, 0.5], device="cuda")
     drawn.fill_(1)  # the draw is read at the counter
     sampling.choose(logits, after, params.tensor("cuda"), draws, drawn, tok, params.greedy,
-                    sampling.CAP if cap is None else cap)
+                    sampling.CAP if cap is None else cap, max_blocks)
     t = int(tok)
     assert int(drawn) == 2 and bool(after[t])
     after[t] = seen[t]
@@ -54,6 +54,18 @@ def test_kernels_choose_the_reference_token(V, params, cap):
         seen = torch.rand(V, device="cuda") < 0.05
         u = float(torch.rand(()))
         assert_reference_choice(logits, seen, params, u, kernel_choice(logits, seen, params, u, cap))
+
+
+@pytest.mark.parametrize("cap", [None, 0], ids=["gathered", "whole-vocabulary"])
+@pytest.mark.parametrize("params", [PARAMS[0], PARAMS[3], PARAMS[4], PARAMS[5]])
+def test_kernels_choose_the_reference_token_with_few_blocks(params, cap):
+    """3 blocks for 32 chunks of the vocabulary (a GPU with few SMs): each block takes several, in both paths."""
+    V = 128256
+    for _ in range(6):
+        logits = (torch.randn(V, device="cuda") * 4).half().float()
+        seen = torch.rand(V, device="cuda") < 0.05
+        u = float(torch.rand(()))
+        assert_reference_choice(logits, seen, params, u, kernel_choice(logits, seen, params, u, cap, max_blocks=3))
 
 
 @pytest.mark.parametrize("kind", ["equal", "near-equal", "masked"])
