@@ -60,6 +60,12 @@ def kernel(name: str, expr: str, names: tuple[str, ...]):
     return module(name, torch.cuda.current_device(), names).get_function(expr)
 
 
+@functools.cache
+def sm_count(device: int) -> int:
+    """Streaming multiprocessors of GPU `device` (grid sizes that fill the GPU once, or must all be resident)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def allow_shared(func, nbytes: int) -> None:
     """Let func launch with nbytes of dynamic shared memory. Its default limit is 48 KB minus its static arrays;
     past that it needs the opt-in, which only ever grows here, so launches already captured in CUDA graphs keep

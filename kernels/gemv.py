@@ -2,7 +2,6 @@
 for uniform (RTN/AWQ) weights, PackedLUT for table (SqueezeLLM) weights."""
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -116,11 +115,6 @@ def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
 EARLY_BYTES = int(os.environ.get("LOCALLLM_EARLY_BYTES", 16 << 20))
 
 
-@functools.cache
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def record_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> int:
     """Bytes of one meta record: a tile's 16 tables (2^bits fp16 each) for table weights, else META_BYTES."""
     return 32 << w.bits if isinstance(w, (PackedLUT, QuantLUT)) else META_BYTES
@@ -188,7 +182,7 @@ def shared_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, warps: int, dep
 
 def grid_of(N: int, device: torch.device, blocks_per_sm: int = 1) -> int:
     """The GEMV's grid for N outputs (QDEC numbers its calls per grid)."""
-    return min(N // 16, _sm_count(device.index or 0) * blocks_per_sm)
+    return min(N // 16, cuda.sm_count(device.index or 0) * blocks_per_sm)
 
 
 def dequantize(w: Packed | PackedLUT) -> torch.Tensor:

@@ -17,6 +17,20 @@ __device__ __forceinline__ void commit(int64 token, int64* tok, bool* seen, int6
     drawn[0] += 1;
 }
 
+// Whether this block is the last of the grid to get here (every thread calls it; `done` starts at zero). Writes
+// before it, of every block, are seen by the last one (which reads them with __ldcg, past its SM's L1).
+__device__ bool last_to_finish(unsigned int* done) {
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
 // Greedy: the first index of the largest penalized logit (torch.argmax's rule for ties). Blocks of 1024 threads take
 // 16K logits a round, each thread 4 consecutive ones per load and 4 loads at a time; the last block to finish reduces
 // the blocks' picks (one block alone was latency-bound: 10 / 20 us at 49K / 128K).
@@ -59,15 +73,8 @@ __global__ void __launch_bounds__(1024) greedy_token(const float* __restrict__ l
         for (int j = 0; j < 16; j++) better(x[j], i0 + (j / 4) * 4 * blockDim.x + j % 4, best, at);
     }
     block_best(best, at);
-    __shared__ bool last;
-    if (threadIdx.x == 0) {
-        part_best[blockIdx.x] = best, part_at[blockIdx.x] = at;
-        __threadfence();
-        last = atomicAdd(done, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (threadIdx.x == 0) part_best[blockIdx.x] = best, part_at[blockIdx.x] = at;
+    if (!last_to_finish(done)) return;
     best = __int_as_float(0xff800000u), at = 0x7fffffff;
     for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x)
         better(__ldcg(&part_best[b]), __ldcg(&part_at[b]), best, at);
@@ -162,7 +169,6 @@ __device__ void grid_sync(Work* w, u32& target) {
 struct Plan {
     int lo, hi, cnt, k;
     u64 before, total;
-    float m, u, top_p;
 };
 
 // first b in [0, NBINS) with a[b] > x (a ascending), NBINS if none
@@ -196,7 +202,7 @@ struct Shared {
     u64 wmass[THREADS / 32];
     float m, top_p, top_k, u;  // (the settings and the draw, loaded while the logits are read)
     u64 c_last, sum;
-    int at, cut, last;
+    int at, cut;
     u32 prefix;
     u64 before;
     bool ok;
@@ -249,7 +255,7 @@ __device__ void make_plan(const Work* w, int V, Shared& S) {
             if (b == NBINS) b = first_above<u32>(S.ccnt, S.ccnt[NBINS - 1] - 1);  // rounding: the last bin with tokens
             lo = hi = min(b, NBINS - 1);
         }
-        P.lo = lo, P.hi = hi, P.k = k, P.m = S.m, P.u = u, P.top_p = top_p, P.total = total;
+        P.lo = lo, P.hi = hi, P.k = k, P.total = total;
         P.before = lo ? S.cmass[lo - 1] : 0;
         P.cnt = (int)(S.ccnt[hi] - (lo ? S.ccnt[lo - 1] : 0u));
     }
@@ -318,7 +324,7 @@ __device__ int choose_gathered(const u64* cand, int n, Shared& S) {
     for (int e = 0; e < 4; e++) {
         const int i = i0 + e;
         const u32 k = (u32)(S.keys[min(i, N - 1)] >> 32);
-        a += i < n && k <= kkey ? mass_of(z_of(k), P.m) : 0ull;
+        a += i < n && k <= kkey ? mass_of(z_of(k), S.m) : 0ull;
         c[e] = a;
     }
     if (threadIdx.x == 0) S.cut = S.at = NONE;
@@ -326,9 +332,7 @@ __device__ int choose_gathered(const u64* cand, int n, Shared& S) {
 #pragma unroll
     for (int e = 0; e < 4; e++) c[e] += off;
     const u64 C = P.k > 0 ? S.sum : P.total;  // top-k: the gathered bins hold every kept token
-    if (P.top_p < 1.0f) {  // the last kept token: the first whose running mass passes top_p * C
-        first_past(c, i0, n, times(P.top_p, C), &S.cut);
-    }
+    if (S.top_p < 1.0f) first_past(c, i0, n, times(S.top_p, C), &S.cut);  // the last kept token
     __syncthreads();
     const bool crossed = S.cut != NONE;
 #pragma unroll
@@ -336,7 +340,7 @@ __device__ int choose_gathered(const u64* cand, int n, Shared& S) {
         if (crossed && i0 + e == S.cut) S.c_last = c[e];
     if (!crossed && threadIdx.x == 0) S.c_last = C;  // every token kept
     __syncthreads();
-    first_past(c, i0, n, times(P.u, S.c_last), &S.at);  // the draw: where the running mass passes u times the kept
+    first_past(c, i0, n, times(S.u, S.c_last), &S.at);  // the draw: where the running mass passes u times the kept
     __syncthreads();
     return (int)(u32)S.keys[min(S.at, crossed ? S.cut : n - 1)];  // (S.at NONE only by rounding)
 }
@@ -423,14 +427,8 @@ __device__ bool grid_first(const float* z, int V, Work* w, u32& bar, int set, u3
             const int i = c0 + 4 * threadIdx.x + e;
             n += i < V && key_of(__ldcg(&z[i])) == prefix;
         }
-        for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
-        if (lane == 0) S.wsum[threadIdx.x >> 5] = n;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            u32 t = 0;
-            for (int q = 0; q < THREADS / 32; q++) t += S.wsum[q];
-            chunk_count[c0 / CHUNK] = t;
-        }
+        block_exclusive(n, S.wsum, S.total);
+        if (threadIdx.x == 0) chunk_count[c0 / CHUNK] = S.total;
         __syncthreads();
     }
     grid_sync(w, bar);
@@ -471,7 +469,7 @@ __device__ bool grid_first(const float* z, int V, Work* w, u32& bar, int set, u3
 
 // sampling.nucleus and next_token's draw over the whole vocabulary (the gathered bins would not fit)
 __device__ int choose_whole(const float* z, int V, Work* w, u32& bar, Shared& S) {
-    const Plan P = S.P;
+    const Plan& P = S.P;
     int idx;
     u64 c, C = P.total;
     u32 kkey = 0xffffffffu;  // no top-k: every key kept
@@ -484,7 +482,7 @@ __device__ int choose_whole(const float* z, int V, Work* w, u32& bar, Shared& S)
                 const int i = c0 + e * THREADS + threadIdx.x;
                 if (i < V) {
                     const float v = __ldcg(&z[i]);
-                    if (key_of(v) <= kkey) s += mass_of(v, P.m);
+                    if (key_of(v) <= kkey) s += mass_of(v, S.m);
                 }
             }
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -494,8 +492,8 @@ __device__ int choose_whole(const float* z, int V, Work* w, u32& bar, Shared& S)
     }
     u64 c_last = C;
     int cut = -1;
-    if (P.top_p < 1.0f && grid_first(z, V, w, bar, 1, kkey, true, times(P.top_p, C), S, idx, c)) c_last = c, cut = idx;
-    if (grid_first(z, V, w, bar, 2, kkey, true, times(P.u, c_last), S, idx, c)) return idx;
+    if (S.top_p < 1.0f && grid_first(z, V, w, bar, 1, kkey, true, times(S.top_p, C), S, idx, c)) c_last = c, cut = idx;
+    if (grid_first(z, V, w, bar, 2, kkey, true, times(S.u, c_last), S, idx, c)) return idx;
     if (cut >= 0) return cut;
     grid_first(z, V, w, bar, 3, kkey, true, C - 1, S, idx, c);  // rounding: the last token with mass
     return idx;
@@ -582,7 +580,7 @@ __global__ void __launch_bounds__(THREADS, 1) sample_token(const float* __restri
             bool in = false;
             if (i < V) {
                 v = z[i];
-                const int b = bin_of(v, P.m);
+                const int b = bin_of(v, m);
                 in = b >= P.lo && b <= P.hi;
             }
             const u32 mask = __ballot_sync(0xffffffffu, in);
@@ -593,14 +591,7 @@ __global__ void __launch_bounds__(THREADS, 1) sample_token(const float* __restri
             base = __shfl_sync(0xffffffffu, base, leader);
             if (in) cand[base + __popc(mask & ((1u << lane) - 1u))] = (u64)key_of(v) << 32 | (u32)i;
         }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        S.last = atomicAdd(&w->done, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!S.last) return;
-    __threadfence();
+    if (!last_to_finish(&w->done)) return;
     const int t = choose_gathered(cand, P.cnt, S);
     if (threadIdx.x == 0) commit(t, tok, seen, drawn);
 }

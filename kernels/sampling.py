@@ -1,8 +1,6 @@
 """Launchers of the next-token kernels (sampling.cu): what localllm.sampling.choose computes, on the GPU."""
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
@@ -20,11 +18,6 @@ def _k(name: str):
     return cuda.kernel("sampling", name, NAMES)
 
 
-@functools.cache
-def _sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor, draws: torch.Tensor,
            drawn: torch.Tensor, tok: torch.Tensor, greedy: bool, cap: int = CAP, max_blocks: int | None = None
            ) -> None:
@@ -32,9 +25,9 @@ def choose(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor, draws
     (all contiguous, on one GPU); tok, seen and drawn are updated in place. cap (<= CAP): the most tokens the sampled
     choice sorts before it selects over the whole vocabulary instead; max_blocks: fewer blocks than SMs (tests use
     both to reach the other path, and several chunks per block as on a GPU with few SMs)."""
-    V, p, s = logits.numel(), cuda.ptr, cuda.stream()
-    dev = logits.device
-    sms = min(_sms(dev.index if dev.index is not None else torch.cuda.current_device()), max_blocks or 1 << 30)
+    V, p, s, dev = logits.numel(), cuda.ptr, cuda.stream(), logits.device
+    sms = min(cuda.sm_count(dev.index if dev.index is not None else torch.cuda.current_device()), max_blocks or 1 << 30)
+    cap = min(cap, CAP)
     if greedy:
         blocks = min(-(-V // GREEDY_SPAN), sms)
         part_best = torch.empty(blocks, dtype=torch.float32, device=dev)
@@ -50,4 +43,4 @@ def choose(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor, draws
     cand = torch.empty(max(cap, 1), dtype=torch.int64, device=dev)
     work = torch.zeros(WORK_BYTES // 8, dtype=torch.int64, device=dev)  # counters and histograms start at zero
     _k("sample_token")((blocks,), (1024,), (p(logits), p(seen), p(params), p(draws), p(z), p(block_max), p(cand),
-                                           p(work), np.int32(min(cap, CAP)), np.int32(V), p(tok), p(drawn)), stream=s)
+                                           p(work), np.int32(cap), np.int32(V), p(tok), p(drawn)), stream=s)
