@@ -39,6 +39,14 @@ __global__ void rope(__half* __restrict__ qkv, const float* __restrict__ cos, co
     p[i + half] = __float2half_rn(x2 * c + x1 * s);
 }
 
+// out[r] = table[tok[r]], rows of D8 16-byte words, the table in pinned host memory read through its host pointer
+// (zero-copy): the embeddings take no GPU memory (an 8B model's are 1 GB) for one row per token. Block = row.
+__global__ void embed_rows(const long long* __restrict__ tok, const uint4* __restrict__ table, uint4* __restrict__ out,
+                           int D8) {
+    const long long t = tok[blockIdx.x];
+    for (int i = threadIdx.x; i < D8; i += blockDim.x) out[(size_t)blockIdx.x * D8 + i] = table[t * D8 + i];
+}
+
 // out[r, i] = silu(gu[r, i]) * gu[r, I + i] for gu [rows, 2I].
 __global__ void silu_mul(const __half* __restrict__ gu, __half* __restrict__ out, int I, int n) {
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;

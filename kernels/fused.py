@@ -6,7 +6,7 @@ import torch
 
 from . import cuda
 
-NAMES = ("rmsnorm", "rope", "silu_mul")
+NAMES = ("rmsnorm", "rope", "silu_mul", "embed_rows")
 
 
 def _k(name: str):
@@ -29,6 +29,17 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, h
     _k("rope")((rows * heads,), (max(32, half),), (cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), np.int32(ld),
                                                    np.int32(cos.shape[0]), np.int32(heads), np.int32(half)),
                stream=cuda.stream())
+
+
+def embed_rows(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """tokens: int64 on the GPU; table: fp16 [V, D] pinned in host memory, D % 8 == 0 -> fp16 [*tokens.shape, D] on
+    the GPU."""
+    V, D = table.shape
+    out = torch.empty(*tokens.shape, D, dtype=table.dtype, device=tokens.device)
+    tok = tokens.contiguous()
+    _k("embed_rows")((max(1, tok.numel()),), (min(256, D // 8),),
+                     (cuda.ptr(tok), np.uint64(table.data_ptr()), cuda.ptr(out), np.int32(D // 8)), stream=cuda.stream())
+    return out
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,8 @@ typedef unsigned char uint8_t;
 
 // log2 of the factor f of mma tile m, row half r (rows g: 0, rows g + 8: 1), as quant._SLOT places the fields.
 __host__ __device__ constexpr int log2_factor(int bits, int m, int r) {
-    return bits == 4   ? 4 * r
+    return bits == 8   ? 0
+           : bits == 4 ? 4 * r
            : bits == 3 ? (m == 0 ? 0 : m == 1 ? 3 * r : m == 2 ? 3 : 6)
                        : (m < 3 ? 2 * m : 6 + 2 * r);
 }
@@ -54,7 +55,16 @@ __device__ __forceinline__ float inv_factor(int bits, int m, int r) {
 // register is one LOP3 (mask immediate, magic register) instead of an AND and an OR with two immediates.
 template <int BITS>
 __device__ __forceinline__ void decode(const uint32_t (&w)[BITS], uint32_t magic, uint32_t (&a)[4][4]) {
-    if (BITS == 4) {
+    if (BITS == 8) {  // registers 0, 1 of tile m in word 2m (bits 0 and 8 of each half), 2, 3 in word 2m + 1
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint32_t v = w[(2 * m + h) % BITS];
+                a[m][2 * h] = (v & 0x00FF00FFu) | magic;
+                a[m][2 * h + 1] = ((v >> 8) & 0x00FF00FFu) | magic;
+            }
+    } else if (BITS == 4) {
 #pragma unroll
         for (int m = 0; m < 4; m++) {
             const uint32_t hi = w[m] >> 8;
@@ -93,9 +103,12 @@ __device__ __forceinline__ void decode(const uint32_t (&w)[BITS], uint32_t magic
 // A lane's BITS words of a step.
 template <int BITS>
 __device__ __forceinline__ void lane_words(const uint32_t* p, uint32_t (&w)[BITS]) {
-    if (BITS == 4) {
-        const uint4 u = *reinterpret_cast<const uint4*>(p);
-        w[0] = u.x; w[1 % BITS] = u.y; w[2 % BITS] = u.z; w[3 % BITS] = u.w;
+    if (BITS == 4 || BITS == 8) {
+#pragma unroll
+        for (int q = 0; q < BITS / 4; q++) {
+            const uint4 u = reinterpret_cast<const uint4*>(p)[q];
+            w[4 * q] = u.x; w[(4 * q + 1) % BITS] = u.y; w[(4 * q + 2) % BITS] = u.z; w[(4 * q + 3) % BITS] = u.w;
+        }
     } else if (BITS == 2) {
         const uint2 u = *reinterpret_cast<const uint2*>(p);
         w[0] = u.x; w[1 % BITS] = u.y;
@@ -497,6 +510,7 @@ __global__ void dequant(const uint32_t* __restrict__ qw, const uint8_t* __restri
 template __global__ void dequant<2>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 template __global__ void dequant<3>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 template __global__ void dequant<4>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
+template __global__ void dequant<8>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 
 // Table weights as dense fp16 [N, K], as quant.QuantLUT.dequantize(torch.float16), from kernels.gemv.PackedLUT (lut:
 // 2 / 3 bits the split tables, 4 bits fp16 [N, 16]): one thread per (tile, step, lane).
@@ -537,6 +551,8 @@ template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*
 INST_BITS(16, 3, 0)
 INST_BITS(8, 5, 0)
 INST_BITS(16, 3, 4)
+// 8 bits (the output head, quant.HEAD_BITS): gemv.py's HEAD_VARIANT, whose rings fit 99 KB of shared memory (sm_89)
+INST_GS(8, 16, 2, 0)
 // table weights: gemv.py's TABLE_VARIANT, with and without QDEC
 #define INST_LUT(QW) INST_L(2, 16, 2, 0, QW, true) INST_L(3, 16, 2, 0, QW, true) INST_L(4, 16, 2, 0, QW, true)
 INST_LUT(0)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from localllm.quant import GROUP_SIZES, QuantLUT, QuantWeight, as_int32, unpack_codes
+from localllm.quant import GROUP_SIZES, HEAD_BITS, PACK_BITS, QuantLUT, QuantWeight, as_int32, unpack_codes
 
 from . import cuda, qdec
 
@@ -20,12 +20,16 @@ META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
 # and 93% at 4) and lost to 4 on qkv (77 vs 86%); table weights, whose slots also hold a tile's tables, want 2.
 VARIANTS = ((16, 3), (8, 5))
 TABLE_VARIANT = (16, 2)
+# 8-bit weights (the output head, quant.HEAD_BITS): a pair is 2 KB, so depth 2 keeps 64 KB in flight per SM and the
+# rings within the 99 KB of shared memory of sm_89 (RTX 40-series)
+HEAD_VARIANT = (16, 2)
 NAMES = tuple(f"gemv<{b},{w},{d},{gs},0,false>" for b in (2, 3, 4) for w, d in VARIANTS
               for gs in range(len(GROUP_SIZES))) \
     + tuple(f"gemv<{b},{w},{d},{gs},{qdec.QW},false>" for b in (2, 3, 4) for w, d in VARIANTS[:1]
             for gs in range(len(GROUP_SIZES))) \
     + tuple(f"gemv<{b},{w},{d},0,{qw},true>" for b in (2, 3, 4) for w, d in (TABLE_VARIANT,) for qw in (0, qdec.QW)) \
-    + tuple(f"dequant<{b}>" for b in (2, 3, 4)) + tuple(f"dequant_lut<{b}>" for b in (2, 3, 4))
+    + tuple(f"gemv<{HEAD_BITS},{w},{d},{gs},0,false>" for w, d in (HEAD_VARIANT,) for gs in range(len(GROUP_SIZES))) \
+    + tuple(f"dequant<{b}>" for b in PACK_BITS) + tuple(f"dequant_lut<{b}>" for b in (2, 3, 4))
 
 
 @dataclass
@@ -50,6 +54,10 @@ class Packed:
     @property
     def out_features(self) -> int:
         return self.meta.shape[0] * 16
+
+    def tiles(self, t0: int, t1: int) -> "Packed":
+        """Rows 16 t0 .. 16 t1 (views)."""
+        return Packed(self.qweight[t0:t1], self.meta[t0:t1], self.bits, self.group_size, self.in_features)
 
     @property
     def nbytes(self) -> int:
@@ -78,6 +86,10 @@ class PackedLUT:
     @property
     def out_features(self) -> int:
         return self.lut.shape[0]
+
+    def tiles(self, t0: int, t1: int) -> "PackedLUT":
+        """Rows 16 t0 .. 16 t1 (views)."""
+        return PackedLUT(self.qweight[t0:t1], self.lut[16 * t0:16 * t1], self.bits, self.in_features)
 
     @property
     def nbytes(self) -> int:
@@ -122,7 +134,9 @@ def record_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> int:
 
 def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int, int]:
     """The (warps, depth) variant decode runs for w (QDEC needs it)."""
-    return TABLE_VARIANT if isinstance(w, (PackedLUT, QuantLUT)) else VARIANTS[0]
+    if isinstance(w, (PackedLUT, QuantLUT)):
+        return TABLE_VARIANT
+    return HEAD_VARIANT if w.bits == HEAD_BITS else VARIANTS[0]
 
 
 def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
@@ -152,6 +166,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     warps, depth = variant or decode_variant(w)
     qw = qdec.QW if comp is not None and comp.k_chunk > 0 else 0
     assert not lut or (warps, depth) == TABLE_VARIANT, "table weights: TABLE_VARIANT only"
+    assert w.bits != HEAD_BITS or ((warps, depth) == HEAD_VARIANT and not qw), "8 bits: HEAD_VARIANT, no QDEC"
     gs = 0 if lut else GROUP_SIZES.index(w.group_size)
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()}>", NAMES)
     grid = grid_of(N, x.device, blocks_per_sm or 1)

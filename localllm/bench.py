@@ -64,15 +64,20 @@ def _copies(one_bytes: int) -> int:
     return max(2, -(-L2_FLUSH_BYTES // one_bytes))
 
 
+def random_quant(N: int, K: int, bits: int, group_size: int, dev):
+    """Random codes with scales that keep W x at about unit scale for unit x."""
+    from .quant import QuantWeight, pack_codes
+    G = -(-K // group_size)
+    q = pack_codes(torch.randint(0, 2**bits, (N, K), device=dev), bits)
+    scales = (torch.rand(N, G, device=dev) * 2 / (2**bits * K**0.5)).half()
+    zeros = torch.full((N, G), 2 ** (bits - 1), device=dev, dtype=torch.uint8)
+    return QuantWeight(q, scales, zeros, bits, group_size, K)
+
+
 def random_packed(N: int, K: int, bits: int, group_size: int):
     """A random GPU weight (kernels.gemv.Packed) of N x K."""
     from .kernels.gemv import Packed
-    from .quant import QuantWeight, pack_codes
-    G = -(-K // group_size)
-    return Packed.from_quant(QuantWeight(pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits),
-                                         torch.rand(N, G, device="cuda").half(),
-                                         torch.randint(0, 2**bits, (N, G), device="cuda", dtype=torch.uint8),
-                                         bits, group_size, K))
+    return Packed.from_quant(random_quant(N, K, bits, group_size, "cuda"))
 
 
 def gemv_sets(N: int, K: int, bits: int, group_size: int) -> tuple[list, int]:
@@ -225,11 +230,11 @@ LLAMA3_8B_CONFIG = dict(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
 
 
-def random_model(cfg, bits: int | None, group_size: int = 128):
-    """A decoder of cfg's shapes with random weights made on the GPU: packed `bits`-bit, or dense fp16 (None)."""
+def random_model(cfg, bits: int | None, group_size: int = 128, head_bits: int = 16):
+    """A decoder of cfg's shapes with random weights made on the GPU: packed `bits`-bit, or dense fp16 (None); the
+    output head fp16 (head_bits 16) or 8-bit (quant.HEAD_BITS, as `localllm quantize` writes it)."""
     from .model import KINDS, QdecSettings, RMSNorm, Transformer, build_block
     from .modelfile import linear_shape
-    from .quant import QuantWeight, pack_codes
     dev, D = torch.device("cuda"), cfg.hidden_size
     settings = QdecSettings()
     blocks = []
@@ -240,25 +245,21 @@ def random_model(cfg, bits: int | None, group_size: int = 128):
             if bits is None:
                 t[kind] = {"weight": torch.randn(N, K, device=dev, dtype=torch.float16) * K ** -0.5}
             else:
-                G = -(-K // group_size)
-                q = pack_codes(torch.randint(0, 2**bits, (N, K), device=dev), bits)
-                scales = (torch.rand(N, G, device=dev) * 2 / (2**bits * K**0.5)).half()
-                zeros = torch.full((N, G), 2 ** (bits - 1), device=dev, dtype=torch.uint8)
-                t[kind] = {"quant": QuantWeight(q, scales, zeros, bits, group_size, K)}
+                t[kind] = {"quant": random_quant(N, K, bits, group_size, dev)}
         blk = build_block(cfg, i, t, settings)
         for lin in (blk.qkv, blk.o, blk.gate_up, blk.down):
             lin.place(dev, torch.float16)
         blocks.append(blk)
     embed = torch.randn(cfg.vocab_size, D, device=dev, dtype=torch.float16)
-    lm_head = torch.randn(cfg.vocab_size, D, device=dev, dtype=torch.float16) * D ** -0.5
+    lm_head = torch.randn(cfg.vocab_size, D, device=dev, dtype=torch.float16) * D ** -0.5 if head_bits == 16 else \
+        random_quant(cfg.vocab_size, D, head_bits, 128, dev)
     return Transformer(cfg, embed, blocks, RMSNorm(torch.ones(D, device=dev), cfg.rms_norm_eps), lm_head,
                        settings).place(dev).eval()
 
 
 def weight_bytes(model) -> int:
-    """Bytes a decode step must read: packed (or dense) projections, lm_head, norms."""
-    n = model.lm_head.numel() * 2
-    return n + sum(lin.nbytes for lin in model.linears())
+    """Bytes a decode step must read: packed (or dense) projections and the output head."""
+    return model.head.nbytes + sum(lin.nbytes for lin in model.linears())
 
 
 def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 50, kv_bits: int = 16) -> float:
@@ -301,12 +302,13 @@ def _replay_time(dec, reps: int) -> float:
 
 
 def prefill_time(model, tokens: int = 512) -> float:
-    """Seconds to run a prompt of `tokens` tokens (the model's prompt path), eager, median of 3."""
+    """Seconds to run a prompt of `tokens` tokens (the model's prompt path, the head on the last position only, as
+    generate() runs it), eager, median of 3."""
     from .model import KVCache
     ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), device="cuda")
     cache = KVCache(model.cfg, tokens, dtype=model.embed.dtype, device="cuda")
     with torch.inference_mode():
-        return time_eager(lambda: model(ids, 0, cache), reps=3)
+        return time_eager(lambda: model(ids, 0, cache, last=True), reps=3)
 
 
 def hf_generate_tps(cfg, new_tokens: int = 64) -> float:
@@ -344,14 +346,14 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
     del dense
     torch.cuda.empty_cache()
     hf_tps = hf_generate_tps(cfg)
-    for bits in bits_list:
+    for bits, head in [(b, h) for h in (16, 8) for b in bits_list]:
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
-        m = random_model(cfg, bits)
+        m = random_model(cfg, bits, head_bits=head)
         used = torch.cuda.memory_allocated() - base
         nbytes = weight_bytes(m)
         t = decode_time(m, kv_bits=kv_bits)
-        rows.append({"bits": bits, "ms": t * 1e3, "prefill512_ms": prefill_time(m) * 1e3, "tok/s": 1 / t,
+        rows.append({"bits": bits, "head": head, "ms": t * 1e3, "prefill512_ms": prefill_time(m) * 1e3, "tok/s": 1 / t,
                      "sampled_tok/s": 1 / sampled_decode_time(m, SamplingParams()),
                      "roofline_tok/s": bw / nbytes,
                      "of_roofline": nbytes / bw / t, "of_read_roofline": nbytes / rd / t, "vs_fp16_graph": t16 / t,
@@ -363,11 +365,12 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
           f"replay; roofline: weight bytes at the copy bandwidth ({bw / 1e9:.0f} GB/s), also at the read-only "
           f"bandwidth ({rd / 1e9:.0f} GB/s)")
     print(f"fp16 (same decoder, CUDA graph): {1 / t16:.1f} tok/s; transformers fp16 generate: {hf_tps:.1f} tok/s; "
-          "sampled: generate()'s token loop at its default sampling (temperature 0.7, top-p 0.9), tokenizer aside")
-    print(f"{'bits':>4} {'ms/tok':>7} {'tok/s':>7} {'roofline':>8} {'% roof':>7} {'% read':>7} {'vs fp16':>8} "
+          "sampled: generate()'s token loop at its default sampling (temperature 0.7, top-p 0.9), tokenizer aside; "
+          "head: the output head fp16 (16) or 8-bit (8, what `localllm quantize` writes)")
+    print(f"{'bits':>4} {'head':>4} {'ms/tok':>7} {'tok/s':>7} {'roofline':>8} {'% roof':>7} {'% read':>7} {'vs fp16':>8} "
           f"{'bytes x':>8} {'vs HF':>6} {'GPU GB':>7} {'model GB':>9} {'prefill 512 ms':>14} {'sampled tok/s':>13}")
     for r in rows:
-        print(f"{r['bits']:>4} {r['ms']:7.2f} {r['tok/s']:7.1f} {r['roofline_tok/s']:8.1f} "
+        print(f"{r['bits']:>4} {r['head']:>4} {r['ms']:7.2f} {r['tok/s']:7.1f} {r['roofline_tok/s']:8.1f} "
               f"{100 * r['of_roofline']:6.1f}% {100 * r['of_read_roofline']:6.1f}% {r['vs_fp16_graph']:7.2f}x "
               f"{r['bytes_ratio']:7.2f}x "
               f"{r['vs_hf']:5.1f}x {r['gpu_mem_GB']:7.2f} {r['packed_GB']:9.2f} {r['prefill512_ms']:14.1f} "

@@ -63,9 +63,11 @@ def cmd_info(a) -> None:
     mb = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
     print(f"model        {d['path']}")
     print(f"             {d['architecture']}, {d['parameters'] / 1e6:.1f}M parameters")
-    print(f"bits         {d['quantization']}")
-    print(f"GPU memory   {mb(d['gpu_bytes'])} (weights + embeddings, without KV cache)")
-    print(f"pinned host  {mb(d['pinned_host_bytes'])} (QDEC residuals)")
+    h = d["head"]
+    print(f"bits         {d['quantization']}; output head " + (f"{h['bits']}-bit, group {h['group_size']}" if h else "fp16"))
+    print(f"GPU memory   {mb(d['gpu_bytes'])} (weights, without KV cache)")
+    print(f"pinned host  {mb(d['pinned_host_bytes'])} (QDEC residuals) + {mb(d['pinned_embed_bytes'])} (embeddings, on a "
+          "GPU)")
     kv, sa = d["kv_cache"], d["kv_cache"]["smooth_attention"]
     per_token = ", ".join(f"{n / 2**10:.1f} KiB at {b} bits" for b, n in kv["bytes_per_token"].items())
     print(f"KV cache     per token {per_token}; SmoothAttention " + (f"alpha {sa['alpha']}" if sa else "none"))
@@ -83,7 +85,7 @@ def cmd_quantize(a) -> None:
     from .quantize import quantize
     out = quantize(a.source, a.output, bits=a.bits, group_size=a.group_size, residuals=not a.no_residuals,
                    calib_text=a.calib_text, calib_tokens=a.calib_tokens, gguf_file=a.gguf_file, method=a.method,
-                   smooth_attention=not a.no_smooth_attention)
+                   smooth_attention=not a.no_smooth_attention, head_bits=a.head_bits)
     print(f"wrote {out}")
 
 
@@ -258,6 +260,8 @@ def parser() -> argparse.ArgumentParser:
                         "rtn), squeezellm (non-uniform per-channel tables by sensitivity-weighted k-means)")
     q.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES, help="rtn and awq only")
     q.add_argument("--no-residuals", action="store_true", help="skip QDEC residuals")
+    q.add_argument("--head-bits", type=int, default=8, choices=(8, 16),
+                   help="output head: 8-bit (default; half its bytes per token, no measurable loss) or 16 (fp16)")
     q.add_argument("--no-smooth-attention", action="store_true",
                    help="do not fold SmoothAttention factors into the keys (they make a 4-bit KV cache more accurate)")
     q.add_argument("--calib-text", help="UTF-8 text file for calibration (default: built-in sample)")

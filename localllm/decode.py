@@ -43,7 +43,7 @@ class Decoder:
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Logits [V] after the prompt (fills the cache from position 0)."""
         t = torch.tensor([ids], device=self.model.device)
-        return self.model(t, 0, self.cache)[0, -1]
+        return self.model(t, 0, self.cache, last=True)[0, -1]
 
     def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         """Logits [V] after `token` (a 0-dim device tensor) at position `pos`. With a CUDA graph they are a view of

@@ -66,6 +66,8 @@ def demo_model(bits: int = DEFAULT_BITS, smooth_attention: bool = True) -> Path:
 def _current(folder: Path, smooth_attention: bool) -> bool:
     from .modelfile import read_manifest
     try:
-        return bool(read_manifest(folder).get("smooth_attention")) == smooth_attention
+        m = read_manifest(folder)
     except LocalLLMError:
         return False
+    # made before the 8-bit output head (format 3) or SmoothAttention: quantized again
+    return bool(m.get("smooth_attention")) == smooth_attention and "head" in m["quant"]

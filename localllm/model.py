@@ -18,6 +18,7 @@ from .config import ModelConfig, rope_inv_freq
 from .quant import QuantLUT, QuantResidual, QuantWeight
 
 KINDS = ("qkv", "o", "gate_up", "down")
+DEQUANT_ELEMS = 1 << 26  # a prompt's GPU matmul dequantizes at most this many weights at once (128 MB of fp16)
 QDEC_MODES = ("off", "exact", "approx", "static", "random")
 
 
@@ -112,18 +113,17 @@ class Linear(nn.Module):
                 return self._gemv(x, residual, norm, glu, self.comp if compensate else None)
             compensate = False  # prompts on the GPU run uncompensated (as in the paper)
         x = self.input_of(x, norm, glu)
-        # 8-bit activations for uniform quantized weights only (table weights have no int8 GEMM: their prompts
-        # stay fp16 on both devices)
-        act8 = self.settings.act8 and self.weight is None and x.shape[:-1].numel() > 1 and \
+        # 8-bit activations for the blocks' uniform quantized weights only (table weights have no int8 GEMM: their
+        # prompts stay fp16 on both devices; the head is outside the blocks)
+        act8 = self.settings.act8 and self.weight is None and self.kind != "head" and x.shape[:-1].numel() > 1 and \
             not hasattr(self.quant if self.quant is not None else self.packed, "lut")  # QuantLUT / PackedLUT
         if self.packed is not None:  # a prompt on the GPU: the int8 GEMM, or dequantize to fp16 then cuBLAS
-            from .kernels.gemv import dequantize
             if act8:
                 from .kernels import prefill_a8
                 y = prefill_a8.linear(x.reshape(-1, x.shape[-1]), self.packed).view(*x.shape[:-1], -1)
-                y = y if self.bias is None else y + self.bias
             else:
-                y = F.linear(x, dequantize(self.packed), self.bias)
+                y = self._dequantized_matmul(x)
+            y = y if self.bias is None else y + self.bias
         else:
             xin = ops.quantize_tokens(x) if act8 else x
             y = F.linear(xin, self.dense().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -136,6 +136,17 @@ class Linear(nn.Module):
                 self.settings.observer(self, x2, idx)
             y = y + qdec.compensate(x2, idx, self.residual).to(y.dtype).reshape(y.shape)
         return y
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W_hat^T on the GPU: W_hat dequantized to fp16 a slice of rows at a time (at most DEQUANT_ELEMS weights:
+        an 8B model's output head would be 1 GB whole), each slice multiplied by cuBLAS."""
+        from .kernels.gemv import dequantize
+        w = self.packed
+        T = w.out_features // 16
+        step = max(1, DEQUANT_ELEMS // (16 * w.in_features))
+        if step >= T:
+            return F.linear(x, dequantize(w))
+        return torch.cat([F.linear(x, dequantize(w.tiles(t, min(T, t + step)))) for t in range(0, T, step)], dim=-1)
 
     @staticmethod
     def input_of(x: torch.Tensor, norm: "RMSNorm | None" = None, glu: bool = False) -> torch.Tensor:
@@ -297,52 +308,65 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, blocks: list[Block], norm: RMSNorm,
-                 lm_head: torch.Tensor | None, settings: QdecSettings):
+                 lm_head: torch.Tensor | QuantWeight | None, settings: QdecSettings):
+        """lm_head: the output head's weights [V, D], dense or quantized (8 bits, quant.HEAD_BITS); None: tied to
+        the embeddings (the same tensor)."""
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(embed.float(), requires_grad=False)  # [V, D]
         self.blocks = nn.ModuleList(blocks)
         self.norm = norm
-        # tied embeddings share the tensor
-        self.lm_head = self.embed if lm_head is None else nn.Parameter(lm_head.float(), requires_grad=False)
+        self.tied = lm_head is None
+        if isinstance(lm_head, QuantWeight):
+            self.head = Linear("head", quant=lm_head, settings=settings)
+        else:
+            self.head = Linear("head", weight=self.embed if self.tied else lm_head, settings=settings)
+            if self.tied:
+                self.head.weight = self.embed
         self.settings = settings
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
-        """tokens: [B, T] at positions start..start+T-1 -> logits [B, T, V] (float32)."""
+    def forward(self, tokens: torch.Tensor, start: int = 0, cache: KVCache | None = None,
+                last: bool = False) -> torch.Tensor:
+        """tokens: [B, T] at positions start..start+T-1 -> logits [B, T, V] (float32); last: of the last position
+        only, [B, 1, V]."""
         T = tokens.shape[1]
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds the KV cache ({cache.max_len})")
         pos = torch.arange(start, start + T, device=tokens.device)
-        return self.step(tokens, pos, cache, start + T, causal=start == 0)
+        return self.step(tokens, pos, cache, start + T, causal=start == 0, last=last)
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache | None, kv_len: int,
-             causal: bool = False) -> torch.Tensor:
+             causal: bool = False, last: bool = False) -> torch.Tensor:
         """forward() with positions as a tensor: with a fixed kv_len it can be captured in a CUDA graph. causal: the
         queries are positions 0..T-1 and see only each other (a prompt from the start), so attention needs no mask
         and can take the flash kernel, which takes no explicit mask."""
-        h = F.embedding(tokens, self.embed)
+        h = ops.embedding(tokens, self.embed)
         cos, sin = rope_tables(self.inv_freq, pos)
         mask = None if causal else attention_mask(pos, kv_len if cache is not None else None)
         for blk in self.blocks:
             h = blk(h, cos, sin, pos, cache, mask)
-        return F.linear(self.norm(h), self.lm_head).float()
+        return self.head(h[:, -1:] if last else h, norm=self.norm).float()
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.weight.device
 
     def place(self, device: str | torch.device) -> "Transformer":
         """Move to `device`: fp16 activations and small tensors on a GPU, float32 on the CPU."""
         device = torch.device(device)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
-        tied = self.lm_head is self.embed
-        self.embed = nn.Parameter(self.embed.to(device, dtype), requires_grad=False)
-        self.lm_head = self.embed if tied else nn.Parameter(self.lm_head.to(device, dtype), requires_grad=False)
+        # on a GPU, embeddings the head does not share stay in pinned host memory (one row per token is read)
+        host = ops.host_embedding(self.embed) if device.type == "cuda" and not self.tied else None
+        self.embed = nn.Parameter(self.embed.to(device, dtype) if host is None else host, requires_grad=False)
         for n in [self.norm] + [m for b in self.blocks for m in (b.attn_norm, b.mlp_norm)]:
             n.weight = nn.Parameter(n.weight.to(device), requires_grad=False)  # norms compute in float32
         for lin in self.linears():
             lin.place(device, dtype)
+        if self.tied:
+            self.head.weight = self.embed
+        else:
+            self.head.place(device, dtype)
         self.inv_freq = self.inv_freq.to(device)
         return self
 

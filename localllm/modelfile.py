@@ -2,7 +2,8 @@
 
     localllm.json            manifest: format version, source (+ sha256), config, method, bits (per block),
                              group size, residual and calibration info, size + sha256 of every file
-    model.safetensors        fp16 embeddings / norms / lm_head; packed low-bit weights (+ qkv bias), with
+    model.safetensors        fp16 embeddings / norms; the output head 8-bit (head.*; format 3) or fp16 (lm_head,
+                             where not tied); packed low-bit weights (+ qkv bias), with
                              group scales + zeros (uniform) or per-channel tables (non-uniform); the
                              SmoothAttention factors folded into qkv (blocks.N.k_smooth, optional)
     residuals.safetensors    4-bit QDEC residuals, input-channel-major (optional)
@@ -29,14 +30,14 @@ from .errors import LocalLLMError
 from .loader import MANIFEST
 from .model import KINDS, Block, QdecSettings, RMSNorm, Transformer, build_block
 from .qdec import ActStats
-from .quant import BASE_BITS, QuantLUT, QuantResidual, QuantWeight
+from .quant import BASE_BITS, HEAD_BITS, QuantLUT, QuantResidual, QuantWeight
 
-# Version 2: per-block bit widths (quant.block_bits) and the non-uniform layout. Version 1 files (uniform bits,
-# WEIGHT_LAYOUT) still load.
-FORMAT_VERSION = 2
+# Version 2: per-block bit widths (quant.block_bits) and the non-uniform layout. Version 3: the output head may be
+# quantized (quant.head). Version 1 files (uniform bits, WEIGHT_LAYOUT) still load.
+FORMAT_VERSION = 3
 WEIGHT_LAYOUT = "rtn-mma-v3"        # quant.pack_codes: 16x64 tiles in tensor-core operand order, group scale + zero
 LUT_LAYOUT = "lut-mma-v3"           # the same packed codes, one fp16 table of 2^bits values per output channel
-READABLE = {1: (WEIGHT_LAYOUT,), 2: (WEIGHT_LAYOUT, LUT_LAYOUT)}  # format version -> weight layouts it may hold
+READABLE = {1: (WEIGHT_LAYOUT,), 2: (WEIGHT_LAYOUT, LUT_LAYOUT), 3: (WEIGHT_LAYOUT, LUT_LAYOUT)}  # format version -> weight layouts it may hold
 RESIDUAL_LAYOUT = "sym4-inmajor-v1"  # quant.QuantResidual: [K, N/8] int32 of (q + 8) nibbles
 FILES = ("model.safetensors", "residuals.safetensors", "calibration.safetensors")
 
@@ -198,7 +199,16 @@ def load(path: str | Path, verify: bool = True, settings: QdecSettings | None = 
         blocks.append(build_block(cfg, i, t, settings))
     V = cfg.vocab_size
     embed = take(w, "embed", (V, D), FILES[0])
-    lm_head = None if cfg.tie_word_embeddings else take(w, "lm_head", (V, D), FILES[0])
+    if hq := m["quant"].get("head"):
+        if hq.get("bits") != HEAD_BITS:
+            raise LocalLLMError(f"{path}: the output head is {hq.get('bits')}-bit; this localllm reads {HEAD_BITS}-bit "
+                                "heads: re-run `localllm quantize`")
+        G = math.ceil(D / hq["group_size"])
+        lm_head = QuantWeight(take(w, "head.qweight", (V // 16, D * HEAD_BITS // 2), FILES[0]),
+                              take(w, "head.scales", (V, G), FILES[0]), take(w, "head.zeros", (V, G), FILES[0]),
+                              HEAD_BITS, hq["group_size"], D)
+    else:
+        lm_head = None if cfg.tie_word_embeddings else take(w, "lm_head", (V, D), FILES[0])
     model = Transformer(cfg, embed, blocks, RMSNorm(take(w, "norm", (D,), FILES[0]), cfg.rms_norm_eps), lm_head,
                         settings)
     return model.eval(), m

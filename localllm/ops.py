@@ -28,6 +28,26 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
 
 
+def embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows of table [V, D] for tokens. A GPU model keeps an embedding table that the head does not share in pinned host
+    memory (model.Transformer.place, host_embedding): the kernel reads the rows through its host pointer."""
+    if table.device != tokens.device:
+        from .kernels import fused
+        return fused.embed_rows(tokens, table)
+    return F.embedding(tokens, table)
+
+
+def host_embedding(table: torch.Tensor) -> torch.Tensor | None:
+    """table [V, D] as fp16 pinned host memory for a GPU model (what embedding() reads), or None where the kernel
+    cannot (no CUDA kernels here, D % 8 != 0) or the host has no room to pin it."""
+    if not cuda_kernels() or table.shape[1] % 8:
+        return None
+    try:
+        return table.to("cpu", torch.float16).pin_memory()
+    except RuntimeError:
+        return None
+
+
 def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
     """Rotate-half RoPE, in place, on the first `heads` heads of each row of qkv [rows, ld] (the q heads then the
     k heads of a fused projection); row r is at position r % T of cos/sin [T, head_dim / 2]."""

@@ -263,16 +263,18 @@ class LocalModel:
                                  float(lin.stats.kth[k - 1]), grid)
 
     def sizes(self) -> dict:
-        """Bytes the model needs: on the GPU (packed weights, fp16 embeddings) and pinned on the host."""
-        gpu = 2 * (self.model.embed.numel() + sum(n.weight.numel() for n in self._norms()))
-        if self.model.lm_head is not self.model.embed:
-            gpu += 2 * self.model.lm_head.numel()
+        """Bytes the model needs on a GPU (packed weights, the head, norms) and pinned on the host: the QDEC residuals
+        (when QDEC is on) and the fp16 embeddings, unless the head shares them (Transformer.place)."""
+        m = self.model
+        embed = 2 * m.embed.numel()
+        host_embed = not m.tied and m.embed.shape[1] % 8 == 0 if m.device.type == "cpu" else m.embed.device.type == "cpu"
+        gpu = 2 * sum(n.weight.numel() for n in self._norms()) + (0 if host_embed else embed)
         host = 0
-        for lin in self.model.linears():
+        for lin in [*self.model.linears(), *([] if self.model.tied else [self.model.head])]:
             gpu += lin.nbytes if lin.weight is None else lin.nbytes // lin.weight.element_size() * 2  # fp16
             if lin.residual is not None:
                 host += lin.residual.nbytes  # pinned when QDEC is on
-        return {"gpu_bytes": gpu, "pinned_host_bytes": host}
+        return {"gpu_bytes": gpu, "pinned_host_bytes": host, "pinned_embed_bytes": embed if host_embed else 0}
 
     def _norms(self):
         yield self.model.norm
@@ -390,8 +392,9 @@ def describe(lm: LocalModel) -> dict:
     """What `localllm info` prints."""
     m = lm.manifest or {}
     c = lm.model.cfg
+    head = lm.model.head
     n_params = sum(lin.in_features * lin.out_features for lin in lm.model.linears()) + lm.model.embed.numel() \
-        + (0 if lm.model.lm_head is lm.model.embed else lm.model.lm_head.numel())
+        + (0 if lm.model.tied else head.in_features * head.out_features)
     return {
         "path": lm.path,
         "architecture": f"{c.model_type}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/"
@@ -400,6 +403,7 @@ def describe(lm: LocalModel) -> dict:
         "bits": m["quant"]["bits"] if m else 16,
         "quantization": modelfile.quant_label(m["quant"]) if m else "16 (not quantized)",
         "group_size": m["quant"]["group_size"] if m else None,
+        "head": (m["quant"].get("head") or None) if m else None,  # None: fp16 (or tied to the embeddings)
         "residuals": m.get("residual"),
         "calibration": m.get("calibration"),
         "source": m.get("source", {"path": lm.path}),

@@ -19,14 +19,14 @@ def test_generate_streams_text(tiny_quant):
 def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):
     assert main(["info", str(tiny_quant), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["bits"] == 3 and d["pinned_host_bytes"] > 0 and d["gpu_bytes"] > 0 and d["calibration"]["kmax"] == 256
+    assert d["bits"] == 3 and d["head"]["bits"] == 8 and d["pinned_host_bytes"] > 0 and d["gpu_bytes"] > 0 and d["calibration"]["kmax"] == 256
     from localllm.runtime import load
     src = load(tiny_ckpt).model
     norms = (2 * src.cfg.num_layers + 1) * src.cfg.hidden_size
     assert d["parameters"] == sum(p.numel() for p in src.parameters()) - norms  # projections + embeddings
     assert main(["info", str(tiny_quant)]) == 0
     out = capsys.readouterr().out
-    assert "pinned host" in out and "GPU memory" in out and "no profiles" in out
+    assert "pinned host" in out and "GPU memory" in out and "no profiles" in out and "output head 8-bit" in out
 
 
 def test_quantize_then_generate(tiny_ckpt, tmp_path, capsys):

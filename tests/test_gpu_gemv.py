@@ -62,7 +62,22 @@ def test_gemv_adds_residual_in_epilogue():
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-3
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("N,K", [(128256, 4096), (151936, 1536), (49152, 576), (48, 192)])
+def test_head_gemv_8bit(N, K):
+    """The 8-bit output head (quant.HEAD_BITS; Llama-3-8B's, Qwen2.5-1.5B's, the demo model's vocabulary), with the
+    final RMSNorm fused into its staging as decode runs it."""
+    from localllm import ops
+    from localllm.kernels.gemv import Packed, gemv
+    q = random_quant(N, K, 8, 128)
+    x, w = torch.randn(K, device="cuda").half() * 3, torch.rand(K, device="cuda") + 0.5
+    out = torch.full((N,), float("nan"), device="cuda", dtype=torch.float16)
+    gemv(x, Packed.from_quant(q), out=out, norm=(w, 1e-5))
+    ref = q.dequantize(torch.float64) @ ops.rmsnorm(x.float(), w, 1e-5).half().double()
+    assert not out.isnan().any()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("N,K,gs", [(6144, 4096, 128), (1728, 576, 128), (48, 192, 64)])
 def test_dequant_kernel_equals_reference(bits, N, K, gs):
     from localllm.kernels.gemv import Packed, dequantize

@@ -10,6 +10,9 @@ pytestmark = pytest.mark.gpu
 
 def test_gpu_logits_match_cpu(tiny_quant):
     cpu, gpu = load(tiny_quant, qdec="off"), load(tiny_quant, device="cuda", qdec="off")
+    # the 8-bit head does not share the embeddings: they stay in pinned host memory, read by the embedding kernel
+    assert gpu.model.embed.device.type == "cpu" and gpu.model.embed.is_pinned()
+    assert gpu.sizes()["pinned_embed_bytes"] == 2 * gpu.model.embed.numel()
     toks = torch.randint(0, cpu.model.cfg.vocab_size, (1, 24))
     with torch.no_grad():
         want = cpu.model(toks)
@@ -18,6 +21,22 @@ def test_gpu_logits_match_cpu(tiny_quant):
     for got, ref in ((prompt, want), (one, want[:, :4])):
         rel = ((got - ref).norm() / ref.norm()).item()
         assert rel < 2e-2, rel
+
+
+def test_prompt_matmul_in_slices_of_rows(tiny_quant, monkeypatch):
+    """A prompt's GPU matmul dequantizes big weights (an 8B model's 8-bit head) a slice of rows at a time: the same
+    logits as in one piece (up to cuBLAS's summation order), and the head is 8-bit there."""
+    from localllm import model as model_mod
+    lm = load(tiny_quant, device="cuda", qdec="off")
+    assert lm.model.head.packed is not None and lm.model.head.packed.bits == 8
+    toks = torch.randint(0, lm.model.cfg.vocab_size, (1, 24), device="cuda")
+    with torch.no_grad():
+        whole = lm.model(toks)
+        monkeypatch.setattr(model_mod, "DEQUANT_ELEMS", 16 * lm.model.cfg.hidden_size * 5)  # 80 rows at a time
+        sliced = lm.model(toks)
+        last = lm.model(toks, last=True)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(sliced, whole) < 1e-3 and rel(last, whole[:, -1:]) < 1e-2  # last: one token, the GEMV kernel
 
 
 def test_graph_replay_equals_eager(tiny_quant):

@@ -15,7 +15,8 @@ def test_folder_contents_and_manifest(tiny_quant, tiny_ckpt):
     assert {"localllm.json", *FILES, "tokenizer.json"} <= names
     assert not [n for n in names if n.endswith((".bin", ".pt", ".pkl"))]  # nothing pickled
     m = json.loads((tiny_quant / "localllm.json").read_text())
-    assert m["format_version"] == 2 and m["quant"]["bits"] == 3 and m["quant"]["block_bits"] == [3, 3] and m["quant"]["group_size"] == 64
+    assert m["format_version"] == 3 and m["quant"]["bits"] == 3 and m["quant"]["block_bits"] == [3, 3] and m["quant"]["group_size"] == 64
+    assert m["quant"]["head"] == {"bits": 8, "group_size": 128, "method": "rtn"}
     assert m["residual"]["bits"] == 4 and m["calibration"]["tokens"] >= 128
     assert len(m["source"]["sha256"]) == 64 and m["source"]["path"] == str(tiny_ckpt)
     # no stray temp folders left beside the output
@@ -39,6 +40,24 @@ def test_loaded_weights_are_the_rtn_quantization_of_the_source(tiny_quant, tiny_
             r = w - lq.dense()
             assert ((r - lq.residual.dequantize()) ** 2).mean() < 0.05 * (r ** 2).mean()
     assert torch.equal(q.embed, src.embed.half().float())
+    assert q.head.quant.bits == 8 and torch.equal(q.head.dense(), quantize_rtn(src.head.weight, 8, 128).dequantize())
+
+
+def test_head_kept_fp16_on_request(tiny_ckpt, tmp_path):
+    """--head-bits 16 writes the source head in fp16; the 8-bit head is close to it (same logits within 8-bit
+    rounding) and the folder is larger by the head's other half."""
+    from localllm.quantize import quantize
+    q8 = load(quantize(str(tiny_ckpt), str(tmp_path / "h8"), bits=4, residuals=False, calib_tokens=256, seq_len=64))
+    q16 = load(quantize(str(tiny_ckpt), str(tmp_path / "h16"), bits=4, residuals=False, calib_tokens=256, seq_len=64,
+                        head_bits=16))
+    src = load(tiny_ckpt).model
+    assert q16.manifest["quant"]["head"] is None and q16.model.head.quant is None
+    assert torch.equal(q16.model.head.weight, src.head.weight.half().float())
+    toks = torch.randint(0, src.cfg.vocab_size, (1, 16))
+    with torch.no_grad():
+        a, b = q8.model(toks), q16.model(toks)
+    assert 0 < (a - b).abs().max() < 0.02 * b.abs().max()
+    assert q16.sizes()["gpu_bytes"] - q8.sizes()["gpu_bytes"] > 0.9 * src.cfg.vocab_size * src.cfg.hidden_size
 
 
 def test_sizes_match_bits(tiny_quant):
@@ -48,6 +67,7 @@ def test_sizes_match_bits(tiny_quant):
     packed = sum(linear_shape(cfg, k)[0] * linear_shape(cfg, k)[1] for k in ("qkv", "o", "gate_up", "down"))
     packed *= cfg.num_layers
     assert s["pinned_host_bytes"] >= packed // 2  # 4-bit residuals
+    assert s["pinned_embed_bytes"] == 2 * cfg.vocab_size * cfg.hidden_size  # on a GPU: the head has its own weights
     assert s["gpu_bytes"] < 2 * cfg.vocab_size * cfg.hidden_size * 2 + packed  # well under fp16
 
 
