@@ -58,6 +58,13 @@ def test_head_kept_fp16_on_request(tiny_ckpt, tmp_path):
         a, b = q8.model(toks), q16.model(toks)
     assert 0 < (a - b).abs().max() < 0.02 * b.abs().max()
     assert q16.sizes()["gpu_bytes"] - q8.sizes()["gpu_bytes"] > 0.9 * src.cfg.vocab_size * src.cfg.hidden_size
+    # a format-2 folder (before the 8-bit head: an fp16 lm_head, no quant.head) still loads, with its fp16 head
+    m = json.loads((tmp_path / "h16" / "localllm.json").read_text())
+    m["format_version"] = 2
+    del m["quant"]["head"]
+    (tmp_path / "h16" / "localllm.json").write_text(json.dumps(m))
+    old = load(tmp_path / "h16")
+    assert old.model.head.quant is None and torch.equal(old.model.head.weight, q16.model.head.weight)
 
 
 def test_sizes_match_bits(tiny_quant):
