@@ -109,16 +109,19 @@ def gemv_sweep(group_size: int = 128, blocks_per_sm=(1, 2)) -> None:
 
 def bench_gemv(bits_list=(4, 3, 2), group_size: int = 128) -> list[dict]:
     from .kernels.gemv import gemv
+    from .quant import HEAD_BITS
     bw, rd = copy_bandwidth(), read_bandwidth()
     rows = []
-    for name, (N, K) in LLAMA3_8B.items():
+    # the block projections at bits_list, and the output head at the 8 bits `localllm quantize` writes
+    shapes = [(name, N, K, bits_list) for name, (N, K) in LLAMA3_8B.items()] + [("head", 128256, 4096, (HEAD_BITS,))]
+    for name, N, K, widths in shapes:
         x = torch.randn(K, device="cuda").half()
         w16 = torch.randn(N, K, device="cuda").half()
         fp16_bytes = N * K * 2
         ws = [w16] + [torch.randn_like(w16) for _ in range(_copies(fp16_bytes) - 1)]
         t16 = time_graph([lambda w=w: torch.mv(w, x) for w in ws])
         del ws, w16
-        for bits in bits_list:
+        for bits in widths:
             sets, nbytes = gemv_sets(N, K, bits, group_size)
             t = time_graph([lambda s=s: gemv(x, s[0], out=s[1]) for s in sets])
             rows.append({"layer": name, "N": N, "K": K, "bits": bits, "us": t * 1e6, "GB/s": nbytes / t / 1e9,
