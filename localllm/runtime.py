@@ -394,7 +394,7 @@ def describe(lm: LocalModel) -> dict:
     c = lm.model.cfg
     head = lm.model.head
     n_params = sum(lin.in_features * lin.out_features for lin in lm.model.linears()) + lm.model.embed.numel() \
-        + (0 if lm.model.tied else head.in_features * head.out_features)
+        + (0 if c.tie_word_embeddings else head.in_features * head.out_features)  # a tied source's head is its embeddings
     return {
         "path": lm.path,
         "architecture": f"{c.model_type}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/"
