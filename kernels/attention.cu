@@ -119,8 +119,10 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const size_t row0 = (size_t)kvh * max_len;  // this kv head's first cache row
     auto rows = [&](int c) { return min(CHUNK, pos + 1 - c * CHUNK); };
-    // the new position's row is fetched after this block appends it
+    // the new position's row: this block appends it, and writes it into its own tiles as well (no round trip to
+    // memory for what it just computed)
     const bool late = c0 == pc;
+    const int r_new = pos - c0 * CHUNK;  // its row in the first chunk's tiles, where late
     fetch<D, BITS, true>(s_kt, s_sz, kc, ksz, vsz, row0 + c0 * CHUNK, 0, rows(c0) - late);
     fetch<D, BITS, false>(s_vt, 0, vc, ksz, vsz, row0 + c0 * CHUNK, 0, rows(c0) - late);
 
@@ -140,12 +142,18 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
         if constexpr (!QUANT) {
             __half* kd = reinterpret_cast<__half*>(kc) + (row0 + pos) * D;
             __half* vd = reinterpret_cast<__half*>(vc) + (row0 + pos) * D;
+            __half* kn = reinterpret_cast<__half*>(kt + r_new * T::KS);  // used only where late
+            __half* vn = reinterpret_cast<__half*>(vt + r_new * RW);
             for (int d = tid; d < HALF; d += CHUNK) {
                 const float c = cos[d], s = sin[d], x1 = __half2float(k[d]), x2 = __half2float(k[d + HALF]);
-                kd[d] = __float2half_rn(x1 * c - x2 * s);
-                kd[d + HALF] = __float2half_rn(x2 * c + x1 * s);
+                const __half a = __float2half_rn(x1 * c - x2 * s), b = __float2half_rn(x2 * c + x1 * s);
+                kd[d] = a, kd[d + HALF] = b;
+                if (late) kn[d] = a, kn[d + HALF] = b;
             }
-            for (int d = tid; d < D; d += CHUNK) vd[d] = v[d];
+            for (int d = tid; d < D; d += CHUNK) {
+                vd[d] = v[d];
+                if (late) vn[d] = v[d];
+            }
         } else {
             __shared__ float fresh[2][D];  // the new key (rotated, fp16-rounded) and value
             for (int d = tid; d < HALF; d += CHUNK) {
@@ -167,6 +175,7 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
                 const __half zh = __float2half_rn(lo), sh = __float2half_rn(__fdiv_rn(hi - __half2float(zh), LEVELS));
                 const float z = __half2float(zh), s = __half2float(sh);
                 unsigned* row = (warp == 0 ? kc : vc) + (row0 + pos) * RW;
+                unsigned* tile = warp == 0 ? kt + r_new * T::KS : vt + r_new * RW;  // used only where late
                 for (int w = lane; w < RW; w += 32) {
                     unsigned word = 0;
 #pragma unroll
@@ -175,17 +184,17 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
                         word |= (unsigned)fminf(fmaxf(c, 0.0f), LEVELS) << (BITS * e);
                     }
                     row[w] = word;
+                    if (late) tile[w] = word;
                 }
-                if (lane == 0) (warp == 0 ? ksz : vsz)[row0 + pos] = __halves2half2(sh, zh);
+                if (lane == 0) {
+                    (warp == 0 ? ksz : vsz)[row0 + pos] = __halves2half2(sh, zh);
+                    // the first chunk's (scale, zero) buffer: keys' at r, values' at CHUNK + r (fetch's places)
+                    if (late) const_cast<__half2*>(szt)[warp * CHUNK + r_new] = __halves2half2(sh, zh);
+                }
             }
         }
     }
-    __syncthreads();  // q staged, and this block's cache writes visible to its copies
-    if (late) {       // the new row of the first chunk (keys, values, scales in one group)
-        const int r = pos - c0 * CHUNK;
-        fetch<D, BITS, true>(s_kt, s_sz, kc, ksz, vsz, row0 + c0 * CHUNK, r, r + 1);
-        fetch<D, BITS, false>(s_vt, 0, vc, ksz, vsz, row0 + c0 * CHUNK, r, r + 1);
-    }
+    __syncthreads();  // q staged, and the new row in this block's tiles
     if constexpr (QUANT) {  // sum(q) per query head, for the zero points
         for (int g = warp; g < GQ; g += CHUNK / 32) {
             float a = 0.0f;
@@ -209,10 +218,7 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
         const __half2* ks = szt + buf * 2 * CHUNK;  // this chunk's key (scale, zero), then the values'
         const __half2* vs = ks + CHUNK;
         const bool next = c + 1 < c1;
-        if (late && c == c0)
-            cp_async_wait<0>();
-        else
-            cp_async_wait<1>();  // the keys (the values may still be on their way)
+        cp_async_wait<1>();  // the keys (the values may still be on their way)
         __syncthreads();
 
         // scores: 4 threads per position; thread qd of a position takes the 8-channel pieces qd, qd + 4, ... (BITS
