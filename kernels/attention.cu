@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
             }
         }
     }
-    __syncthreads();  // q staged, and the new row in this block's tiles
+    __syncthreads();  // q staged; the new row in this block's tiles (late), or visible to its later copies
     if constexpr (QUANT) {  // sum(q) per query head, for the zero points
         for (int g = warp; g < GQ; g += CHUNK / 32) {
             float a = 0.0f;
