@@ -127,10 +127,11 @@ def rotated_qkv(heads: int, kv_heads: int, D: int):
 @pytest.mark.parametrize("splits", [None, 1, 3])  # the default, then runs of 4 and 2 chunks
 def test_fused_decode_attention_matches_float64_reference(heads, kv_heads, D, splits):
     from localllm.kernels import attention
-    max_len, gq = 400, heads // kv_heads
+    max_len, gq = 1500, heads // kv_heads
     kc = torch.randn(kv_heads, max_len, D, device="cuda").half()
     vc = torch.randn(kv_heads, max_len, D, device="cuda").half()
-    for p in (0, 127, 128, 255, 256, 300, 399):  # chunk boundaries of 128 positions
+    # chunk boundaries of 128 positions; 1100 and 1499: 9 and 12 runs for attend_combine to merge
+    for p in (0, 127, 128, 255, 256, 300, 399, 1100, 1499):
         qkv, ang, q, k_new, v_new = rotated_qkv(heads, kv_heads, D)
         q, k_new, v_new = q.double(), k_new.double(), v_new.double()
         keys, vals = kc.cpu().double(), vc.cpu().double()
