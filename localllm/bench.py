@@ -238,6 +238,7 @@ def random_model(cfg, bits: int | None, group_size: int = 128, head_bits: int = 
     output head fp16 (head_bits 16) or 8-bit (quant.HEAD_BITS, as `localllm quantize` writes it)."""
     from .model import KINDS, QdecSettings, RMSNorm, Transformer, build_block
     from .modelfile import linear_shape
+    from .quant import HEAD_GROUP
     dev, D = torch.device("cuda"), cfg.hidden_size
     settings = QdecSettings()
     blocks = []
@@ -255,7 +256,7 @@ def random_model(cfg, bits: int | None, group_size: int = 128, head_bits: int = 
         blocks.append(blk)
     embed = torch.randn(cfg.vocab_size, D, device=dev, dtype=torch.float16)
     lm_head = torch.randn(cfg.vocab_size, D, device=dev, dtype=torch.float16) * D ** -0.5 if head_bits == 16 else \
-        random_quant(cfg.vocab_size, D, head_bits, 128, dev)
+        random_quant(cfg.vocab_size, D, head_bits, HEAD_GROUP, dev)
     return Transformer(cfg, embed, blocks, RMSNorm(torch.ones(D, device=dev), cfg.rms_norm_eps), lm_head,
                        settings).place(dev).eval()
 

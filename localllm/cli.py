@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .errors import LocalLLMError
-from .quant import GROUP_SIZES
+from .quant import GROUP_SIZES, HEAD_BITS, HEAD_WIDTHS
 
 
 def _qdec_arg(s: str):
@@ -260,7 +260,7 @@ def parser() -> argparse.ArgumentParser:
                         "rtn), squeezellm (non-uniform per-channel tables by sensitivity-weighted k-means)")
     q.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES, help="rtn and awq only")
     q.add_argument("--no-residuals", action="store_true", help="skip QDEC residuals")
-    q.add_argument("--head-bits", type=int, default=8, choices=(8, 16),
+    q.add_argument("--head-bits", type=int, default=HEAD_BITS, choices=HEAD_WIDTHS,
                    help="output head: 8-bit (default; half its bytes per token, no measurable loss) or 16 (fp16)")
     q.add_argument("--no-smooth-attention", action="store_true",
                    help="do not fold SmoothAttention factors into the keys (they make a 4-bit KV cache more accurate)")

@@ -37,10 +37,15 @@ def embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return F.embedding(tokens, table)
 
 
+def host_rows(table: torch.Tensor) -> bool:
+    """Whether the embedding kernel can read table's rows from host memory: whole 16-byte words (D % 8 == 0)."""
+    return table.shape[1] % 8 == 0
+
+
 def host_embedding(table: torch.Tensor) -> torch.Tensor | None:
     """table [V, D] as fp16 pinned host memory for a GPU model (what embedding() reads), or None where the kernel
-    cannot (no CUDA kernels here, D % 8 != 0) or the host has no room to pin it."""
-    if not cuda_kernels() or table.shape[1] % 8:
+    cannot (no CUDA kernels here, not host_rows) or the host has no room to pin it."""
+    if not cuda_kernels() or not host_rows(table):
         return None
     try:
         return table.to("cpu", torch.float16).pin_memory()

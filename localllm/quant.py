@@ -21,6 +21,8 @@ from torch import Tensor
 
 BASE_BITS = (2, 3, 4)  # the decoder blocks' widths
 HEAD_BITS = 8  # the output head's (quantize.py): at 4 bits it cost the demo model 14% perplexity, at 8 nothing
+HEAD_GROUP = 128
+HEAD_WIDTHS = (HEAD_BITS, 16)  # what `localllm quantize --head-bits` takes: 16 keeps the head fp16
 PACK_BITS = BASE_BITS + (HEAD_BITS,)
 GROUP_SIZES = (64, 128, 256, 512)  # powers of two: the GPU GEMV takes log2(group_size / 64) at compile time
 RESIDUAL_BITS = 4

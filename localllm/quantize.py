@@ -43,7 +43,8 @@ from .model import KINDS, Linear, QdecSettings, RMSNorm, attention_mask, build_b
 from .progress import progress
 from .qdec import ActStats, select_exact
 from .smooth_attention import ALPHA as SMOOTH_ALPHA, factors as smooth_factors, fold as smooth_fold, key_max
-from .quant import BASE_BITS, GROUP_SIZES, HEAD_BITS, TILE_K, TILE_N, quantize_lut, quantize_residual, quantize_rtn
+from .quant import (BASE_BITS, GROUP_SIZES, HEAD_BITS, HEAD_GROUP, HEAD_WIDTHS, TILE_K, TILE_N, quantize_lut,
+                    quantize_residual, quantize_rtn)
 
 DEFAULT_CALIB = "calibration.txt"  # shipped in localllm/data
 METHODS = ("rtn", "awq", "squeezellm")
@@ -136,10 +137,6 @@ def refit_inputs(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, masked])
 
 
-HEAD_CHOICES = (HEAD_BITS, 16)
-HEAD_GROUP = 128
-
-
 def head_quant(w: torch.Tensor, head_bits: int) -> dict | None:
     """The manifest's record of the quantized output head, or None where it stays fp16 (asked for, or a shape the
     GPU tiles cannot hold: vocabulary % 16, hidden % 64)."""
@@ -212,8 +209,8 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
              sensitivity_tokens: int = SENSITIVITY_TOKENS, smooth_attention: bool = True,
              head_bits: int = HEAD_BITS) -> Path:
     bits = parse_bits(bits)
-    if head_bits not in HEAD_CHOICES:
-        raise LocalLLMError(f"--head-bits {head_bits} is not supported; use {' or '.join(map(str, HEAD_CHOICES))}")
+    if head_bits not in HEAD_WIDTHS:
+        raise LocalLLMError(f"--head-bits {head_bits} is not supported; use {' or '.join(map(str, HEAD_WIDTHS))}")
     if method not in METHODS:
         raise LocalLLMError(f"--method {method} is not supported; use one of {', '.join(METHODS)}")
     if group_size not in GROUP_SIZES:

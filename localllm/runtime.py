@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from . import kvquant, modelfile
+from . import kvquant, modelfile, ops
 from .errors import LocalLLMError
 from .loader import MANIFEST, Checkpoint, open_checkpoint
 from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block
@@ -267,10 +267,11 @@ class LocalModel:
         (when QDEC is on) and the fp16 embeddings, unless the head shares them (Transformer.place)."""
         m = self.model
         embed = 2 * m.embed.numel()
-        host_embed = not m.tied and m.embed.shape[1] % 8 == 0 if m.device.type == "cpu" else m.embed.device.type == "cpu"
+        # on the CPU: where Transformer.place would put them on a GPU
+        host_embed = not m.tied and ops.host_rows(m.embed) if m.device.type == "cpu" else m.embed.device.type == "cpu"
         gpu = 2 * sum(n.weight.numel() for n in self._norms()) + (0 if host_embed else embed)
         host = 0
-        for lin in [*self.model.linears(), *([] if self.model.tied else [self.model.head])]:
+        for lin in [*m.linears(), *([] if m.tied else [m.head])]:
             gpu += lin.nbytes if lin.weight is None else lin.nbytes // lin.weight.element_size() * 2  # fp16
             if lin.residual is not None:
                 host += lin.residual.nbytes  # pinned when QDEC is on
