@@ -3,7 +3,9 @@
 // position, rotates the query heads of its kv head, appends the new key and value when its run holds the new
 // position, streams the run's chunks through shared memory (cp.async: each chunk's keys and values are one round
 // trip to memory, the next chunk's keys load while this chunk's values are used) with an online softmax, and writes
-// the run's softmax statistics and unnormalized output; attend_combine merges the runs per query head. The position
+// the run's softmax statistics and unnormalized output; attend_combine merges the runs per query head. Where one run
+// covers the context (short contexts), that run writes the normalized output itself and the combine has nothing to
+// do: one chain of dependent reads less per layer. The position
 // comes from device memory, so one captured CUDA graph serves every step: the runs are cut at run time, splits past
 // the context exit at once. Same math as the torch path (model.Block): q and k rounded
 // to fp16 after rotate-half RoPE, scores and softmax in fp32, output rounded to fp16.
@@ -85,13 +87,15 @@ __device__ __forceinline__ void fetch(unsigned s_tile, unsigned s_sz, const unsi
 
 // qkv: [H*D | KVH*D | KVH*D] of the new token; cos/sin: [D/2] at its position; kc/vc: this layer's cache rows
 // [KVH, max_len, D * BITS / 32] in 32-bit words; ksz/vsz: [KVH, max_len] (scale, zero), unused at 16 bits;
-// ws_o [H, splits, D], ws_ml [H, splits, 2]: the runs' unnormalized outputs and (max, sum) of their softmax.
+// ws_o [H, splits, D], ws_ml [H, splits, 2]: the runs' unnormalized outputs and (max, sum) of their softmax; out
+// [H * D]: the output, written here where one run covers the context.
 template <int D, int GQ, int BITS>
 __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ qkv, const float* __restrict__ cos,
                                                      const float* __restrict__ sin, unsigned* __restrict__ kc,
                                                      unsigned* __restrict__ vc, __half2* __restrict__ ksz,
                                                      __half2* __restrict__ vsz, const long long* __restrict__ pos_p,
-                                                     float* __restrict__ ws_o, float* __restrict__ ws_ml, int H,
+                                                     float* __restrict__ ws_o, float* __restrict__ ws_ml,
+                                                     __half* __restrict__ out, int H,
                                                      int KVH, int max_len, float scale) {
     using T = Tiles<D, BITS>;
     constexpr bool QUANT = BITS < 16;
@@ -332,16 +336,22 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
             for (int e = 0; e < VPW; e++) red[((st - 1) * GQ + g) * D + wd * VPW + e] = acc[g][e];
     }
     __syncthreads();
+    const bool alone = (used + per - 1) / per == 1;  // the only run: it writes the output itself (attend_combine's
+                                                     // result for one run, same bits)
     if (st == 0) {
 #pragma unroll
         for (int g = 0; g < GQ; g++) {
             const int head = kvh * GQ + g;
-            float* out = ws_o + ((size_t)head * splits + split) * D + wd * VPW;
+            float* o = ws_o + ((size_t)head * splits + split) * D + wd * VPW;
 #pragma unroll
             for (int e = 0; e < VPW; e++) {
                 float a = acc[g][e];
                 for (int k = 1; k < STREAMS; k++) a += red[((k - 1) * GQ + g) * D + wd * VPW + e];
-                out[e] = QUANT ? a + zsum[g] : a;
+                a = QUANT ? a + zsum[g] : a;
+                if (alone)
+                    out[head * D + wd * VPW + e] = __float2half_rn(a / lstat[g]);
+                else
+                    o[e] = a;
             }
             if (wd == 0) {
                 ws_ml[(head * splits + split) * 2] = mstat[g];
@@ -370,11 +380,14 @@ template <bool MAX> __device__ __forceinline__ float block_reduce(float v, float
 // D threads.
 __global__ void attend_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
                                const long long* __restrict__ pos_p, __half* __restrict__ out, int splits, int D) {
-    wait_previous();
-    start_next();
     __shared__ float w[SPLITS_MAX], tmp[32];
     const int head = blockIdx.x, used = (int)(*pos_p) / CHUNK + 1, per = (used + splits - 1) / splits;
     const int runs = (used + per - 1) / per;
+    // The next kernel (o's GEMV) may launch now and prefetch its weights while the attention runs: it waits for this
+    // kernel before it reads the output. The position was written before the graph started.
+    start_next();
+    wait_previous();
+    if (runs == 1) return;  // attend_part wrote the output
     const float* ml = ws_ml + (size_t)head * splits * 2;
     float m = NEG_INF;
     for (int r = threadIdx.x; r < runs; r += blockDim.x) m = fmaxf(m, ml[2 * r]);
@@ -396,7 +409,7 @@ __global__ void attend_combine(const float* __restrict__ ws_o, const float* __re
 }
 
 #define INST(D, GQ, B) template __global__ void attend_part<D, GQ, B>(const __half*, const float*, const float*, \
-    unsigned*, unsigned*, __half2*, __half2*, const long long*, float*, float*, int, int, int, float);
+    unsigned*, unsigned*, __half2*, __half2*, const long long*, float*, float*, __half*, int, int, int, float);
 #define INST_GQ(D, B) INST(D, 1, B) INST(D, 2, B) INST(D, 3, B) INST(D, 4, B) INST(D, 5, B) INST(D, 6, B) \
     INST(D, 7, B) INST(D, 8, B)
 #define INST_BITS(D) INST_GQ(D, 16) INST_GQ(D, 8) INST_GQ(D, 4)

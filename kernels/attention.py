@@ -40,7 +40,7 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     cuda.allow_shared(k, smem)
     cuda.launch(k, (kvh, splits), (CHUNK,), (
         cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz, cuda.ptr(pos),
-        cuda.ptr(ws_o), cuda.ptr(ws_ml), np.int32(heads), np.int32(kv_heads), np.int32(max_len), np.float32(scale)),
+        cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(out), np.int32(heads), np.int32(kv_heads), np.int32(max_len), np.float32(scale)),
                 shared_mem=smem, early=True)
     cuda.launch(cuda.kernel("attention", "attend_combine", NAMES), (heads,), (D,), (
         cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(pos), cuda.ptr(out), np.int32(splits), np.int32(D)), early=True)
