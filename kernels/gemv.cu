@@ -146,12 +146,13 @@ __device__ __forceinline__ void lut_tables(const unsigned char* rec, int g, uint
 // the block's fp32 results (16 per tile), the selection (k_chunk ints, k_chunk floats), 1024 bucket bytes and
 // QW * 36 ints. Uniform weights without QDEC: registers capped at 64 so that 32 warps fit on an SM (the sweep's
 // variants); table weights run one block per SM, and 4-bit tables use ~74 (+1-2 points of copy bandwidth).
-// Group size = 64 << GSHIFT (uniform weights; LUT: GSHIFT 0, G = 1).
+// Group size = 64 << GSHIFT (uniform weights; LUT: GSHIFT 0, G = 1). hold: the next kernel is a GEMV that must not
+// share the SMs with this one's stream (kernels.gemv.gemv), so it launches only as this one's blocks exit.
 template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT>
 __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     gemv(const uint8_t* __restrict__ qw, const uint8_t* __restrict__ meta, const __half* __restrict__ x,
          const __half* __restrict__ res, __half* __restrict__ y, int N, int K, int G, uint32_t magic,
-         const float* __restrict__ norm_w, float eps, int glu, const uint32_t* __restrict__ rq,
+         const float* __restrict__ norm_w, float eps, int glu, int hold, const uint32_t* __restrict__ rq,
          const __half* __restrict__ rs, float* __restrict__ part, unsigned long long* __restrict__ state,
          int* __restrict__ sel_out, int k_chunk, int n_tb, float b0, float b15, float inv_hi,
          float inv_lo) {
@@ -235,9 +236,23 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     if (streamer)
 #pragma unroll
         for (int i = 0; i < DEPTH - 1; i++) issue();
+    // The norm's weights of the staging's first round: nobody's output either, so they are in registers by the time
+    // x is (after the wait, only x's own round trip is on the way to the staged input). Hopper only: where kernels
+    // cannot launch early there is less to gain, and sm_89 spills under the 64-register cap.
+#if __CUDA_ARCH__ >= 900
+    constexpr bool PRELOAD = true;
+#else
+    constexpr bool PRELOAD = false;
+#endif
+    float2 nw[4];
+    if (PRELOAD && norm_w != nullptr && streamer)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            nw[e] = threadIdx.x < S * 8 ? __ldg(reinterpret_cast<const float2*>(norm_w) + 4 * threadIdx.x + e)
+                                        : make_float2(0.0f, 0.0f);
     // Weights are nobody's output: they were requested before waiting for the kernel that produces x.
     wait_previous();
-    start_next();
+    if (!hold) start_next();  // else the next kernel launches as this one's blocks exit
     if (threadIdx.x == 0) QDEC_MARK(1);
 
     // The input transform: with norm_w, x becomes fp16(x * rsqrt(mean(x^2) + eps) * norm_w) (ops.rmsnorm); with
@@ -293,7 +308,8 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 if (norm_w != nullptr) {
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        const float2 w = __ldg(reinterpret_cast<const float2*>(norm_w) + 4 * idx + e);
+                        const float2 w = PRELOAD && base0 + j == 0 ? nw[e]
+                                                    : __ldg(reinterpret_cast<const float2*>(norm_w) + 4 * idx + e);
                         const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
                         const __half2 h = __floats2half2_rn(f.x * rnorm * w.x, f.y * rnorm * w.y);
                         v[e] = *reinterpret_cast<const uint32_t*>(&h);
@@ -544,7 +560,7 @@ template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*
 // (warps per block, ring depth) variants, chosen by gemv.py; QDEC (QW = 4) with the first
 #define INST(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false)
 #define INST_L(B, W, D, GS, QW, L) template __global__ void gemv<B, W, D, GS, QW, L>(const uint8_t*, const uint8_t*, \
-    const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, int, const uint32_t*, \
+    const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, int, int, const uint32_t*, \
     const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
 #define INST_GS(B, W, D, QW) INST(B, W, D, 0, QW) INST(B, W, D, 1, QW) INST(B, W, D, 2, QW) INST(B, W, D, 3, QW)
 #define INST_BITS(W, D, QW) INST_GS(2, W, D, QW) INST_GS(3, W, D, QW) INST_GS(4, W, D, QW)

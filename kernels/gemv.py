@@ -123,8 +123,11 @@ def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return as_int32(words).view(n // 16, -1)
 
 
-# Weights below this size launch early (cuda.launch): their time is mostly fixed latency, which the overlap hides.
-EARLY_BYTES = int(os.environ.get("LOCALLLM_EARLY_BYTES", 16 << 20))
+# Every GEMV launches early (cuda.launch) and lets the next kernel launch at its start, so that kernel's prologue
+# (a GEMV's first weights) overlaps its stream, unless the next kernel is a GEMV of at least this many bytes: one of
+# those would hold half of each SM's registers through this one's whole stream (session 3), so it launches only as
+# this one's blocks exit (hold_next), still before their memory is flushed.
+HOLD_BYTES = int(os.environ.get("LOCALLLM_HOLD_BYTES", 16 << 20))
 
 
 def record_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> int:
@@ -148,11 +151,13 @@ def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
 
 def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, glu: bool = False, variant: tuple[int, int] | None = None,
-         blocks_per_sm: int | None = None, early: bool | None = None, comp: "qdec.Call | None" = None) -> torch.Tensor:
+         blocks_per_sm: int | None = None, hold_next: bool | None = None, comp: "qdec.Call | None" = None) -> torch.Tensor:
     """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.
     f, applied while the kernel stages x: norm = (float32 weight [K], eps) -> ops.rmsnorm(x, weight, eps);
     glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself.
     variant: one of VARIANTS for uniform weights (default decode_variant), blocks_per_sm default 1.
+    hold_next: the next kernel is a GEMV of HOLD_BYTES or more (it launches as this one's blocks exit); default: the
+    next kernel is taken to be a GEMV of w's size (the benchmarks' repeated calls).
     comp: QDEC, y += R_hat[:, S] f(x)[S] (S chosen in the kernel); needs decode_variant and the grid that
     comp.state was numbered with."""
     N, K = w.out_features, w.in_features
@@ -182,8 +187,9 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     cuda.launch(k, (grid,), (32 * (warps + qw),), (
         cuda.ptr(w.qweight), cuda.ptr(meta), cuda.ptr(x), null if residual is None else cuda.ptr(residual),
         cuda.ptr(out), np.int32(N), np.int32(K), np.int32(G), np.uint32(0x64006400),
-        null if norm is None else cuda.ptr(norm[0]), np.float32(norm[1] if norm else 0.0), np.int32(glu), *extra),
-        shared_mem=smem, early=w.nbytes < EARLY_BYTES if early is None else early)
+        null if norm is None else cuda.ptr(norm[0]), np.float32(norm[1] if norm else 0.0), np.int32(glu),
+        np.int32(w.nbytes >= HOLD_BYTES if hold_next is None else hold_next), *extra),
+        shared_mem=smem, early=True)
     return out
 
 

@@ -53,6 +53,7 @@ class Linear(nn.Module):
         self.residual = residual
         self.host_residual = None  # on a GPU with QDEC on: the residual pinned in host memory (kernels.qdec)
         self.comp = None  # on a GPU with QDEC on: the QDEC GEMV's launch (kernels.qdec.Call)
+        self.hold_next = False  # decode's next kernel is a large GEMV (kernels.gemv.HOLD_BYTES; Transformer.place)
         self.stats = stats
         self.settings = settings or QdecSettings()
         # dense source weights [N, K]; a quantized Linear dequantizes on the CPU when first run there
@@ -166,7 +167,8 @@ class Linear(nn.Module):
         fuse = residual is not None and self.bias is None
         from .kernels.gemv import gemv
         y = gemv(x.reshape(-1), self.packed, residual=residual.reshape(-1).contiguous() if fuse else None,
-                 norm=None if norm is None else (norm.weight, norm.eps), glu=glu, comp=comp).view(*x.shape[:-1], -1)
+                 norm=None if norm is None else (norm.weight, norm.eps), glu=glu, hold_next=self.hold_next,
+                 comp=comp).view(*x.shape[:-1], -1)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None or fuse else y + residual
@@ -368,6 +370,12 @@ class Transformer(nn.Module):
         else:
             self.head.place(device, dtype)
         self.inv_freq = self.inv_freq.to(device)
+        if device.type == "cuda":
+            from .kernels.gemv import HOLD_BYTES
+            # decode's GEMVs in launch order, each told whether the next one is large
+            order = [lin for blk in self.blocks for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)] + [self.head]
+            for lin, nxt in zip(order, order[1:]):
+                lin.hold_next = lin.kind != "qkv" and nxt.nbytes >= HOLD_BYTES  # qkv: the attention comes next
         return self
 
     def linears(self):
