@@ -266,7 +266,7 @@ def weight_bytes(model) -> int:
     return model.head.nbytes + sum(lin.nbytes for lin in model.linears())
 
 
-def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 50, kv_bits: int = 16) -> float:
+def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 200, kv_bits: int = 16) -> float:
     """Seconds per decode step: the captured graph replayed back to back (no sampling, no host sync)."""
     from .decode import Decoder
     dec = Decoder(model, ctx, kv_bits=kv_bits)
@@ -295,7 +295,11 @@ def sampled_decode_time(model, params, prompt: int = 16, ctx: int = 256, n: int 
     return dt
 
 
-def _replay_time(dec, reps: int) -> float:
+def _replay_time(dec, reps: int, warmup: int = 20) -> float:
+    """Seconds per replay of dec's graph, after `warmup` untimed ones (the first replays after a model is built read
+    ~1% slower: steady decoding is what is measured)."""
+    for _ in range(warmup):
+        dec.graph.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for i in range(reps):
