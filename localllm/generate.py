@@ -78,10 +78,13 @@ class Detokenizer:
         return text
 
 
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that could still grow into a stop string."""
-    return max((n for s in stops for n in range(min(len(s) - 1, len(text)), 0, -1) if s.startswith(text[-n:])),
-               default=0)
+def _ready(text: str, stops: list[str]) -> int:
+    """How much of the text decoded so far can be shown: not an incomplete multi-byte character at its end (it
+    decodes to U+FFFD until its later bytes come), nor the longest tail before it that could still grow into a stop
+    string."""
+    whole = text.rstrip("\ufffd")
+    return len(whole) - max((n for s in stops for n in range(min(len(s) - 1, len(whole)), 0, -1)
+                             if s.startswith(whole[-n:])), default=0)
 
 
 def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingParams, stops: list[str],
@@ -121,9 +124,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
                     yield text[emitted:cut]
                 stats.finish_reason = "stop"
                 break
-            end = len(text) - _held_back(text, stops)
-            # an incomplete multi-byte character decodes to one or more U+FFFD: wait for the rest
-            end = min(end, len(text.rstrip("\ufffd")))
+            end = _ready(text, stops)
             if end > emitted:
                 yield text[emitted:end]
                 emitted = end
