@@ -52,6 +52,14 @@ template <int BITS> __device__ __forceinline__ void word_values(unsigned w, floa
 }
 
 
+// How the context up to pos is cut into runs, the same in both kernels: `used` chunks, `per` chunks a run, `count`
+// runs (splits past them have nothing to do).
+struct Runs {
+    int used, per, count;
+    __device__ Runs(int pos, int splits)
+        : used(pos / CHUNK + 1), per((used + splits - 1) / splits), count((used + per - 1) / per) {}
+};
+
 // Shared memory of attend_part, in 32-bit words: q [GQ][D] (fp32, scaled), p [GQ][CHUNK] (scores, then weights), then
 // the chunk's keys [CHUNK][KS] and values [CHUNK][RW] (cache words) and, for a quantized cache, two buffers of
 // (key, value) (scale, zero) [2][2][CHUNK] (the next chunk's arrive while this chunk's are used); at the end the
@@ -103,8 +111,9 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
     // the position was written before the graph started and rows before it by earlier steps: this run's first chunk
     // is fetched before waiting for the kernel that computes qkv
     const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
-    const int pos = (int)*pos_p, used = pos / CHUNK + 1, per = (used + splits - 1) / splits;
-    const int c0 = split * per, c1 = min(used, c0 + per), pc = pos / CHUNK;
+    const int pos = (int)*pos_p;
+    const Runs runs(pos, splits);
+    const int used = runs.used, c0 = split * runs.per, c1 = min(used, c0 + runs.per), pc = pos / CHUNK;
     if (c0 >= used) {
         wait_previous();
         start_next();
@@ -336,8 +345,8 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
             for (int e = 0; e < VPW; e++) red[((st - 1) * GQ + g) * D + wd * VPW + e] = acc[g][e];
     }
     __syncthreads();
-    const bool alone = (used + per - 1) / per == 1;  // the only run: it writes the output itself (attend_combine's
-                                                     // result for one run, same bits)
+    const bool alone = runs.count == 1;  // the only run: it writes the output itself (attend_combine's result for one
+                                         // run, same bits)
     if (st == 0) {
 #pragma unroll
         for (int g = 0; g < GQ; g++) {
@@ -381,8 +390,7 @@ template <bool MAX> __device__ __forceinline__ float block_reduce(float v, float
 __global__ void attend_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
                                const long long* __restrict__ pos_p, __half* __restrict__ out, int splits, int D) {
     __shared__ float w[SPLITS_MAX], tmp[32];
-    const int head = blockIdx.x, used = (int)(*pos_p) / CHUNK + 1, per = (used + splits - 1) / splits;
-    const int runs = (used + per - 1) / per;
+    const int head = blockIdx.x, runs = Runs((int)*pos_p, splits).count;
     // The next kernel (o's GEMV) may launch now and prefetch its weights while the attention runs: it waits for this
     // kernel before it reads the output. The position was written before the graph started.
     start_next();

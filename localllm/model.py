@@ -373,7 +373,7 @@ class Transformer(nn.Module):
         if device.type == "cuda":
             from .kernels.gemv import HOLD_BYTES
             # decode's GEMVs in launch order, each told whether the next one is large
-            order = [lin for blk in self.blocks for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)] + [self.head]
+            order = [*self.linears(), self.head]
             for lin, nxt in zip(order, order[1:]):
                 lin.hold_next = lin.kind != "qkv" and nxt.nbytes >= HOLD_BYTES  # qkv: the attention comes next
         return self
