@@ -20,7 +20,7 @@
 #include "async_copy.cuh"
 #include "pdl.cuh"
 
-constexpr int CHUNK = 128;   // positions per chunk (and threads per block)
+constexpr int CHUNK = 128;   // positions per chunk
 constexpr int GQ_MAX = 8;    // query heads per kv head
 constexpr int SPLITS_MAX = 1024;  // splits of the context per kv head (attend_combine's shared weights)
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no INFINITY
@@ -63,14 +63,21 @@ struct Runs {
 // Shared memory of attend_part, in 32-bit words: q [GQ][D] (fp32, scaled), p [GQ][CHUNK] (scores, then weights), then
 // the chunk's keys [CHUNK][KS] and values [CHUNK][RW] (cache words) and, for a quantized cache, two buffers of
 // (key, value) (scale, zero) [2][2][CHUNK] (the next chunk's arrive while this chunk's are used); at the end the
-// output streams' partial sums [STREAMS - 1][GQ][D] reuse the tiles' space. kernels/attention.py sizes it alike.
+// output streams' sums [STREAMS][GPP][D] reuse the tiles' space, GPP query heads at a time. kernels/attention.py
+// sizes it alike.
 template <int D, int BITS> struct Tiles {
+    // attend_part's threads (kernels/attention.py launches as many), so that a block's chain of dependent steps (scores,
+    // softmax, the output pass) stays short: with 4 warps it was latency-bound. fp16 cache: 4 per channel (16 warps
+    // at D = 128); quantized caches 8 warps: their decode takes more registers, and 16 warps left fewer blocks
+    // resident than the long contexts need (kernels/NOTES.md, session 21).
+    static constexpr int NT = BITS == 16 ? 4 * D : 256;
     static constexpr int RW = D * BITS / 32;    // 32-bit words per cache row
     static constexpr int WPP = BITS / 4;        // words per 8-channel piece of a key
     static constexpr int KS = RW + 4 * WPP;     // key row stride: a load phase's pieces (4 per position) hit distinct banks
-    static constexpr int STREAMS = CHUNK / RW;  // positions the output pass reads side by side
+    static constexpr int STREAMS = NT / RW < 16 ? NT / RW : 16;  // positions the output pass reads side by side
     static constexpr int SZ = BITS < 16 ? 4 * CHUNK : 0;
     static constexpr int WORDS = CHUNK * KS + CHUNK * RW + SZ;
+    static constexpr int GPP = WORDS / (STREAMS * D);  // query heads whose sums the tiles' space holds (>= 1)
 };
 
 // Cache rows [lo, hi) of a chunk into shared memory: keys into the padded tile and both (scale, zero) rows into sz
@@ -81,11 +88,11 @@ __device__ __forceinline__ void fetch(unsigned s_tile, unsigned s_sz, const unsi
                                       int lo, int hi) {
     using T = Tiles<D, BITS>;
     constexpr int PR = T::RW / 4, STRIDE = KEYS ? T::KS : T::RW;  // 16-byte pieces per row
-    for (int i = threadIdx.x; i < CHUNK * PR; i += CHUNK) {
+    for (int i = threadIdx.x; i < CHUNK * PR; i += T::NT) {
         const int r = i / PR, c = i % PR;
         cp_async16(s_tile + 4 * (r * STRIDE + 4 * c), cache + (row + r) * T::RW + 4 * c, r >= lo && r < hi);
     }
-    if constexpr (KEYS && BITS < 16) {
+    if (KEYS && BITS < 16 && threadIdx.x < CHUNK) {
         const int r = threadIdx.x;
         cp_async4(s_sz + 4 * r, ksz + row + r, r >= lo && r < hi);
         cp_async4(s_sz + 4 * (CHUNK + r), vsz + row + r, r >= lo && r < hi);
@@ -98,7 +105,7 @@ __device__ __forceinline__ void fetch(unsigned s_tile, unsigned s_sz, const unsi
 // ws_o [H, splits, D], ws_ml [H, splits, 2]: the runs' unnormalized outputs and (max, sum) of their softmax; out
 // [H * D]: the output, written here where one run covers the context.
 template <int D, int GQ, int BITS>
-__global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ qkv, const float* __restrict__ cos,
+__global__ void __launch_bounds__(Tiles<D, BITS>::NT) attend_part(const __half* __restrict__ qkv, const float* __restrict__ cos,
                                                      const float* __restrict__ sin, unsigned* __restrict__ kc,
                                                      unsigned* __restrict__ vc, __half2* __restrict__ ksz,
                                                      __half2* __restrict__ vsz, const long long* __restrict__ pos_p,
@@ -107,7 +114,7 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
                                                      int KVH, int max_len, float scale) {
     using T = Tiles<D, BITS>;
     constexpr bool QUANT = BITS < 16;
-    constexpr int RW = T::RW, VPW = 32 / BITS, HALF = D / 2;
+    constexpr int NT = T::NT, RW = T::RW, VPW = 32 / BITS, HALF = D / 2;
     // the position was written before the graph started and rows before it by earlier steps: this run's first chunk
     // is fetched before waiting for the kernel that computes qkv
     const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
@@ -125,7 +132,7 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
     unsigned* kt = reinterpret_cast<unsigned*>(p + GQ * CHUNK);  // [CHUNK][KS]
     unsigned* vt = kt + CHUNK * T::KS;                           // [CHUNK][RW]
     const __half2* szt = reinterpret_cast<const __half2*>(vt + CHUNK * RW);  // [2][2][CHUNK]
-    float* red = reinterpret_cast<float*>(kt);                   // [STREAMS - 1][GQ][D], after the last chunk
+    float* red = reinterpret_cast<float*>(kt);                   // [STREAMS][GPP][D], after the last chunk
     const unsigned s_kt = (unsigned)__cvta_generic_to_shared(kt), s_vt = (unsigned)__cvta_generic_to_shared(vt);
     const unsigned s_sz = (unsigned)__cvta_generic_to_shared(szt);
     __shared__ float mstat[GQ_MAX], lstat[GQ_MAX], qsum[GQ_MAX], zsum[GQ_MAX], alpha[GQ_MAX];
@@ -141,7 +148,7 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
 
     wait_previous();
     start_next();
-    for (int i = tid; i < GQ * HALF; i += CHUNK) {
+    for (int i = tid; i < GQ * HALF; i += NT) {
         const int g = i / HALF, d = i % HALF;
         const __half* x = qkv + (kvh * GQ + g) * D;
         const float c = cos[d], s = sin[d], x1 = __half2float(x[d]), x2 = __half2float(x[d + HALF]);
@@ -157,24 +164,24 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
             __half* vd = reinterpret_cast<__half*>(vc) + (row0 + pos) * D;
             __half* kn = reinterpret_cast<__half*>(kt + r_new * T::KS);  // used only where late
             __half* vn = reinterpret_cast<__half*>(vt + r_new * RW);
-            for (int d = tid; d < HALF; d += CHUNK) {
+            for (int d = tid; d < HALF; d += NT) {
                 const float c = cos[d], s = sin[d], x1 = __half2float(k[d]), x2 = __half2float(k[d + HALF]);
                 const __half a = __float2half_rn(x1 * c - x2 * s), b = __float2half_rn(x2 * c + x1 * s);
                 kd[d] = a, kd[d + HALF] = b;
                 if (late) kn[d] = a, kn[d + HALF] = b;
             }
-            for (int d = tid; d < D; d += CHUNK) {
+            for (int d = tid; d < D; d += NT) {
                 vd[d] = v[d];
                 if (late) vn[d] = v[d];
             }
         } else {
             __shared__ float fresh[2][D];  // the new key (rotated, fp16-rounded) and value
-            for (int d = tid; d < HALF; d += CHUNK) {
+            for (int d = tid; d < HALF; d += NT) {
                 const float c = cos[d], s = sin[d], x1 = __half2float(k[d]), x2 = __half2float(k[d + HALF]);
                 fresh[0][d] = __half2float(__float2half_rn(x1 * c - x2 * s));
                 fresh[0][d + HALF] = __half2float(__float2half_rn(x2 * c + x1 * s));
             }
-            for (int d = tid; d < D; d += CHUNK) fresh[1][d] = __half2float(v[d]);
+            for (int d = tid; d < D; d += NT) fresh[1][d] = __half2float(v[d]);
             __syncthreads();
             if (warp < 2) {  // warp 0 quantizes the key, warp 1 the value
                 const float* x = fresh[warp];
@@ -209,7 +216,7 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
     }
     __syncthreads();  // q staged; the new row in this block's tiles (late), or visible to its later copies
     if constexpr (QUANT) {  // sum(q) per query head, for the zero points
-        for (int g = warp; g < GQ; g += CHUNK / 32) {
+        for (int g = warp; g < GQ; g += NT / 32) {
             float a = 0.0f;
             for (int d = lane; d < D; d += 32) a += q[g * D + d];
             for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
@@ -219,7 +226,7 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
 
     // output: thread = (position stream, 32-bit word of the row); streams meet in shared memory at the end
     constexpr int STREAMS = T::STREAMS;
-    const int wd = tid % RW, st = tid / RW;
+    const int wd = tid % RW, st = tid / RW;  // threads past STREAMS streams sit the output pass out
     float acc[GQ][VPW];
 #pragma unroll
     for (int g = 0; g < GQ; g++)
@@ -236,7 +243,7 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
 
         // scores: 4 threads per position; thread qd of a position takes the 8-channel pieces qd, qd + 4, ... (BITS
         // bytes each): its 4 threads read contiguous bytes of the key row, and q from 4 different banks
-        constexpr int TPP = 4, PIECES = D / 8 / TPP, PER_PASS = CHUNK / TPP, WPP = T::WPP;
+        constexpr int TPP = 4, PIECES = D / 8 / TPP, PER_PASS = NT / TPP, WPP = T::WPP;
         using Piece = Words<WPP>;
         const int qd = tid % TPP;
         for (int p0 = 0; p0 < n; p0 += PER_PASS) {
@@ -276,10 +283,10 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
         if (next) fetch<D, BITS, true>(s_kt, s_sz + 4 * 2 * CHUNK * (buf ^ 1), kc, ksz, vsz,
                                        row0 + (c + 1) * CHUNK, 0, rows(c + 1));
 
-        // online softmax per query head: warp w takes heads w, w + 4, ...; the running max moves to m and what was
+        // online softmax per query head: warp w takes heads w, w + NT / 32, ...; the running max moves to m and what was
         // summed so far is scaled by alpha = exp(m_old - m); quantized values: p_i becomes p_i s_i, and
         // sum_i p_i z_i is kept per head
-        for (int g = warp; g < GQ; g += CHUNK / 32) {
+        for (int g = warp; g < GQ; g += NT / 32) {
             float m = mstat[g];
             const float m_old = m;
             for (int i = lane; i < n; i += 32) m = fmaxf(m, p[g * CHUNK + i]);
@@ -318,7 +325,7 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
             for (int e = 0; e < VPW; e++) acc[g][e] *= a;
         }
         constexpr int U = 4;
-        for (int i0 = st; i0 < n; i0 += U * STREAMS) {
+        for (int i0 = st < STREAMS ? st : n; i0 < n; i0 += U * STREAMS) {
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 const int i = i0 + u * STREAMS;
@@ -338,35 +345,36 @@ __global__ void __launch_bounds__(CHUNK) attend_part(const __half* __restrict__ 
         if (next) fetch<D, BITS, false>(s_vt, 0, vc, ksz, vsz, row0 + (c + 1) * CHUNK, 0, rows(c + 1));
     }
 
-    if (st > 0) {  // no copies are in flight after the last chunk: the tiles' space holds the streams' sums
-#pragma unroll
-        for (int g = 0; g < GQ; g++)
-#pragma unroll
-            for (int e = 0; e < VPW; e++) red[((st - 1) * GQ + g) * D + wd * VPW + e] = acc[g][e];
-    }
-    __syncthreads();
+    // No copies are in flight after the last chunk: the tiles' space holds the streams' sums, GPP heads at a time,
+    // and thread i adds up output i of them.
     const bool alone = runs.count == 1;  // the only run: it writes the output itself (attend_combine's result for one
                                          // run, same bits)
-    if (st == 0) {
+    static_assert(T::GPP >= 1, "the tiles' space holds one head's sums");
+    constexpr int GPP = T::GPP < GQ ? T::GPP : GQ;
+    for (int g0 = 0; g0 < GQ; g0 += GPP) {
+        if (st < STREAMS)
 #pragma unroll
-        for (int g = 0; g < GQ; g++) {
-            const int head = kvh * GQ + g;
-            float* o = ws_o + ((size_t)head * splits + split) * D + wd * VPW;
+            for (int g = 0; g < GQ; g++)
+                if (g >= g0 && g < g0 + GPP)
 #pragma unroll
-            for (int e = 0; e < VPW; e++) {
-                float a = acc[g][e];
-                for (int k = 1; k < STREAMS; k++) a += red[((k - 1) * GQ + g) * D + wd * VPW + e];
-                a = QUANT ? a + zsum[g] : a;
-                if (alone)
-                    out[head * D + wd * VPW + e] = __float2half_rn(a / lstat[g]);
-                else
-                    o[e] = a;
-            }
-            if (wd == 0) {
+                    for (int e = 0; e < VPW; e++) red[(st * GPP + g - g0) * D + wd * VPW + e] = acc[g][e];
+        __syncthreads();
+        for (int i = tid; i < GPP * D && g0 + i / D < GQ; i += NT) {
+            const int g = g0 + i / D, d = i % D, head = kvh * GQ + g;
+            float a = 0.0f;
+#pragma unroll
+            for (int k = 0; k < STREAMS; k++) a += red[k * GPP * D + i];
+            a = QUANT ? a + zsum[g] : a;
+            if (alone)
+                out[head * D + d] = __float2half_rn(a / lstat[g]);
+            else
+                ws_o[((size_t)head * splits + split) * D + d] = a;
+            if (d == 0) {
                 ws_ml[(head * splits + split) * 2] = mstat[g];
                 ws_ml[(head * splits + split) * 2 + 1] = lstat[g];
             }
         }
+        __syncthreads();  // red is free again
     }
 }
 
@@ -397,6 +405,13 @@ __global__ void attend_combine(const float* __restrict__ ws_o, const float* __re
     wait_previous();
     if (runs == 1) return;  // attend_part wrote the output
     const float* ml = ws_ml + (size_t)head * splits * 2;
+    const float* o = ws_o + (size_t)head * splits * D;
+    // The first R runs' outputs go into registers together with the statistics: one round trip for all the loads
+    // instead of one for the statistics and then several for the outputs.
+    constexpr int R = 32;
+    float ov[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) ov[r] = r < runs && threadIdx.x < D ? o[r * D + threadIdx.x] : 0.0f;
     float m = NEG_INF;
     for (int r = threadIdx.x; r < runs; r += blockDim.x) m = fmaxf(m, ml[2 * r]);
     const float M = block_reduce<true>(m, tmp);
@@ -407,11 +422,12 @@ __global__ void attend_combine(const float* __restrict__ ws_o, const float* __re
         l = fmaf(e, ml[2 * r + 1], l);
     }
     const float L = block_reduce<false>(l, tmp);  // its barrier also publishes w
-    const float* o = ws_o + (size_t)head * splits * D;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    if (threadIdx.x < D) {  // one thread per channel (blockDim = D)
+        const int d = threadIdx.x;
         float a = 0.0f;
-#pragma unroll 8
-        for (int r = 0; r < runs; r++) a = fmaf(w[r], o[r * D + d], a);
+#pragma unroll
+        for (int r = 0; r < R; r++) a = r < runs ? fmaf(w[r], ov[r], a) : a;
+        for (int r = R; r < runs; r++) a = fmaf(w[r], o[r * D + d], a);
         out[head * D + d] = __float2half_rn(a / L);
     }
 }

@@ -31,14 +31,15 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     bits = 16 if k_sz is None else words * 32 // D
     gq = heads // kv_heads
     smem = shared_bytes(D, gq, bits)
-    splits = splits or n_splits(max_len, kv_heads, smem, qkv.device.index)
+    k = cuda.kernel("attention", f"attend_part<{D},{gq},{bits}>", NAMES)
+    threads = 4 * D if bits == 16 else 256  # attention.cu's Tiles::NT
+    splits = splits or n_splits(max_len, kv_heads, smem, threads, k.num_regs, qkv.device.index)
     ws_o = torch.empty(heads, splits, D, dtype=torch.float32, device=qkv.device)
     ws_ml = torch.empty(heads, splits, 2, dtype=torch.float32, device=qkv.device)
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)
     sz = (np.uint64(0), np.uint64(0)) if k_sz is None else (cuda.ptr(k_sz), cuda.ptr(v_sz))
-    k = cuda.kernel("attention", f"attend_part<{D},{gq},{bits}>", NAMES)
     cuda.allow_shared(k, smem)
-    cuda.launch(k, (kvh, splits), (CHUNK,), (
+    cuda.launch(k, (kvh, splits), (threads,), (
         cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz, cuda.ptr(pos),
         cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(out), np.int32(heads), np.int32(kv_heads), np.int32(max_len), np.float32(scale)),
                 shared_mem=smem, early=True)
@@ -51,16 +52,16 @@ def shared_bytes(D: int, gq: int, bits: int) -> int:
     """attend_part's dynamic shared memory (attention.cu's Tiles): q and p in fp32, the key tile (rows padded by
     4 * bits / 4 words), the value tile, the (scale, zero) buffers; the output streams' sums reuse the tiles."""
     rw = D * bits // 32
-    tiles = CHUNK * (rw + bits) + CHUNK * rw + (4 * CHUNK if bits < 16 else 0)
-    return 4 * (gq * D + gq * CHUNK + max(tiles, (CHUNK // rw - 1) * gq * D))
+    return 4 * (gq * D + gq * CHUNK + CHUNK * (rw + bits) + CHUNK * rw + (4 * CHUNK if bits < 16 else 0))
 
 
 @functools.cache
-def n_splits(max_len: int, kv_heads: int, smem: int, device: int) -> int:
+def n_splits(max_len: int, kv_heads: int, smem: int, threads: int, regs: int, device: int) -> int:
     """Runs per kv head: enough blocks to fill every SM once at the occupancy the shared memory allows (the
     flash-decoding split: each block streams its run of chunks, so one wave keeps the memory system busy), at most
-    one chunk per run."""
+    one chunk per run. Resident blocks per SM: as threads, registers and shared memory allow."""
     props = torch.cuda.get_device_properties(device)
     per_sm = getattr(props, "shared_memory_per_multiprocessor", props.shared_memory_per_block_optin + 1024)
-    resident = props.multi_processor_count * max(1, min(2048 // CHUNK, per_sm // (smem + 2048)))
+    per_regs = getattr(props, "regs_per_multiprocessor", 65536) // (max(regs, 1) * threads)
+    resident = props.multi_processor_count * max(1, min(2048 // threads, per_regs, per_sm // (smem + 2048)))
     return max(1, min(-(-max_len // CHUNK), -(-resident // kv_heads), SPLITS_MAX))
