@@ -148,6 +148,26 @@ def test_fused_decode_attention_matches_float64_reference(heads, kv_heads, D, sp
         assert torch.equal(vc[:, p].cpu().double(), v_new), "value appended at pos"
 
 
+
+@pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128)])
+def test_attend_combine_merges_more_runs_than_it_prefetches(heads, kv_heads, D):
+    """attend_combine holds the first 32 runs' outputs in registers and reads the rest afterwards: 32 and 36 runs."""
+    from localllm.kernels import attention
+    max_len, gq = 36 * attention.CHUNK, heads // kv_heads
+    kc = torch.randn(kv_heads, max_len, D, device="cuda").half()
+    vc = torch.randn(kv_heads, max_len, D, device="cuda").half()
+    for p in (32 * attention.CHUNK - 1, max_len - 1):
+        qkv, ang, q, k_new, v_new = rotated_qkv(heads, kv_heads, D)
+        keys, vals = kc.cpu().double(), vc.cpu().double()
+        keys[:, p], vals[:, p] = k_new.double(), v_new.double()
+        out = attention.attend(qkv, ang.cos().cuda(), ang.sin().cuda(), kc, vc, torch.tensor([p], device="cuda"),
+                               heads, kv_heads, D ** -0.5, splits=40)  # one chunk per run
+        kvh = torch.arange(heads) // gq
+        scores = torch.einsum("hd,hpd->hp", q.double(), keys[kvh, : p + 1]) * D ** -0.5
+        want = torch.einsum("hp,hpd->hd", scores.softmax(-1), vals[kvh, : p + 1]).reshape(-1)
+        rel = ((out.cpu().double() - want).norm() / want.norm()).item()
+        assert rel < 2e-3, (p, rel)
+
 def test_decode_with_fused_attention_matches_full_forward():
     # head_dim 64 with grouped queries: decode steps take the fused attention kernels, the full forward SDPA
     from localllm.bench import random_model
