@@ -57,9 +57,9 @@ def shared_bytes(D: int, gq: int, bits: int) -> int:
 
 @functools.cache
 def n_splits(max_len: int, kv_heads: int, smem: int, threads: int, regs: int, device: int) -> int:
-    """Runs per kv head: enough blocks to fill every SM once at the occupancy the shared memory allows (the
-    flash-decoding split: each block streams its run of chunks, so one wave keeps the memory system busy), at most
-    one chunk per run. Resident blocks per SM: as threads, registers and shared memory allow."""
+    """Runs per kv head: enough blocks to fill every SM once at the occupancy its threads, registers and shared
+    memory allow (the flash-decoding split: each block streams its run of chunks, so one wave keeps the memory system
+    busy), at most one chunk per run."""
     props = torch.cuda.get_device_properties(device)
     per_sm = getattr(props, "shared_memory_per_multiprocessor", props.shared_memory_per_block_optin + 1024)
     per_regs = getattr(props, "regs_per_multiprocessor", 65536) // (max(regs, 1) * threads)
