@@ -63,5 +63,6 @@ def n_splits(max_len: int, kv_heads: int, smem: int, threads: int, regs: int, de
     props = torch.cuda.get_device_properties(device)
     per_sm = getattr(props, "shared_memory_per_multiprocessor", props.shared_memory_per_block_optin + 1024)
     per_regs = getattr(props, "regs_per_multiprocessor", 65536) // (max(regs, 1) * threads)
-    resident = props.multi_processor_count * max(1, min(2048 // threads, per_regs, per_sm // (smem + 2048)))
+    per_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads  # 1536 on sm_86 / sm_89
+    resident = props.multi_processor_count * max(1, min(per_threads, per_regs, per_sm // (smem + 2048)))
     return max(1, min(-(-max_len // CHUNK), -(-resident // kv_heads), SPLITS_MAX))
