@@ -32,7 +32,7 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     gq = heads // kv_heads
     smem = shared_bytes(D, gq, bits)
     k = cuda.kernel("attention", f"attend_part<{D},{gq},{bits}>", NAMES)
-    threads = 4 * D if bits == 16 else 256  # attention.cu's Tiles::NT
+    threads = k.max_threads_per_block  # attention.cu's Tiles::NT, its __launch_bounds__
     splits = splits or n_splits(max_len, kv_heads, smem, threads, k.num_regs, qkv.device.index)
     ws_o = torch.empty(heads, splits, D, dtype=torch.float32, device=qkv.device)
     ws_ml = torch.empty(heads, splits, 2, dtype=torch.float32, device=qkv.device)
