@@ -66,10 +66,10 @@ struct Runs {
 // output streams' sums [STREAMS][GPP][D] reuse the tiles' space, GPP query heads at a time. kernels/attention.py
 // sizes it alike.
 template <int D, int BITS> struct Tiles {
-    // attend_part's threads (its __launch_bounds__, which kernels/attention.py reads), so that a block's chain of dependent steps (scores,
-    // softmax, the output pass) stays short: with 4 warps it was latency-bound. fp16 cache: 4 per channel (16 warps
-    // at D = 128); quantized caches 8 warps: their decode takes more registers, and 16 warps left fewer blocks
-    // resident than the long contexts need (kernels/NOTES.md, session 21).
+    // attend_part's threads (its __launch_bounds__, which kernels/attention.py reads), so that a block's chain of
+    // dependent steps (scores, softmax, the output pass) stays short: with 4 warps it was latency-bound. fp16 cache: 4
+    // per channel (16 warps at D = 128); quantized caches 8 warps: their decode takes more registers, and 16 warps
+    // left fewer blocks resident than the long contexts need (kernels/NOTES.md, session 21).
     static constexpr int NT = BITS == 16 ? 4 * D : 256;
     static constexpr int RW = D * BITS / 32;    // 32-bit words per cache row
     static constexpr int WPP = BITS / 4;        // words per 8-channel piece of a key
