@@ -18,11 +18,12 @@
 // 64, else per pair) are staged once per block. The warps'
 // partial sums of a tile meet in shared memory at the tile's end (one barrier per tile).
 //
-// Table (non-uniform, SqueezeLLM) weights, LUT = true: W_hat[n, c] = lut[n][code] with one fp16 table of 2^BITS values
-// per output channel (kernels.gemv.PackedLUT). The meta record is then the tile's 16 tables (rows 0..15, 32 << BITS
-// bytes), fetched with every pair like the uniform record. Codes and tables in PackedLUT's load-time layout, four
-// lookups per four byte permutes (eight at 4 bits; lut.cuh, lut_fragments). No scale, zero or factor to apply: the
-// mma sums are the result.
+// Table (non-uniform, SqueezeLLM) weights, LUT = true: W_hat[n, c] = offset[n] + scale[n] * v[n][code], a table of
+// 2^BITS 7-bit values per output channel (quant.QuantLUT.grid, kernels.gemv.PackedLUT). The meta record is then the
+// tile's (lut_record_bytes): the 16 rows' tables (2^BITS bytes each, rows 0..15), their fp32 scales, then their fp32
+// offsets (rows 0, 8, 1, 9, ...), fetched with every pair like the uniform record. Codes and tables in PackedLUT's
+// load-time layout, four lookups per three byte permutes (four and an OR at 4 bits; lut.cuh, lut_fragments) into
+// half2s of 1024 + v; per pair, rows g, g + 8 += scale * (C - 1024 X) + offset * X (X: the pair's sum of x).
 #include <cuda_fp16.h>
 
 #include "pdl.cuh"
@@ -120,23 +121,21 @@ __device__ __forceinline__ void lane_words(const uint32_t* p, uint32_t (&w)[BITS
 
 constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 zeros; rows 0, 8, 1, 9, ..., 7, 15
 
-// A lane's two rows' tables (rows g, g + 8) from its tile's record (the 16 rows' tables as kernels.gemv.PackedLUT
-// stores them, low bytes then high bytes: 2 bits 8, 3 bits 16, 4 bits 32 bytes a row), as lut_fragments takes them.
+// A table weight's record per tile: 16 tables of 2^BITS bytes, 16 fp32 scales, 16 fp32 offsets.
+__host__ __device__ constexpr int lut_record_bytes(int bits) { return (16 << bits) + 128; }
+
+// A lane's two rows' tables (rows g, g + 8; 2^BITS bytes each, lut_regs registers) from its tile's record.
 template <int BITS>
 __device__ __forceinline__ void lut_tables(const unsigned char* rec, int g, uint32_t (&tg)[lut_regs<BITS>()],
                                            uint32_t (&tg8)[lut_regs<BITS>()]) {
-    constexpr int R = lut_regs<BITS>();
-    if constexpr (BITS > 2) {  // a row's record is its R registers in order: R / 4 16-byte loads
-        const uint4* u = reinterpret_cast<const uint4*>(rec);
-#pragma unroll
-        for (int q = 0; q < R / 4; q++) {
-            const uint4 v = u[g * R / 4 + q], v8 = u[(g + 8) * R / 4 + q];
-            tg[4 * q] = v.x, tg[4 * q + 1] = v.y, tg[4 * q + 2] = v.z, tg[4 * q + 3] = v.w;
-            tg8[4 * q] = v8.x, tg8[4 * q + 1] = v8.y, tg8[4 * q + 2] = v8.z, tg8[4 * q + 3] = v8.w;
-        }
-    } else {  // 4 entries: selectors never reach bytes 4-7
+    if constexpr (BITS == 4) {
+        const uint4 u = reinterpret_cast<const uint4*>(rec)[g], v = reinterpret_cast<const uint4*>(rec)[g + 8];
+        tg[0] = u.x, tg[1] = u.y, tg[2] = u.z, tg[3] = u.w, tg8[0] = v.x, tg8[1] = v.y, tg8[2] = v.z, tg8[3] = v.w;
+    } else if constexpr (BITS == 3) {
         const uint2 u = reinterpret_cast<const uint2*>(rec)[g], v = reinterpret_cast<const uint2*>(rec)[g + 8];
-        tg[0] = tg[1] = u.x, tg[2] = tg[3] = u.y, tg8[0] = tg8[1] = v.x, tg8[2] = tg8[3] = v.y;
+        tg[0] = u.x, tg[1] = u.y, tg8[0] = v.x, tg8[1] = v.y;
+    } else {
+        tg[0] = reinterpret_cast<const uint32_t*>(rec)[g], tg8[0] = reinterpret_cast<const uint32_t*>(rec)[g + 8];
     }
 }
 
@@ -159,7 +158,8 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     // A ring slot holds a pair of steps (128 channels): their weights, then the pair's meta: the tile's tables (LUT),
     // the one record of the pair's group (group size >= 128), or the two steps' records (64). TREC: the bytes of one
     // (tile, group) record in meta.
-    constexpr int STEP_BYTES = 128 * BITS, PAIR_BYTES = 2 * STEP_BYTES, TREC = LUT ? 32 << BITS : META_BYTES;
+    constexpr int STEP_BYTES = 128 * BITS, PAIR_BYTES = 2 * STEP_BYTES;
+    constexpr int TREC = LUT ? lut_record_bytes(BITS) : META_BYTES;
     constexpr int SLOT = PAIR_BYTES + (LUT ? TREC : 2 * META_BYTES);
     extern __shared__ __align__(16) unsigned char smem[];
     const int S = K / 64, P = (S + 1) / 2;  // steps; pairs of steps, the last one single where S is odd
@@ -336,15 +336,17 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 }
             }
             float off0 = 1024.0f * sum * inv_factor(BITS, m, 0), off1 = 1024.0f * sum * inv_factor(BITS, m, 1);
-            // group size >= 128: the statistics of a pair of steps (a warp's lanes 8-15 hold the second step of 0-7's)
+            // group size >= 128 and tables: the statistics of a pair of steps (a warp's lanes 8-15 hold the second
+            // step of 0-7's)
+            constexpr bool PAIRED = GSHIFT > 0 || LUT;
 #pragma unroll
-            for (int d = 1; d < (GSHIFT ? 16 : 8); d <<= 1) {
+            for (int d = 1; d < (PAIRED ? 16 : 8); d <<= 1) {
                 sum += __shfl_xor_sync(0xffffffffu, sum, d);
                 off0 += __shfl_xor_sync(0xffffffffu, off0, d);
                 off1 += __shfl_xor_sync(0xffffffffu, off1, d);
             }
-            if (s < S && q == 0 && (GSHIFT == 0 || (s & 1) == 0))
-                xstat[GSHIFT ? s >> 1 : s] = make_float4(sum, off0, off1, 0.0f);
+            if (s < S && q == 0 && (!PAIRED || (s & 1) == 0))
+                xstat[PAIRED ? s >> 1 : s] = make_float4(sum, off0, off1, 0.0f);
         }
     }
     __syncthreads();
@@ -382,19 +384,24 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             mma16816(c[2], a[2], b23.x, b23.y);
             mma16816(c[3], a[3], b23.z, b23.w);
         };
-        if constexpr (LUT) {  // every element looked up in its row's table; the mma sums are W_hat x
+        if constexpr (LUT) {  // every element looked up in its row's table: the mma sums are sum (1024 + v) x
+            const unsigned char* rec = slot + PAIR_BYTES;
             uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()];
-            lut_tables<BITS>(slot + PAIR_BYTES, g, tg, tg8);
+            lut_tables<BITS>(rec, g, tg, tg8);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 if (h && !two) break;
                 uint32_t w[BITS], a[4][4];
                 lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES) + lane * BITS, w);
-                lut_fragments<BITS>(w, tg, tg8, a);
+                lut_fragments<BITS>(w, tg, tg8, magic, a);
                 mma_step(h, a);
             }
-            acc0 += (c[0][0] + c[1][0]) + (c[2][0] + c[3][0]);
-            acc1 += (c[0][2] + c[1][2]) + (c[2][2] + c[3][2]);
+            const float X = xstat[p].x;
+            const float2 sc = reinterpret_cast<const float2*>(rec + (16 << BITS))[g];  // rows g, g + 8
+            const float2 of = reinterpret_cast<const float2*>(rec + (16 << BITS) + 64)[g];
+            const float v0 = (c[0][0] + c[1][0]) + (c[2][0] + c[3][0]), v1 = (c[0][2] + c[1][2]) + (c[2][2] + c[3][2]);
+            acc0 = fmaf(sc.x, fmaf(-1024.0f, X, v0), fmaf(of.x, X, acc0));
+            acc1 = fmaf(sc.y, fmaf(-1024.0f, X, v1), fmaf(of.y, X, acc1));
         } else {
 #pragma unroll
             for (int h = 0; h < 2; h++) {
@@ -528,8 +535,8 @@ template __global__ void dequant<3>(const uint32_t*, const uint8_t*, __half*, in
 template __global__ void dequant<4>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 template __global__ void dequant<8>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 
-// Table weights as dense fp16 [N, K], as quant.QuantLUT.dequantize(torch.float16), from kernels.gemv.PackedLUT (lut:
-// 2 / 3 bits the split tables, 4 bits fp16 [N, 16]): one thread per (tile, step, lane).
+// Table weights as dense fp16 [N, K], as quant.QuantLUT.dequantize(torch.float16), from kernels.gemv.PackedLUT: one
+// thread per (tile, step, lane); an entry is offset + scale * v in float64 (exact), rounded to fp32, then to fp16.
 template <int BITS>
 __global__ void dequant_lut(const uint32_t* __restrict__ qw, const uint8_t* __restrict__ lut, __half* __restrict__ out,
                             int N, int K) {
@@ -540,9 +547,12 @@ __global__ void dequant_lut(const uint32_t* __restrict__ qw, const uint8_t* __re
     const int g = lane >> 2, t = lane & 3;
     uint32_t w[BITS];
     lane_words<BITS>(qw + (size_t)idx * BITS, w);
+    const uint8_t* rec = lut + (size_t)tile * lut_record_bytes(BITS);
     uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()], a[4][4];
-    lut_tables<BITS>(lut + (size_t)tile * (32 << BITS), g, tg, tg8);  // the tile's record: 16 rows of 2^BITS entries
-    lut_fragments<BITS>(w, tg, tg8, a);
+    lut_tables<BITS>(rec, g, tg, tg8);
+    lut_fragments<BITS>(w, tg, tg8, 0x64006400u, a);
+    const float2 sc = reinterpret_cast<const float2*>(rec + (16 << BITS))[g];
+    const float2 of = reinterpret_cast<const float2*>(rec + (16 << BITS) + 64)[g];
 #pragma unroll
     for (int m = 0; m < 4; m++)
 #pragma unroll
@@ -550,7 +560,9 @@ __global__ void dequant_lut(const uint32_t* __restrict__ qw, const uint8_t* __re
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int row = tile * 16 + lut_row(g, j), col = step * 64 + lut_col(t, m, j, h);
-                out[(size_t)row * K + col] = __ushort_as_half((unsigned short)(a[m][j] >> (16 * h)));
+                const double v = (double)((a[m][j] >> (16 * h)) & 0x3FFu);  // 1024 + v: its low 10 bits are v
+                const double e = (j & 1) ? (double)of.y + (double)sc.y * v : (double)of.x + (double)sc.x * v;
+                out[(size_t)row * K + col] = __float2half_rn((float)e);
             }
 }
 template __global__ void dequant_lut<2>(const uint32_t*, const uint8_t*, __half*, int, int);

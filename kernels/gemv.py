@@ -67,33 +67,42 @@ class Packed:
 @dataclass
 class PackedLUT:
     """A QuantLUT as the GPU kernels read it: the codes rearranged at load time so that a lane's four codes of one row
-    and mma tile are the nibbles of one byte-permute selector, and each row's table stored as its entries' low bytes,
-    then their high bytes (kernels/lut.cuh, lut_fragments)."""
+    and mma tile are the nibbles of one byte-permute selector (kernels/lut.cuh, lut_fragments), and one record per
+    16-row tile of the rows' 7-bit tables (QuantLUT.grid) and their scales and offsets (lut_record_bytes)."""
     qweight: torch.Tensor  # int32 [N/16, K*bits/2]
-    lut: torch.Tensor  # uint8 [N, 2 * 2^bits], low bytes then high bytes
+    lut: torch.Tensor  # uint8 [N/16, lut_record_bytes(bits)]
     bits: int
     in_features: int
 
     @classmethod
     def from_quant(cls, q: QuantLUT, device: torch.device | str = "cuda") -> "PackedLUT":
-        qw, lut = q.qweight.to(device), q.lut.to(device)
-        b = lut.contiguous().view(torch.uint8).view(lut.shape[0], -1, 2)  # [N, entries, (low, high)] little-endian
+        qw = q.qweight.to(device)
         out = torch.empty_like(qw)
         for t in range(0, qw.shape[0], 256):  # 4096 rows at a time: the int64 temporaries stay small
             out[t:t + 256] = select_layout(unpack_codes(qw[t:t + 256], q.bits), q.bits)
-        return cls(out, b.transpose(1, 2).reshape(lut.shape[0], -1).contiguous(), q.bits, q.in_features)
+        v, scale, offset = (t.to(device) for t in q.grid())
+        tiles = v.shape[0] // 16
+        rows = torch.arange(16, device=device).view(2, 8).T.reshape(-1)  # 0, 8, 1, 9, ...: a lane's rows g, g + 8
+        per_row = [f.view(tiles, 16)[:, rows].contiguous().view(torch.uint8) for f in (scale, offset)]
+        rec = torch.cat([v.view(tiles, -1), *per_row], dim=1).contiguous()
+        return cls(out, rec, q.bits, q.in_features)
 
     @property
     def out_features(self) -> int:
-        return self.lut.shape[0]
+        return self.lut.shape[0] * 16
 
     def tiles(self, t0: int, t1: int) -> "PackedLUT":
         """Rows 16 t0 .. 16 t1 (views)."""
-        return PackedLUT(self.qweight[t0:t1], self.lut[16 * t0:16 * t1], self.bits, self.in_features)
+        return PackedLUT(self.qweight[t0:t1], self.lut[t0:t1], self.bits, self.in_features)
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.numel() * 4 + self.lut.numel() * self.lut.element_size()
+        return self.qweight.numel() * 4 + self.lut.numel()
+
+
+def lut_record_bytes(bits: int) -> int:
+    """A table weight's record per tile (gemv.cu): 16 tables of 2^bits bytes, 16 fp32 scales, 16 fp32 offsets."""
+    return (16 << bits) + 128
 
 
 def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -131,8 +140,8 @@ HOLD_BYTES = int(os.environ.get("LOCALLLM_HOLD_BYTES", 16 << 20))
 
 
 def record_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> int:
-    """Bytes of one meta record: a tile's 16 tables (2^bits fp16 each) for table weights, else META_BYTES."""
-    return 32 << w.bits if isinstance(w, (PackedLUT, QuantLUT)) else META_BYTES
+    """Bytes of one meta record: lut_record_bytes for table weights, else META_BYTES."""
+    return lut_record_bytes(w.bits) if isinstance(w, (PackedLUT, QuantLUT)) else META_BYTES
 
 
 def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int, int]:
@@ -145,7 +154,7 @@ def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int,
 def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
     """What the kernel reads besides the codes: (records, records per tile, table weight?)."""
     if isinstance(w, PackedLUT):
-        return w.lut, 1, True  # one record per tile: its 16 rows' tables
+        return w.lut, 1, True  # one record per tile
     return w.meta, w.meta.shape[1], False
 
 

@@ -301,12 +301,18 @@ def rtn_dequantized(w: Tensor, bits: int, group_size: int = 128, clip: Tensor | 
     return out
 
 
+TABLE_LEVELS = 127  # a row's table runs as offset + scale * v, v in 0..127 (QuantLUT.grid)
+
+
 @dataclass
 class QuantLUT:
-    """Non-uniform weight, one codebook per output channel (SqueezeLLM-style): W_hat[n, c] = lut[n, code[n, c]].
+    """Non-uniform weight, one codebook per output channel (SqueezeLLM-style): W_hat[n, c] = table[n, code[n, c]].
 
     The codes use the same packed layout as QuantWeight (mma-v3), so the GPU kernels read them the same way and
-    look the values up in the row's table instead of scaling them."""
+    look the values up in the row's table instead of scaling them. The file keeps the fitted fp16 tables (lut); the
+    model runs them snapped to a 7-bit grid per row (grid, values): the GPU looks a byte up per weight, which costs
+    fewer byte permutes than two (kernels/lut.cuh), and the snap moves an entry by at most (max - min) / 254, a few
+    percent of the spacing of a 16-entry table."""
 
     qweight: Tensor  # int32 [N / 16, K * bits / 2], layout mma-v3 (pack_codes)
     lut: Tensor  # fp16 [N, 2^bits], ascending per row
@@ -322,18 +328,34 @@ class QuantLUT:
         return self.qweight.numel() * 4 + self.lut.numel() * 2
 
     def to(self, device: torch.device | str) -> "QuantLUT":
-        """On a GPU this is also the kernels' form (kernels/gemv.py reads both tensors as they are)."""
         return QuantLUT(self.qweight.to(device).contiguous(), self.lut.to(device).contiguous(), self.bits,
                         self.in_features)
 
+    def grid(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The tables snapped to offset + scale * v: (v uint8 [N, 2^bits] in 0..TABLE_LEVELS, scale float32 [N],
+        offset float32 [N]), offset the row's least entry and scale its range / TABLE_LEVELS (0 for a constant row)."""
+        t = self.lut.double()
+        lo, hi = t.min(1).values, t.max(1).values
+        offset, scale = lo.float(), ((hi - lo) / TABLE_LEVELS).float()
+        s = scale.double()[:, None]
+        v = torch.where(s > 0, (t - offset.double()[:, None]) / s.clamp(min=1e-300), 0.0).round()
+        return v.clamp(0, TABLE_LEVELS).to(torch.uint8), scale, offset
+
+    def values(self) -> Tensor:
+        """The table entries the model runs, float32 [N, 2^bits]: offset + scale * v, rounded once from float64 (the
+        GPU's dequantize kernel computes the same)."""
+        v, scale, offset = self.grid()
+        return (offset.double()[:, None] + scale.double()[:, None] * v.double()).float()
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """W_hat as [N, K]: the fp16 table entries, cast to `dtype`."""
+        """W_hat as [N, K]: the entries of values(), cast to `dtype`."""
         n, k = self.out_features, self.in_features
+        table = self.values()
         out = torch.empty(n, k, dtype=dtype, device=self.qweight.device)
         for rows in _row_blocks(n, k, TILE_N):
             tiles = slice(rows.start // TILE_N, -(-rows.stop // TILE_N))
             codes = unpack_codes(self.qweight[tiles], self.bits).long()  # [n, K]
-            out[rows] = self.lut[rows].gather(1, codes).to(dtype)
+            out[rows] = table[rows].gather(1, codes).to(dtype)
         return out
 
 
@@ -410,7 +432,7 @@ def _runs_kmeans(pw: Tensor, pwx: Tensor, pwxx: Tensor, c: int, bins: int) -> Te
 
 def quantize_lut(w: Tensor, bits: int, importance: Tensor | None = None, x: Tensor | None = None) -> QuantLUT:
     """Per-output-channel non-uniform quantization: lut_centroids, then every weight takes the code of its
-    nearest fp16 centroid (so dequantize() is exactly the stored representation). With calibration inputs x [T, K],
+    nearest fp16 centroid (dequantize() gives that centroid on the row's 7-bit grid). With calibration inputs x [T, K],
     the table values are then refit to the layer's output error on them, the codes kept (refit_table)."""
     _check_weight(w, bits)
     n, k = w.shape

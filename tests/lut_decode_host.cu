@@ -1,7 +1,7 @@
 // Host harness for tests/test_lut_decode.py, with the table GEMV's own lut.cuh functions. Input "mode bits n k", then
-// the int32 words as unsigned; mode 1 also the tables' bytes (PackedLUT.lut). Output, one a line: mode 0 the n x k
-// codes of the mma-v3 layout (lut_slot / lut_code / lut_row / lut_col); mode 1 the n x k fp16 bit patterns that
-// lut_fragments builds from the select layout.
+// the int32 words as unsigned; mode 1 also the tiles' record bytes (PackedLUT.lut). Output, one a line: mode 0 the
+// n x k codes of the mma-v3 layout (lut_slot / lut_code / lut_row / lut_col); mode 1 the n x k fp16 bit patterns
+// (1024 + v) that lut_fragments builds from the select layout.
 #include <cstdint>
 #include <cstdio>
 #include "lut.cuh"
@@ -11,7 +11,8 @@ void run(int mode, int n, int k) {
     const int steps = k / 64, entries = 1 << B;
     std::vector<uint32_t> q((size_t)n / 16 * steps * 32 * B);
     for (auto& v : q) if (scanf("%u", &v) != 1) return;
-    std::vector<unsigned> tab(mode == 1 ? (size_t)n * 2 * entries : 0);
+    const int rec = (16 << B) + 128;  // kernels.gemv.lut_record_bytes
+    std::vector<unsigned> tab(mode == 1 ? (size_t)n / 16 * rec : 0);
     for (auto& v : tab) if (scanf("%u", &v) != 1) return;
     std::vector<int> out((size_t)n * k, -1);
     for (int tile = 0; tile < n / 16; tile++)
@@ -22,20 +23,16 @@ void run(int mode, int n, int k) {
                 for (int b = 0; b < B; b++) w[b] = q[(((size_t)tile * steps + step) * 32 + lane) * B + b];
                 uint32_t a[4][4] = {};
                 if (mode == 1) {
-                    constexpr int R = lut_regs<B>();  // rows g, g + 8: low bytes of 4 entries a register, then high
+                    constexpr int R = lut_regs<B>();  // rows g, g + 8: 4 entries' bytes a register
                     uint32_t tg[2][R];
                     for (int r = 0; r < 2; r++)
                         for (int i = 0; i < R; i++) {
-                            const unsigned* row = &tab[(size_t)(tile * 16 + g + 8 * r) * 2 * entries];
-                            const int half = i / (R / 2), quad = i % (R / 2);  // high bytes?, entries 4 quad..
+                            const unsigned* row = &tab[(size_t)tile * rec + (g + 8 * r) * entries];
                             uint32_t v = 0;
-                            for (int e = 0; e < 4; e++) {
-                                const int entry = (B == 2 ? 0 : 4 * quad) + e;
-                                if (entry < entries) v |= row[half * entries + entry] << (8 * e);
-                            }
+                            for (int e = 0; e < 4 && 4 * i + e < entries; e++) v |= row[4 * i + e] << (8 * e);
                             tg[r][i] = v;
                         }
-                    lut_fragments<B>(w, tg[0], tg[1], a);
+                    lut_fragments<B>(w, tg[0], tg[1], 0x64006400u, a);
                 }
                 for (int m = 0; m < 4; m++) for (int j = 0; j < 4; j++) for (int h = 0; h < 2; h++)
                     out[(size_t)(tile * 16 + lut_row(g, j)) * k + step * 64 + lut_col(t, m, j, h)] =

@@ -11,8 +11,8 @@ from localllm import awq, quant
 from localllm.config import ModelConfig, rope_inv_freq
 from localllm.errors import LocalLLMError
 from localllm.model import KINDS, QdecSettings, attention_mask, build_block, rope_tables
-from localllm.quant import (QuantLUT, lut_centroids, pack_codes, quantize_lut, quantize_rtn, refit_table,
-                            rtn_dequantized)
+from localllm.quant import (TABLE_LEVELS, QuantLUT, lut_centroids, pack_codes, quantize_lut, quantize_rtn,
+                            refit_table, rtn_dequantized, unpack_codes)
 from localllm.quantize import (REFIT_K_CHUNK, REFIT_TOKENS, block_inputs, kl_sensitivity, mixed_bits, quantize,
                                quantize_block, refit_inputs)
 from localllm.runtime import load
@@ -248,13 +248,30 @@ def test_quantize_lut(bits, seed):
     assert q.qweight.shape == (2, 256 * bits // 2) and q.nbytes == q.qweight.numel() * 4 + 32 * 2**bits * 2
     assert (q.lut.diff(dim=1) >= 0).all(), "tables ascend"
     w_hat = q.dequantize()
-    # every weight took its nearest table value
+    # every weight took its nearest fitted value (codes in the packed layout of the uniform weights), and runs as
+    # that value on the row's 7-bit grid
+    codes = unpack_codes(q.qweight, bits).long()
     dist = (w[:, :, None] - q.lut.float()[:, None, :]).abs()
-    assert torch.allclose((w - w_hat).abs(), dist.min(-1).values), f"seed={seed}"
+    assert torch.allclose((w - q.lut.float().gather(1, codes)).abs(), dist.min(-1).values), f"seed={seed}"
+    assert torch.equal(w_hat, q.values().gather(1, codes))
     assert torch.equal(q.dequantize(torch.float16), w_hat.half())
-    # the codes are stored in the packed layout of the uniform weights
-    codes = (w_hat[:, :, None] == q.lut.float()[:, None, :]).float().argmax(-1)
-    assert torch.equal(pack_codes(codes.to(torch.uint8), bits), q.qweight)
+
+
+@pytest.mark.parametrize("bits", (2, 3, 4))
+def test_tables_run_on_a_7_bit_grid_per_row(bits, seed):
+    lut = (torch.randn(64, 2**bits) * torch.rand(64, 1) * 0.1).half()
+    lut[0] = 0.25  # a constant row
+    q = QuantLUT(pack_codes(torch.randint(0, 2**bits, (64, 128), dtype=torch.uint8), bits), lut, bits, 128)
+    v, scale, offset = q.grid()
+    assert v.dtype == torch.uint8 and int(v.max()) <= TABLE_LEVELS
+    t = lut.double()
+    assert torch.equal(offset, t.min(1).values.float()) and scale[0] == 0 and (scale[1:] > 0).all()
+    assert (v[1:].min(1).values == 0).all() and (v[1:].max(1).values == TABLE_LEVELS).all(), f"seed={seed}"
+    # each entry moves by at most half a step, and the grid keeps the table's order
+    assert ((q.values().double() - t).abs() <= scale.double()[:, None] * (0.5 + 1e-6) + 1e-12).all(), f"seed={seed}"
+    order = t.argsort(1)
+    assert (v.gather(1, order).diff(dim=1) >= 0).all()
+    assert torch.equal(q.values()[0], torch.full((2**bits,), 0.25))
 
 
 def test_lut_importance_protects_the_important_channels(seed):
@@ -319,7 +336,8 @@ def test_refit_table_is_the_least_squares_fit_of_the_output(seed):
     q = quantize_lut(w, 3, None, x)
     assert (q.lut.diff(dim=1) >= 0).all()
     codes = (w[:, :, None] - cent.float()[:, None, :]).abs().argmin(-1)
-    assert torch.equal(q.dequantize(), refit_table(w, codes, cent, x).half().float().gather(1, codes))
+    refit = QuantLUT(q.qweight, refit_table(w, codes, cent, x).half(), 3, 128)  # the same tables, unsorted
+    assert torch.equal(q.dequantize(), refit.values().gather(1, codes))
 
 
 def test_squeezellm_block_quantizes_the_equalized_o(seed):
