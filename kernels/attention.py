@@ -60,9 +60,5 @@ def n_splits(max_len: int, kv_heads: int, smem: int, threads: int, regs: int, de
     """Runs per kv head: enough blocks to fill every SM once at the occupancy its threads, registers and shared
     memory allow (the flash-decoding split: each block streams its run of chunks, so one wave keeps the memory system
     busy), at most one chunk per run."""
-    props = torch.cuda.get_device_properties(device)
-    per_sm = getattr(props, "shared_memory_per_multiprocessor", props.shared_memory_per_block_optin + 1024)
-    per_regs = getattr(props, "regs_per_multiprocessor", 65536) // (max(regs, 1) * threads)
-    per_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads  # 1536 on sm_86 / sm_89
-    resident = props.multi_processor_count * max(1, min(per_threads, per_regs, per_sm // (smem + 2048)))
+    resident = cuda.sm_count(device) * cuda.resident_blocks(device, threads, regs, smem + 2048)
     return max(1, min(-(-max_len // CHUNK), -(-resident // kv_heads), SPLITS_MAX))

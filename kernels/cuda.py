@@ -66,6 +66,17 @@ def sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def resident_blocks(device: int, threads: int, regs: int, smem: int) -> int:
+    """Blocks of `threads` threads, `regs` registers each and `smem` bytes of shared memory in all (static, dynamic
+    and the 1 KB the driver reserves per block) that one SM of `device` holds at once (at least 1)."""
+    props = torch.cuda.get_device_properties(device)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", props.shared_memory_per_block_optin + 1024)
+    per_regs = getattr(props, "regs_per_multiprocessor", 65536) // (max(regs, 1) * threads)
+    per_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads  # 1536 on sm_86 / sm_89
+    return max(1, min(per_threads, per_regs, per_sm // smem))
+
+
 def allow_shared(func, nbytes: int) -> None:
     """Let func launch with nbytes of dynamic shared memory. Its default limit is 48 KB minus its static arrays;
     past that it needs the opt-in, which only ever grows here, so launches already captured in CUDA graphs keep

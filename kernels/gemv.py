@@ -138,6 +138,12 @@ def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
 # this one's blocks exit (hold_next), still before their memory is flushed.
 HOLD_BYTES = int(os.environ.get("LOCALLLM_HOLD_BYTES", 16 << 20))
 
+# A uniform GEMV without QDEC whose blocks would each take this many tiles or more at one block per SM runs two blocks
+# per SM where two fit: one block's tile ends (a barrier, the reduction) then leave the other streaming. H100, 8B
+# decode with the 8-bit head (scratch A/B, three rounds): gate_up (13.6 tiles a block) at two blocks, W4 487 -> 494
+# tok/s, W3 535 -> 540; down too (1.9 tiles a block), 540 -> 489: its neighbours lose more than it gains.
+TWO_BLOCK_TILES = 8
+
 
 def record_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> int:
     """Bytes of one meta record: lut_record_bytes for table weights, else META_BYTES."""
@@ -164,7 +170,8 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.
     f, applied while the kernel stages x: norm = (float32 weight [K], eps) -> ops.rmsnorm(x, weight, eps);
     glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself.
-    variant: one of VARIANTS for uniform weights (default decode_variant), blocks_per_sm default 1.
+    variant: one of VARIANTS for uniform weights (default decode_variant); blocks_per_sm default: 2 where
+    TWO_BLOCK_TILES says, else 1.
     hold_next: the next kernel is a GEMV of HOLD_BYTES or more (it launches as this one's blocks exit); default: the
     next kernel is taken to be a GEMV of w's size (the benchmarks' repeated calls).
     comp: QDEC, y += R_hat[:, S] f(x)[S] (S chosen in the kernel); needs decode_variant and the grid that
@@ -183,8 +190,13 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     assert w.bits != HEAD_BITS or ((warps, depth) == HEAD_VARIANT and not qw), "8 bits: HEAD_VARIANT, no QDEC"
     gs = 0 if lut else GROUP_SIZES.index(w.group_size)
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()}>", NAMES)
-    grid = grid_of(N, x.device, blocks_per_sm or 1)
     smem = shared_bytes(w, warps, depth)
+    if blocks_per_sm is None:
+        dev = x.device.index or 0
+        many = not (qw or lut or w.bits == HEAD_BITS) and N // 16 >= TWO_BLOCK_TILES * cuda.sm_count(dev)
+        blocks_per_sm = 2 if many and cuda.resident_blocks(dev, 32 * warps, k.num_regs,
+                                                           smem + k.shared_size_bytes + 1024) >= 2 else 1
+    grid = grid_of(N, x.device, blocks_per_sm)
     null = np.uint64(0)
     if qw:
         assert (warps, depth) == decode_variant(w) and comp.grid == grid, "QDEC state numbered for another grid"

@@ -53,6 +53,19 @@ def test_gemv_sweep_variants(N, K):
         assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-3, v
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+def test_gemv_gives_the_same_bits_on_any_grid(bits):
+    """Each tile is summed by one block in a fixed order, so the grid (one block per SM, or two: what decode runs
+    gate_up's shape at, TWO_BLOCK_TILES) changes no bit of y."""
+    from localllm.kernels.gemv import Packed, gemv
+    N, K = 28672, 4096
+    w = Packed.from_quant(random_quant(N, K, bits, 128))
+    x = torch.randn(K, device="cuda").half()
+    want = gemv(x, w, blocks_per_sm=1)
+    for blocks_per_sm in (None, 2):
+        assert torch.equal(gemv(x, w, blocks_per_sm=blocks_per_sm), want), blocks_per_sm
+
+
 def test_gemv_adds_residual_in_epilogue():
     from localllm.kernels.gemv import Packed, gemv
     q = random_quant(4096, 4096, 4, 128)
