@@ -68,7 +68,7 @@ class Packed:
 class PackedLUT:
     """A QuantLUT as the GPU kernels read it: the codes rearranged at load time so that a lane's four codes of one row
     and mma tile are the nibbles of one byte-permute selector (kernels/lut.cuh, lut_fragments), and one record per
-    16-row tile of the rows' 7-bit tables (QuantLUT.grid) and their scales and offsets (lut_record_bytes)."""
+    16-row tile of the rows' 8-bit tables (QuantLUT.grid) and their scales and offsets (lut_record_bytes)."""
     qweight: torch.Tensor  # int32 [N/16, K*bits/2]
     lut: torch.Tensor  # uint8 [N/16, lut_record_bytes(bits)]
     bits: int

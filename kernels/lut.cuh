@@ -32,39 +32,32 @@ __host__ __device__ constexpr int lut_col(int t, int m, int j, int h) { return 1
 
 // The layout kernels/gemv.py's PackedLUT builds at load time: a lane's four codes of one row and mma tile m, elements
 // (r, h 0), (r, h 1), (r + 2, h 0), (r + 2, h 1) of row g + 8 r, are the four nibbles of one byte-permute selector, and
-// each row's table is its entries' 7-bit grid values v, a byte each (quant.QuantLUT.grid). One permute picks four
+// each row's table is its entries' 8-bit grid values v, a byte each (quant.QuantLUT.grid). One permute picks four
 // entries' bytes (8 entries in two registers) and two more pair them with 0x64 into the A fragment's half2s of
 // 1024 + v; the epilogue applies the row's scale and offset. Where the codes sit (both row halves of tile m from one
 // shift and mask, lut_selectors; the selector for r = 0 in bits 0-15, r = 1 in bits 16-31):
 // - 2 and 3 bits: the low two bits of the codes of (m, r) in word m / 2 at bits 16 r + 4 p + 2 (m % 2) + {0, 1}; the
 //   third bit (3 bits) in word 2 at bit 16 r + 4 p + m.
-// - 4 bits: the whole code in word m at bits 16 r + 4 p. A permute sees 8 entries; bit 3 of a selector nibble makes
-//   it replicate the picked byte's sign bit instead, which is 0 for a 7-bit value. So the code itself picks entries
-//   0-7 (0 where the code is >= 8), the code with bit 3 flipped picks 8-15 (0 where it is < 8), and an OR joins
-//   them: 4 permutes (2 of them pairing) and an OR per four weights, where fp16 tables took 8.
+// - 4 bits: the whole code in word m at bits 16 r + 4 p. A permute sees 8 entries, so the low three bits pick from
+//   entries 0-7 and from 8-15, and a third permute, whose selector nibble is p + 4 * (bit 3 of the code), keeps one of
+//   the two: 5 permutes per four weights (fp16 tables took 8; 7-bit tables and PRMT's sign replication could do with
+//   4 and an OR, but the coarser grid cost the demo model 1.3% perplexity at 4 bits).
 template <int BITS>
 __host__ __device__ __forceinline__ uint32_t lut_selectors(const uint32_t (&w)[BITS], int m) {
-    if (BITS == 4) return w[m & (BITS - 1)];
+    if (BITS == 4) return w[m & (BITS - 1)] & 0x77777777u;  // bit 3 of a nibble would mean sign replication
     uint32_t s = (w[m >> 1] >> (2 * (m & 1))) & 0x33333333u;
     if (BITS == 3) s |= (m >= 2 ? w[2 % BITS] >> (m - 2) : w[2 % BITS] << (2 - m)) & 0x44444444u;
     return s;
 }
 
-// PRMT: byte i of the result is byte (nibble i of s) & 7 of the 8 bytes y:x, or, where bit 3 of the nibble is set, that
-// byte's sign bit replicated (PTX prmt.b32's default mode; inline PTX, as __byte_perm documents 3-bit selectors only).
+// PRMT: byte i of the result is byte (nibble i of s) of the 8 bytes y:x (selector bit 3, sign replication, unused).
 __host__ __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
 #ifdef __CUDA_ARCH__
-    uint32_t r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(y), "r"(s));
-    return r;
+    return __byte_perm(x, y, s);
 #else
     const unsigned long long v = (unsigned long long)y << 32 | x;
     uint32_t r = 0;
-    for (int i = 0; i < 4; i++) {
-        const int n = (s >> (4 * i)) & 15;
-        const uint32_t b = (uint32_t)(v >> (8 * (n & 7))) & 0xFFu;
-        r |= (n & 8 ? (b & 0x80u ? 0xFFu : 0u) : b) << (8 * i);
-    }
+    for (int i = 0; i < 4; i++) r |= (uint32_t)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFFu) << (8 * i);
     return r;
 #endif
 }
@@ -85,14 +78,15 @@ __host__ __device__ __forceinline__ void lut_fragments(const uint32_t (&w)[BITS]
 #pragma unroll
     for (int m = 0; m < 4; m++) {
         const uint32_t both = lut_selectors<BITS>(w, m);
-        const uint32_t flip = BITS == 4 ? both ^ 0x88888888u : 0u;  // 4 bits: picks entries 8-15
+        // 4 bits: nibble p of the final pick is p, or p + 4 where the code is >= 8 (its bit 3 moved to bit 2)
+        const uint32_t high = BITS == 4 ? ((w[m & (BITS - 1)] >> 1) & 0x44444444u) | 0x32103210u : 0u;
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const uint32_t s = r ? both >> 16 : both;
             const uint32_t* tb = r ? tg8 : tg;
             uint32_t v;  // the four entries' bytes
             if constexpr (BITS == 4)
-                v = byte_perm(tb[0], tb[1], s) | byte_perm(tb[2], tb[3], r ? flip >> 16 : flip);
+                v = byte_perm(byte_perm(tb[0], tb[1], s), byte_perm(tb[2], tb[3], s), r ? high >> 16 : high);
             else
                 v = byte_perm(tb[0], tb[R - 1], s);
             a[m][r] = byte_perm(v, magic, 0x5150u);      // nibbles 0, 1: elements (r, h 0), (r, h 1)

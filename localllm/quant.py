@@ -301,7 +301,7 @@ def rtn_dequantized(w: Tensor, bits: int, group_size: int = 128, clip: Tensor | 
     return out
 
 
-TABLE_LEVELS = 127  # a row's table runs as offset + scale * v, v in 0..127 (QuantLUT.grid)
+TABLE_LEVELS = 255  # a row's table runs as offset + scale * v, v in 0..255 (QuantLUT.grid)
 
 
 @dataclass
@@ -310,9 +310,8 @@ class QuantLUT:
 
     The codes use the same packed layout as QuantWeight (mma-v3), so the GPU kernels read them the same way and
     look the values up in the row's table instead of scaling them. The file keeps the fitted fp16 tables (lut); the
-    model runs them snapped to a 7-bit grid per row (grid, values): the GPU looks a byte up per weight, which costs
-    fewer byte permutes than two (kernels/lut.cuh), and the snap moves an entry by at most (max - min) / 254, a few
-    percent of the spacing of a 16-entry table."""
+    model runs them snapped to an 8-bit grid per row (grid, values): the GPU looks a byte up per weight, which costs
+    fewer byte permutes than two (kernels/lut.cuh), and the snap moves an entry by at most (max - min) / 510."""
 
     qweight: Tensor  # int32 [N / 16, K * bits / 2], layout mma-v3 (pack_codes)
     lut: Tensor  # fp16 [N, 2^bits], ascending per row
@@ -432,7 +431,7 @@ def _runs_kmeans(pw: Tensor, pwx: Tensor, pwxx: Tensor, c: int, bins: int) -> Te
 
 def quantize_lut(w: Tensor, bits: int, importance: Tensor | None = None, x: Tensor | None = None) -> QuantLUT:
     """Per-output-channel non-uniform quantization: lut_centroids, then every weight takes the code of its
-    nearest fp16 centroid (dequantize() gives that centroid on the row's 7-bit grid). With calibration inputs x [T, K],
+    nearest fp16 centroid (dequantize() gives that centroid on the row's 8-bit grid). With calibration inputs x [T, K],
     the table values are then refit to the layer's output error on them, the codes kept (refit_table)."""
     _check_weight(w, bits)
     n, k = w.shape

@@ -249,7 +249,7 @@ def test_quantize_lut(bits, seed):
     assert (q.lut.diff(dim=1) >= 0).all(), "tables ascend"
     w_hat = q.dequantize()
     # every weight took its nearest fitted value (codes in the packed layout of the uniform weights), and runs as
-    # that value on the row's 7-bit grid
+    # that value on the row's 8-bit grid
     codes = unpack_codes(q.qweight, bits).long()
     dist = (w[:, :, None] - q.lut.float()[:, None, :]).abs()
     assert torch.allclose((w - q.lut.float().gather(1, codes)).abs(), dist.min(-1).values), f"seed={seed}"
@@ -258,7 +258,7 @@ def test_quantize_lut(bits, seed):
 
 
 @pytest.mark.parametrize("bits", (2, 3, 4))
-def test_tables_run_on_a_7_bit_grid_per_row(bits, seed):
+def test_tables_run_on_an_8_bit_grid_per_row(bits, seed):
     lut = (torch.randn(64, 2**bits) * torch.rand(64, 1) * 0.1).half()
     lut[0] = 0.25  # a constant row
     q = QuantLUT(pack_codes(torch.randint(0, 2**bits, (64, 128), dtype=torch.uint8), bits), lut, bits, 128)
