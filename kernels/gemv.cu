@@ -536,7 +536,8 @@ template __global__ void dequant<4>(const uint32_t*, const uint8_t*, __half*, in
 template __global__ void dequant<8>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 
 // Table weights as dense fp16 [N, K], as quant.QuantLUT.dequantize(torch.float16), from kernels.gemv.PackedLUT: one
-// thread per (tile, step, lane); an entry is offset + scale * v in float64 (exact), rounded to fp32, then to fp16.
+// thread per (tile, step, lane); an entry is offset + scale * v in float64 (the product is exact, so a contraction into
+// an fma changes nothing), rounded to fp32, then to fp16: quant.QuantLUT.values, then the cast.
 template <int BITS>
 __global__ void dequant_lut(const uint32_t* __restrict__ qw, const uint8_t* __restrict__ lut, __half* __restrict__ out,
                             int N, int K) {
