@@ -51,3 +51,20 @@ def test_byte_permute_lookups_of_the_select_layout(decoder, bits):
                          check=True).stdout.split()
     v = q.grid()[0].long().gather(1, codes.long())
     assert torch.equal(torch.tensor(list(map(int, out))).view(n, k), 0x6400 + v)  # fp16 1024 + v
+
+
+@pytest.mark.parametrize("bits", BASE_BITS)
+def test_packed_lut_record_of_a_tile(bits):
+    """What gemv.cu's table path reads per 16-row tile (lut_tables, the epilogue, dequant_lut): the rows' byte tables
+    in row order, then their fp32 scales and offsets in the order 0, 8, 1, 9, ..., 7, 15 (a lane's rows g, g + 8)."""
+    n, k, e = 48, 128, 2**bits
+    lut = torch.randn(n, e).half()
+    q = QuantLUT(pack_codes(torch.randint(0, e, (n, k), dtype=torch.uint8), bits), lut, bits, k)
+    rec = PackedLUT.from_quant(q, "cpu").lut
+    v, scale, offset = q.grid()
+    assert rec.dtype == torch.uint8 and rec.shape == (n // 16, lut_record_bytes(bits))
+    assert torch.equal(rec[:, :16 * e].reshape(n, e), v)
+    lanes = [r for g in range(8) for r in (g, g + 8)]
+    for i, want in enumerate((scale, offset)):
+        got = rec[:, 16 * e + 64 * i:16 * e + 64 * (i + 1)].contiguous().view(torch.float32)
+        assert torch.equal(got, want.view(n // 16, 16)[:, lanes])
