@@ -121,9 +121,6 @@ __device__ __forceinline__ void lane_words(const uint32_t* p, uint32_t (&w)[BITS
 
 constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 zeros; rows 0, 8, 1, 9, ..., 7, 15
 
-// A table weight's record per tile: 16 tables of 2^BITS bytes, 16 fp32 scales, 16 fp32 offsets.
-__host__ __device__ constexpr int lut_record_bytes(int bits) { return (16 << bits) + 128; }
-
 // A lane's two rows' tables (rows g, g + 8; 2^BITS bytes each, lut_regs registers) from its tile's record.
 template <int BITS>
 __device__ __forceinline__ void lut_tables(const unsigned char* rec, int g, uint32_t (&tg)[lut_regs<BITS>()],

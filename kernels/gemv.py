@@ -32,6 +32,12 @@ NAMES = tuple(f"gemv<{b},{w},{d},{gs},0,false>" for b in (2, 3, 4) for w, d in V
     + tuple(f"dequant<{b}>" for b in PACK_BITS) + tuple(f"dequant_lut<{b}>" for b in (2, 3, 4))
 
 
+def lane_rows(device: torch.device | str) -> torch.Tensor:
+    """The order a tile's 16 per-row values take in a record: 0, 8, 1, 9, ..., 7, 15 (a lane's rows g, g + 8 side by
+    side, one load for both)."""
+    return torch.arange(16, device=device).view(2, 8).T.reshape(-1)
+
+
 @dataclass
 class Packed:
     """A QuantWeight as the GPU kernels read it: the packed codes as they are, and each 16-row tile's scales and
@@ -45,7 +51,7 @@ class Packed:
     @classmethod
     def from_quant(cls, q: QuantWeight, device: torch.device | str = "cuda") -> "Packed":
         N, G = q.scales.shape
-        rows = torch.arange(16, device=device).view(2, 8).T.reshape(-1)  # 0, 8, 1, 9, ...: a lane's rows g, g + 8
+        rows = lane_rows(device)
         sc = q.scales.to(device).view(N // 16, 16, G)[:, rows].transpose(1, 2).contiguous().view(torch.uint8)
         zr = q.zeros.to(device).view(N // 16, 16, G)[:, rows].transpose(1, 2)
         return cls(q.qweight.to(device), torch.cat([sc, zr], dim=2).contiguous(), q.bits, q.group_size,
@@ -82,7 +88,7 @@ class PackedLUT:
             out[t:t + 256] = select_layout(unpack_codes(qw[t:t + 256], q.bits), q.bits)
         v, scale, offset = (t.to(device) for t in q.grid())
         tiles = v.shape[0] // 16
-        rows = torch.arange(16, device=device).view(2, 8).T.reshape(-1)  # 0, 8, 1, 9, ...: a lane's rows g, g + 8
+        rows = lane_rows(device)
         per_row = [f.view(tiles, 16)[:, rows].contiguous().view(torch.uint8) for f in (scale, offset)]
         rec = torch.cat([v.view(tiles, -1), *per_row], dim=1).contiguous()
         return cls(out, rec, q.bits, q.in_features)

@@ -62,6 +62,10 @@ __host__ __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, u
 #endif
 }
 
+// A table weight's record per 16-row tile (gemv.cu, kernels.gemv.PackedLUT): 16 tables of 2^bits bytes, then 16 fp32
+// scales and 16 fp32 offsets.
+__host__ __device__ constexpr int lut_record_bytes(int bits) { return (16 << bits) + 128; }
+
 // Registers a row's table takes in lut_fragments: its entries' bytes, 4 to a register (2 bits: one register, whose
 // bytes the selectors' nibbles 0-3 reach).
 template <int BITS>

@@ -11,7 +11,7 @@ void run(int mode, int n, int k) {
     const int steps = k / 64, entries = 1 << B;
     std::vector<uint32_t> q((size_t)n / 16 * steps * 32 * B);
     for (auto& v : q) if (scanf("%u", &v) != 1) return;
-    const int rec = (16 << B) + 128;  // kernels.gemv.lut_record_bytes
+    const int rec = lut_record_bytes(B);
     std::vector<unsigned> tab(mode == 1 ? (size_t)n / 16 * rec : 0);
     for (auto& v : tab) if (scanf("%u", &v) != 1) return;
     std::vector<int> out((size_t)n * k, -1);

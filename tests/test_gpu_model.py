@@ -148,7 +148,6 @@ def test_fused_decode_attention_matches_float64_reference(heads, kv_heads, D, sp
         assert torch.equal(vc[:, p].cpu().double(), v_new), "value appended at pos"
 
 
-
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128)])
 def test_attend_combine_merges_more_runs_than_it_prefetches(heads, kv_heads, D):
     """attend_combine holds the first 32 runs' outputs in registers and reads the rest afterwards: 32 and 36 runs."""
@@ -167,6 +166,7 @@ def test_attend_combine_merges_more_runs_than_it_prefetches(heads, kv_heads, D):
         want = torch.einsum("hp,hpd->hd", scores.softmax(-1), vals[kvh, : p + 1]).reshape(-1)
         rel = ((out.cpu().double() - want).norm() / want.norm()).item()
         assert rel < 2e-3, (p, rel)
+
 
 def test_decode_with_fused_attention_matches_full_forward():
     # head_dim 64 with grouped queries: decode steps take the fused attention kernels, the full forward SDPA

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from localllm.kernels.gemv import PackedLUT, lut_record_bytes
+from localllm.kernels.gemv import PackedLUT, lane_rows, lut_record_bytes
 from localllm.quant import BASE_BITS, QuantLUT, pack_codes
 
 HERE = Path(__file__).parent
@@ -64,7 +64,8 @@ def test_packed_lut_record_of_a_tile(bits):
     v, scale, offset = q.grid()
     assert rec.dtype == torch.uint8 and rec.shape == (n // 16, lut_record_bytes(bits))
     assert torch.equal(rec[:, :16 * e].reshape(n, e), v)
-    lanes = [r for g in range(8) for r in (g, g + 8)]
+    lanes = lane_rows("cpu")
+    assert lanes.tolist() == [r for g in range(8) for r in (g, g + 8)]
     for i, want in enumerate((scale, offset)):
         got = rec[:, 16 * e + 64 * i:16 * e + 64 * (i + 1)].contiguous().view(torch.float32)
         assert torch.equal(got, want.view(n // 16, 16)[:, lanes])
