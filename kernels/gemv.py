@@ -139,9 +139,10 @@ def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 # Every GEMV launches early (cuda.launch) and lets the next kernel launch at its start, so that kernel's prologue
-# (a GEMV's first weights) overlaps its stream, unless the next kernel is a GEMV of at least this many bytes: one of
-# those would hold half of each SM's registers through this one's whole stream (session 3), so it launches only as
-# this one's blocks exit (hold_next), still before their memory is flushed.
+# (a GEMV's first weights) overlaps its stream, unless both are GEMVs of at least this many bytes: the next would hold
+# half of each SM's registers through this one's whole long stream (session 3), so it launches only as this one's
+# blocks exit (hold_next), still before their memory is flushed. After a short GEMV (8B o before gate_up) the early
+# launch pays: H100, 8B decode, 8-bit head, W3 1.85 -> 1.80 ms per step, W4 2.03 -> 1.98 (kernels/NOTES.md, session 23).
 HOLD_BYTES = int(os.environ.get("LOCALLLM_HOLD_BYTES", 16 << 20))
 
 # A uniform GEMV without QDEC whose blocks would each take this many tiles or more at one block per SM runs two blocks
@@ -178,8 +179,8 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself.
     variant: one of VARIANTS for uniform weights (default decode_variant); blocks_per_sm default: 2 where
     TWO_BLOCK_TILES says, else 1.
-    hold_next: the next kernel is a GEMV of HOLD_BYTES or more (it launches as this one's blocks exit); default: the
-    next kernel is taken to be a GEMV of w's size (the benchmarks' repeated calls).
+    hold_next: this GEMV and the next kernel are GEMVs of HOLD_BYTES or more (the next launches as this one's blocks
+    exit); default: the next kernel is taken to be a GEMV of w's size (the benchmarks' repeated calls).
     comp: QDEC, y += R_hat[:, S] f(x)[S] (S chosen in the kernel); needs decode_variant and the grid that
     comp.state was numbered with."""
     N, K = w.out_features, w.in_features

@@ -53,7 +53,7 @@ class Linear(nn.Module):
         self.residual = residual
         self.host_residual = None  # on a GPU with QDEC on: the residual pinned in host memory (kernels.qdec)
         self.comp = None  # on a GPU with QDEC on: the QDEC GEMV's launch (kernels.qdec.Call)
-        self.hold_next = False  # decode's next kernel is a large GEMV (kernels.gemv.HOLD_BYTES; Transformer.place)
+        self.hold_next = False  # this GEMV and decode's next are both large (kernels.gemv.HOLD_BYTES; Transformer.place)
         self.stats = stats
         self.settings = settings or QdecSettings()
         # dense source weights [N, K]; a quantized Linear dequantizes on the CPU when first run there
@@ -372,10 +372,11 @@ class Transformer(nn.Module):
         self.inv_freq = self.inv_freq.to(device)
         if device.type == "cuda":
             from .kernels.gemv import HOLD_BYTES
-            # decode's GEMVs in launch order, each told whether the next one is large
+            # decode's GEMVs in launch order: a large one followed by a large one holds its launch (qkv: the
+            # attention comes next)
             order = [*self.linears(), self.head]
             for lin, nxt in zip(order, order[1:]):
-                lin.hold_next = lin.kind != "qkv" and nxt.nbytes >= HOLD_BYTES  # qkv: the attention comes next
+                lin.hold_next = lin.kind != "qkv" and min(lin.nbytes, nxt.nbytes) >= HOLD_BYTES
         return self
 
     def linears(self):
