@@ -267,8 +267,10 @@ def test_tables_run_on_an_8_bit_grid_per_row(bits, seed):
     t = lut.double()
     assert torch.equal(offset, t.min(1).values.float()) and scale[0] == 0 and (scale[1:] > 0).all()
     assert (v[1:].min(1).values == 0).all() and (v[1:].max(1).values == TABLE_LEVELS).all(), f"seed={seed}"
-    # each entry moves by at most half a step, and the grid keeps the table's order
-    assert ((q.values().double() - t).abs() <= scale.double()[:, None] * (0.5 + 1e-6) + 1e-12).all(), f"seed={seed}"
+    # each entry moves by at most half a step (plus float32 rounding: of the scale, times v <= 255, and of the entry;
+    # without it 1.4% of seeds failed by ~1e-9), and the grid keeps the table's order
+    tol = scale.double()[:, None] * (0.5 + TABLE_LEVELS * 2**-24) + t.abs() * 2**-23 + 1e-12
+    assert ((q.values().double() - t).abs() <= tol).all(), f"seed={seed}"
     order = t.argsort(1)
     assert (v.gather(1, order).diff(dim=1) >= 0).all()
     assert torch.equal(q.values()[0], torch.full((2**bits,), 0.25))
