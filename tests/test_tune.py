@@ -12,7 +12,7 @@ import torch
 from localllm.errors import LocalLLMError
 from localllm.model import KINDS
 from localllm.tuner import profile as P
-from localllm.tuner.search import Memo
+from localllm.tuner.search import Memo, least
 from localllm.tuner.tune import profile_of, run, table
 
 from test_tune_search import knee, problem
@@ -76,6 +76,19 @@ def test_no_compensation_when_nothing_measured_fits():
     assert res.perplexity_off is None and all(r.perplexity is None for r in res.rows)
     out = table(res, "title")
     assert "nothing fits" in out and "off" in out
+
+
+def test_measures_the_least_setting_before_settling_on_nothing():
+    """A cost the GEMV timings miss that does not grow with k_chunk (extra, whenever QDEC is on: on the H100 the
+    compensating gate_up loses the plain GEMV's two blocks per SM) makes the searched settings overshoot and the
+    shrinking target fall below the cheapest setting, which, measured, fits; where it does not, nothing."""
+    p = problem()
+    cheapest = least(p, knee(p.layers), 0.05)
+    e, budget = cheapest.predicted, 2.05 * cheapest.predicted  # the least setting measures 2e
+    r = run(p, FakeBench(p, extra=e * p.step_time), [budget], evaluate=False).rows[0]
+    assert r.choice.k_chunk == cheapest.k_chunk and r.slowdown <= budget and r.tries > 1
+    assert r.slowdown == pytest.approx(2 * e)
+    assert not run(p, FakeBench(p, extra=2 * e * p.step_time), [budget], evaluate=False).rows[0].choice.compensates
 
 
 def test_table_and_profiles():

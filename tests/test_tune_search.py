@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from localllm.kernels import qdec
-from localllm.tuner.search import Layer, Memo, Problem, _coarse, _Cost, _uniform, largest_k, search, search_budgets
+from localllm.tuner.search import (LEAST_SLACK, Layer, Memo, Problem, _coarse, _Cost, _uniform, largest_k, least, search,
+                                   search_budgets)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # Llama-3-8B
 BUDGETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5)
@@ -270,3 +271,23 @@ def test_memo_refuses_nonsense_times():
         Memo(lambda *a: float("nan"))("o", 4, 1)
     with pytest.raises(ValueError, match="oracle returned"):
         Memo(lambda *a: 0.0)("o", 0, 0)
+
+
+@pytest.mark.parametrize("model", ["monotone", "knee"])
+def test_least_is_the_cheapest_compensating_setting(model):
+    """least(): one kind compensated, the kind and n_tb whose k_chunk 1 adds the least time of all, at the largest
+    k_chunk of 1, 2, 4, ... that adds at most LEAST_SLACK more; nothing when no kind may be compensated."""
+    p = problem()
+    t = Memo({"monotone": monotone, "knee": knee}[model](p.layers))
+    c = least(p, t, 0.05)
+    kinds = [k for k, v in c.k_chunk.items() if v]
+    assert len(kinds) == 1
+    (kind,), k = kinds, c.k_chunk[kinds[0]]
+    lay = next(lay for lay in p.layers if lay.kind == kind)
+    added = lambda la, n, kk: la.count * (t(la.kind, n, kk) - t(la.kind, 0, 0))  # noqa: E731
+    one = added(lay, c.n_tb[kind], 1)
+    assert all(added(la, n_tb[la.kind], 1) >= one for _, n_tb in p.n_tb_candidates() for la in p.layers)
+    assert added(lay, c.n_tb[kind], k) <= one * (1 + LEAST_SLACK)
+    assert 2 * k > lay.k_max or added(lay, c.n_tb[kind], 2 * k) > one * (1 + LEAST_SLACK)
+    assert c.predicted == pytest.approx(added(lay, c.n_tb[kind], k) / p.step_time)
+    assert not least(problem(k_max={kind: 0 for kind in SHAPES}), t, 0.05).compensates

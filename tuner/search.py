@@ -21,6 +21,8 @@ Phase 2 starts from the uniform k of Phase 1 and, round after round, offers ever
 in order of the time that step adds (cheapest first); a step that would break the budget freezes that kind for
 good. It ends when no kind is open.
 
+least() is the cheapest setting that compensates at all: what tune.run measures before it settles on nothing.
+
 Every oracle point is measured once (Memo); several budgets tuned together share the points (search_budgets), and
 a larger budget never gets fewer compensated channels than a smaller one: a smaller budget's setting fits a larger
 one too, so it is carried forward when the larger budget's own search found less.
@@ -222,6 +224,33 @@ def search(problem: Problem, time: Oracle, budget: float) -> Choice:
         fallback.append(smallest.kind)
     k = _phase2(cost, n_tb, _uniform(layers, fixed, steps), fixed)
     return Choice(budget, v, n_tb, k, cost.slowdown(n_tb, k), steps, tuple(fallback))
+
+
+LEAST_SLACK = 0.25  # least(): a larger k_chunk is taken while it adds at most this much more than k_chunk 1
+
+
+def least(problem: Problem, time: Oracle, budget: float) -> Choice:
+    """The cheapest setting that compensates, on the GEMV timings: the kind and n_tb whose k_chunk 1 adds the least
+    time, at the largest k_chunk of 1, 2, 4, ... (up to the kind's bound) that adds at most LEAST_SLACK more than
+    k_chunk 1 (a compensating GEMV's cost is mostly fixed at small k_chunk); nothing() when no kind can be
+    compensated."""
+    memo = time if isinstance(time, Memo) else Memo(time)
+    cost = _Cost(problem, memo, budget)
+    only = lambda kind, k: {lay.kind: k if lay.kind == kind else 0 for lay in problem.layers}  # noqa: E731
+    best = None
+    for v, n_tb in problem.n_tb_candidates():
+        for lay in problem.layers:
+            if lay.k_max > 0:
+                added = cost.added(n_tb, only(lay.kind, 1))
+                if best is None or added < best[0]:
+                    best = (added, v, n_tb, lay)
+    if best is None:
+        return nothing(problem, budget)
+    added, v, n_tb, lay = best
+    k = 1
+    while 2 * k <= lay.k_max and cost.added(n_tb, only(lay.kind, 2 * k)) <= added * (1 + LEAST_SLACK):
+        k *= 2
+    return Choice(budget, v, n_tb, only(lay.kind, k), cost.slowdown(n_tb, only(lay.kind, k)), 0)
 
 
 def nothing(problem: Problem, budget: float, fallback: tuple[str, ...] = ()) -> Choice:

@@ -4,8 +4,11 @@ For each budget, ascending: the search picks a setting on the GEMV timings; the 
 (a captured graph, as generation runs) and compared with the step without QDEC timed just before (a pair, so
 clock drift over the tune does not enter the ratio). When the measured slowdown is over
 the budget (the GEMV timings miss something: overlap, launch order, the QDEC variant's own cost), the search runs
-again with its target cut by the measured overshoot, and the step is timed again, up to MAX_TRIES times; a budget
-still over after that gets no compensation. So every reported setting was measured to fit its budget. Each
+again with its target cut by the measured overshoot, and the step is timed again, up to MAX_TRIES times. Before a
+budget settles on no compensation (nothing predicted to fit, or still over after the tries), the cheapest setting
+that compensates (search.least) is timed once and kept if it measures within the budget: the GEMV timings miss
+costs that do not grow with k_chunk (H100, 8B W3: the compensating gate_up loses the plain GEMV's two blocks per SM),
+so a shrinking target can drop below the least setting while that setting itself fits. So every reported setting was measured to fit its budget. Each
 setting's pair is timed once per tune (another budget or try that lands on it reuses the pair). A larger
 budget then never ends with fewer compensated rows than a smaller one (search.carry_forward, on measured settings).
 
@@ -22,7 +25,7 @@ from typing import Protocol
 from localllm.model import KINDS
 
 from . import profile as profiles
-from .search import Choice, Memo, Problem, carry_forward, nothing, search
+from .search import Choice, Memo, Problem, carry_forward, least, nothing, search
 
 MAX_TRIES = 4
 SHRINK = 0.9  # a retry aims this much under the target the overshoot suggests
@@ -79,26 +82,34 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
 
     rows: list[Row] = []
     measured: dict[tuple, tuple[float, float]] = {}  # setting -> (decode, decode without QDEC), each timed once
+
+    def timed(c: Choice) -> tuple[float, float]:
+        """(decode with c, decode without QDEC just before), each setting's pair timed once per tune."""
+        key = (tuple(c.k_chunk.items()), tuple(c.n_tb.items()))
+        if key not in measured:
+            say(f"tuning {profiles.percent(c.budget)}%: decode step")
+            measured[key] = measure(c)
+        return measured[key]
+
     for budget in sorted(set(budgets)):
-        target, row = budget, None
-        for tries in range(1, MAX_TRIES + 1):
+        target, row, none, tries = budget, None, nothing(problem, budget), 0
+        while row is None and tries < MAX_TRIES:
+            tries += 1
             say(f"tuning {profiles.percent(budget)}%: search" + (f" (try {tries})" if tries > 1 else ""))
             c = replace(search(problem, memo, target), budget=budget)
             if not c.compensates:
-                row = Row(c, base, base, 0.0, tries)
+                none = c
                 break
-            key = (tuple(c.k_chunk.items()), tuple(c.n_tb.items()))
-            if key not in measured:
-                say(f"tuning {profiles.percent(budget)}%: decode step")
-                measured[key] = measure(c)
-            on, off = measured[key]
-            slow = on / off - 1
-            if slow <= budget:
-                row = Row(c, on, off, slow, tries)
-                break
-            target = target * budget / slow * SHRINK
-        if row is None:  # still over after MAX_TRIES: no compensation for this budget
-            row = Row(nothing(problem, budget), base, base, 0.0, MAX_TRIES)
+            on, off = timed(c)
+            if on / off - 1 <= budget:
+                row = Row(c, on, off, on / off - 1, tries)
+            else:
+                target = target * budget / (on / off - 1) * SHRINK
+        if row is None:  # nothing predicted to fit, or still over: the least setting, measured, before nothing
+            c = replace(least(problem, memo, budget), budget=budget)
+            on, off = timed(c) if c.compensates else (base, base)
+            row = Row(c, on, off, on / off - 1, tries + 1) if c.compensates and on / off - 1 <= budget else \
+                Row(none, base, base, 0.0, tries)
         rows.append(row)
     by_budget = {r.budget: r for r in rows}
     final = []
