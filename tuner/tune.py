@@ -7,10 +7,11 @@ the budget (the GEMV timings miss something: overlap, launch order, the QDEC var
 again with its target cut by the measured overshoot, and the step is timed again, up to MAX_TRIES times. Before a
 budget settles on no compensation (nothing predicted to fit, or still over after the tries), the cheapest setting
 that compensates (search.least) is timed once and kept if it measures within the budget: the GEMV timings miss
-costs that do not grow with k_chunk (H100, 8B W3: the compensating gate_up loses the plain GEMV's two blocks per SM),
-so a shrinking target can drop below the least setting while that setting itself fits. So every reported setting was measured to fit its budget. Each
-setting's pair is timed once per tune (another budget or try that lands on it reuses the pair). A larger
-budget then never ends with fewer compensated rows than a smaller one (search.carry_forward, on measured settings).
+costs that do not grow with k_chunk (H100, 8B W3: the compensating gate_up loses the plain GEMV's two blocks per
+SM), so a shrinking target can drop below the least setting while that setting itself fits. So every reported
+setting was measured to fit its budget. Each setting's pair is timed once per tune (another budget or try that
+lands on it reuses the pair). A larger budget then never ends with fewer compensated rows than a smaller one
+(search.carry_forward, on measured settings).
 
 run() is the procedure over a Bench (three timing/quality functions), so it is tested on the CPU with fakes;
 tune() is the GPU glue (tuner.timing) and writes the profiles.
