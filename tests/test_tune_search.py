@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from localllm.kernels import qdec
-from localllm.tuner.search import (LEAST_SLACK, Layer, Memo, Problem, _coarse, _Cost, _uniform, largest_k, least, search,
-                                   search_budgets)
+from localllm.tuner.search import (LEAST_SLACK, Layer, Memo, Problem, _coarse, _Cost, _uniform, largest_k, least,
+                                   search, search_budgets)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # Llama-3-8B
 BUDGETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5)
