@@ -102,14 +102,16 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
                 none = c
                 break
             on, off = timed(c)
-            if on / off - 1 <= budget:
-                row = Row(c, on, off, on / off - 1, tries)
+            slow = on / off - 1
+            if slow <= budget:
+                row = Row(c, on, off, slow, tries)
             else:
-                target = target * budget / (on / off - 1) * SHRINK
+                target = target * budget / slow * SHRINK
         if row is None:  # nothing predicted to fit, or still over: the least setting, measured, before nothing
             c = replace(least(problem, memo, budget), budget=budget)
             on, off = timed(c) if c.compensates else (base, base)
-            row = Row(c, on, off, on / off - 1, tries + 1) if c.compensates and on / off - 1 <= budget else \
+            slow = on / off - 1
+            row = Row(c, on, off, slow, tries + 1) if c.compensates and slow <= budget else \
                 Row(none, base, base, 0.0, tries)
         rows.append(row)
     by_budget = {r.budget: r for r in rows}
