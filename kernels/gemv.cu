@@ -136,6 +136,13 @@ __device__ __forceinline__ void lut_tables(const unsigned char* rec, int g, uint
     }
 }
 
+// Rows g and g + 8's scales (sc) and offsets (of) from a tile's record: after its 16 tables, rows 0, 8, 1, 9, ...
+template <int BITS>
+__device__ __forceinline__ void lut_scales(const unsigned char* rec, int g, float2& sc, float2& of) {
+    sc = reinterpret_cast<const float2*>(rec + (16 << BITS))[g];
+    of = reinterpret_cast<const float2*>(rec + (16 << BITS) + 64)[g];
+}
+
 // y = W_hat f(x) (+ res), f the input transform below; with QW > 0 QDEC warps add R_hat[:, S] f(x)[S] (qdec.cuh).
 // Dynamic shared memory: x as B fragments (K halves), per step or pair {X, offset of rows g, offset of rows g + 8, 0}
 // (room for K/64 float4), then the warps' rings (WARPS x DEPTH slots of a pair's weights and meta), then with QDEC
@@ -394,8 +401,8 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 mma_step(h, a);
             }
             const float X = xstat[p].x;
-            const float2 sc = reinterpret_cast<const float2*>(rec + (16 << BITS))[g];  // rows g, g + 8
-            const float2 of = reinterpret_cast<const float2*>(rec + (16 << BITS) + 64)[g];
+            float2 sc, of;
+            lut_scales<BITS>(rec, g, sc, of);
             const float v0 = (c[0][0] + c[1][0]) + (c[2][0] + c[3][0]), v1 = (c[0][2] + c[1][2]) + (c[2][2] + c[3][2]);
             acc0 = fmaf(sc.x, fmaf(-1024.0f, X, v0), fmaf(of.x, X, acc0));
             acc1 = fmaf(sc.y, fmaf(-1024.0f, X, v1), fmaf(of.y, X, acc1));
@@ -549,8 +556,8 @@ __global__ void dequant_lut(const uint32_t* __restrict__ qw, const uint8_t* __re
     uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()], a[4][4];
     lut_tables<BITS>(rec, g, tg, tg8);
     lut_fragments<BITS>(w, tg, tg8, 0x64006400u, a);
-    const float2 sc = reinterpret_cast<const float2*>(rec + (16 << BITS))[g];
-    const float2 of = reinterpret_cast<const float2*>(rec + (16 << BITS) + 64)[g];
+    float2 sc, of;
+    lut_scales<BITS>(rec, g, sc, of);
 #pragma unroll
     for (int m = 0; m < 4; m++)
 #pragma unroll
