@@ -89,7 +89,7 @@ def launch(func, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, ea
     """Launch a kernel of kernel() on torch's current stream. early=True: programmatic dependent launch (sm_90+),
     the kernel may start while the previous one in the stream still runs; it must execute griddepcontrol.wait
     before it reads or writes memory that earlier kernels touch (weights it may prefetch before)."""
-    if not (early and _pdl(torch.cuda.current_device())):
+    if not (early and early_launch(torch.cuda.current_device())):
         func(grid, block, args, stream=stream(), shared_mem=shared_mem)
         return
     grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
@@ -106,7 +106,7 @@ def launch(func, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, ea
 
 
 @functools.cache
-def _pdl(device: int) -> bool:
+def early_launch(device: int) -> bool:
     """Programmatic dependent launch: Hopper and newer with a driver that has cuLaunchKernelEx (CUDA 12), unless
     LOCALLLM_NO_PDL=1."""
     if torch.cuda.get_device_capability(device)[0] < 9 or os.environ.get("LOCALLLM_NO_PDL") == "1":

@@ -144,6 +144,10 @@ def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
 # blocks exit (hold_next), still before their memory is flushed. After a short GEMV (8B o before gate_up) the early
 # launch pays: H100, 8B decode, 8-bit head, W3 1.85 -> 1.80 ms per step, W4 2.03 -> 1.98 (kernels/NOTES.md, session 23).
 HOLD_BYTES = int(os.environ.get("LOCALLLM_HOLD_BYTES", 16 << 20))
+# A GEMV that starts with x ready (held, or no early launch) stages x before it requests its first weights, whose HBM
+# misses would otherwise delay x's L2 hits by ~1.4 us. H100, 8B decode, 8-bit head: W3 1.777 -> 1.768 ms per step, W4
+# 1.986 -> 1.972 (down and the head are held); without early launch W3 2.043 -> 2.002; `bench gemv` down W4 82 -> 86%
+# of copy bandwidth. Not at two blocks per SM, where it lost (gate_up W4 96 -> 93%; kernels/NOTES.md, session 24).
 
 # A uniform GEMV without QDEC whose blocks would each take this many tiles or more at one block per SM runs two blocks
 # per SM where two fit: one block's tile ends (a barrier, the reduction) then leave the other streaming. H100, 8B
@@ -173,7 +177,8 @@ def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
 
 def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, glu: bool = False, variant: tuple[int, int] | None = None,
-         blocks_per_sm: int | None = None, hold_next: bool | None = None, comp: "qdec.Call | None" = None) -> torch.Tensor:
+         blocks_per_sm: int | None = None, hold_next: bool | None = None, held: bool | None = None,
+         comp: "qdec.Call | None" = None) -> torch.Tensor:
     """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.
     f, applied while the kernel stages x: norm = (float32 weight [K], eps) -> ops.rmsnorm(x, weight, eps);
     glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself.
@@ -181,6 +186,9 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     TWO_BLOCK_TILES says, else 1.
     hold_next: this GEMV and the next kernel are GEMVs of HOLD_BYTES or more (the next launches as this one's blocks
     exit); default: the next kernel is taken to be a GEMV of w's size (the benchmarks' repeated calls).
+    held: the kernel before this one holds its launch (hold_next), so x is ready when it starts; default: the one before
+    is taken to be a GEMV of w's size. Without early launches (cuda.early_launch) every GEMV is held. A held GEMV
+    at one block per SM stages x before it requests its first weights (x_first).
     comp: QDEC, y += R_hat[:, S] f(x)[S] (S chosen in the kernel); needs decode_variant and the grid that
     comp.state was numbered with."""
     N, K = w.out_features, w.in_features
@@ -204,6 +212,8 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         blocks_per_sm = 2 if many and cuda.resident_blocks(dev, 32 * warps, k.num_regs,
                                                            smem + k.shared_size_bytes + 1024) >= 2 else 1
     grid = grid_of(N, x.device, blocks_per_sm)
+    held = not cuda.early_launch(x.device.index or 0) or (w.nbytes >= HOLD_BYTES if held is None else held)
+    x_first = held and blocks_per_sm == 1
     null = np.uint64(0)
     if qw:
         assert (warps, depth) == decode_variant(w) and comp.grid == grid, "QDEC state numbered for another grid"
@@ -216,7 +226,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         cuda.ptr(w.qweight), cuda.ptr(meta), cuda.ptr(x), null if residual is None else cuda.ptr(residual),
         cuda.ptr(out), np.int32(N), np.int32(K), np.int32(G), np.uint32(0x64006400),
         null if norm is None else cuda.ptr(norm[0]), np.float32(norm[1] if norm else 0.0), np.int32(glu),
-        np.int32(w.nbytes >= HOLD_BYTES if hold_next is None else hold_next), *extra),
+        np.int32(w.nbytes >= HOLD_BYTES if hold_next is None else hold_next), np.int32(x_first), *extra),
         shared_mem=smem, early=True)
     return out
 

@@ -54,6 +54,7 @@ class Linear(nn.Module):
         self.host_residual = None  # on a GPU with QDEC on: the residual pinned in host memory (kernels.qdec)
         self.comp = None  # on a GPU with QDEC on: the QDEC GEMV's launch (kernels.qdec.Call)
         self.hold_next = False  # this GEMV and decode's next are both large (kernels.gemv.HOLD_BYTES; Transformer.place)
+        self.held = False  # decode's GEMV before this one holds its launch (hold_next)
         self.stats = stats
         self.settings = settings or QdecSettings()
         # dense source weights [N, K]; a quantized Linear dequantizes on the CPU when first run there
@@ -168,7 +169,7 @@ class Linear(nn.Module):
         from .kernels.gemv import gemv
         y = gemv(x.reshape(-1), self.packed, residual=residual.reshape(-1).contiguous() if fuse else None,
                  norm=None if norm is None else (norm.weight, norm.eps), glu=glu, hold_next=self.hold_next,
-                 comp=comp).view(*x.shape[:-1], -1)
+                 held=self.held, comp=comp).view(*x.shape[:-1], -1)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None or fuse else y + residual
@@ -376,7 +377,7 @@ class Transformer(nn.Module):
             # attention comes next)
             order = [*self.linears(), self.head]
             for lin, nxt in zip(order, order[1:]):
-                lin.hold_next = lin.kind != "qkv" and min(lin.nbytes, nxt.nbytes) >= HOLD_BYTES
+                lin.hold_next = nxt.held = lin.kind != "qkv" and min(lin.nbytes, nxt.nbytes) >= HOLD_BYTES
         return self
 
     def linears(self):

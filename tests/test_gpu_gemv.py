@@ -66,6 +66,25 @@ def test_gemv_gives_the_same_bits_on_any_grid(bits):
         assert torch.equal(gemv(x, w, blocks_per_sm=blocks_per_sm), want), blocks_per_sm
 
 
+@pytest.mark.parametrize("mode", ["plain", "norm", "glu"])
+@pytest.mark.parametrize("K", [4096, 14336, 576])
+def test_gemv_gives_the_same_bits_whether_x_or_the_weights_load_first(mode, K):
+    """A GEMV launched as the one before it exits (held) stages x before it requests its first weights, else the
+    weights go first: the order of the loads changes no bit of y, and y is right."""
+    from localllm import ops
+    from localllm.kernels.gemv import Packed, gemv
+    N = 1024
+    q = random_quant(N, K, 3, 128)
+    w = Packed.from_quant(q)
+    x, nw = torch.randn(2 * K if mode == "glu" else K, device="cuda").half() * 3, torch.rand(K, device="cuda") + 0.5
+    kw = {"norm": (nw, 1e-5)} if mode == "norm" else {"glu": True} if mode == "glu" else {}
+    got = {held: gemv(x, w, held=held, **kw) for held in (False, True)}
+    assert torch.equal(got[True], got[False])
+    xin = ops.rmsnorm(x.float(), nw, 1e-5) if mode == "norm" else ops.silu_mul(x.float()) if mode == "glu" else x
+    ref = q.dequantize(torch.float64) @ xin.half().double()
+    assert ((got[True].double() - ref).norm() / ref.norm()).item() < 1e-3
+
+
 def test_gemv_adds_residual_in_epilogue():
     from localllm.kernels.gemv import Packed, gemv
     q = random_quant(4096, 4096, 4, 128)

@@ -33,8 +33,10 @@ def test_quantized_decode_attention_matches_float64_reference(heads, kv_heads, D
         out = attention.attend(qkv, ang.cos().cuda(), ang.sin().cuda(), kc, vc, torch.tensor([p], device="cuda"),
                                heads, kv_heads, D ** -0.5, ksz, vsz, splits=splits)
         torch.cuda.synchronize()
-        # the append: kvquant.quantize of the fp16-rounded rotated key (RoPE may round one way or the other by an
-        # ulp, which can move a code by one) and of the value (exact)
+        # the append: kvquant.quantize of the fp16-rounded rotated key and of the value (exact). RoPE may round a
+        # key one way or the other by an ulp; where that moves the head's minimum or maximum, its scale moves and
+        # with it every code near a rounding boundary (a few % of the head's codes), so each key code must be the
+        # level nearest the key under the scale and zero the kernel stored, within that ulp
         for codes, sz, new, exact in ((kc, ksz, k_new, False), (vc, vsz, v_new, True)):
             want_c, want_sz = kvquant.quantize(new, bits)
             got_c, got_sz = codes[:, p].cpu(), sz[:, p].cpu()
@@ -43,8 +45,10 @@ def test_quantized_decode_attention_matches_float64_reference(heads, kv_heads, D
             else:
                 a, b = (kvquant.dequantize(c, torch.tensor([1.0, 0.0]).half().expand_as(want_sz), bits)
                         for c in (got_c, want_c))
-                assert (a - b).abs().max() <= 1 and (a != b).float().mean() < 0.02, "key appended at pos"
+                assert (a - b).abs().max() <= 1, "key appended at pos"
                 assert torch.allclose(got_sz.float(), want_sz.float(), rtol=2e-3, atol=1e-4)
+                err = (kvquant.dequantize(got_c, got_sz, bits) - new).abs()
+                assert (err <= 0.5 * got_sz[:, :1].float() + 2e-3 * new.abs() + 1e-6).all(), "key code not nearest"
         # the output: float64 attention over the cache as the kernel left it, dequantized
         keys, vals = (kvquant.dequantize(c[:, : p + 1].cpu(), s[:, : p + 1].cpu(), bits, torch.float64)
                       for c, s in ((kc, ksz), (vc, vsz)))

@@ -98,6 +98,7 @@ def test_qdec_gemv_same_bits_for_every_n_tb_eager_and_graph():
     for n_tb in qdec.viable_n_tb(K, N, comp.grid):
         comp.n_tb = n_tb
         assert torch.equal(gemv(xg, w, comp=comp), first), f"n_tb={n_tb}"
+        assert torch.equal(gemv(xg, w, comp=comp, held=True), first), f"n_tb={n_tb}, x staged first"
     # graph replay: one capture, new inputs each replay, the same bits as eager calls
     xin, out = xg.clone(), torch.empty(N, device="cuda", dtype=torch.float16)
     s = torch.cuda.Stream()
