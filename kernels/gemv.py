@@ -148,6 +148,8 @@ HOLD_BYTES = int(os.environ.get("LOCALLLM_HOLD_BYTES", 16 << 20))
 # misses would otherwise delay x's L2 hits by ~1.4 us. H100, 8B decode, 8-bit head: W3 1.777 -> 1.768 ms per step, W4
 # 1.986 -> 1.972 (down and the head are held); without early launch W3 2.043 -> 2.002; `bench gemv` down W4 82 -> 86%
 # of copy bandwidth. Not at two blocks per SM, where it lost (gate_up W4 96 -> 93%; kernels/NOTES.md, session 24).
+# A QDEC GEMV does so wherever it launches: its selection starts sooner (8B W3 decode with k_chunk 8 on one kind:
+# gate_up -1.5%, qkv and o -0.5% per step), though x is not ready at its start after o or the attention.
 
 # A uniform GEMV without QDEC whose blocks would each take this many tiles or more at one block per SM runs two blocks
 # per SM where two fit: one block's tile ends (a barrier, the reduction) then leave the other streaming. H100, 8B
@@ -188,7 +190,8 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     exit); default: the next kernel is taken to be a GEMV of w's size (the benchmarks' repeated calls).
     held: the kernel before this one holds its launch (hold_next), so x is ready when it starts; default: the one before
     is taken to be a GEMV of w's size. Without early launches (cuda.early_launch) every GEMV is held. A held GEMV
-    at one block per SM stages x before it requests its first weights (x_first).
+    at one block per SM, and every QDEC GEMV (its selection waits for x), stages x before it requests its first
+    weights (x_first).
     comp: QDEC, y += R_hat[:, S] f(x)[S] (S chosen in the kernel); needs decode_variant and the grid that
     comp.state was numbered with."""
     N, K = w.out_features, w.in_features
@@ -213,7 +216,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
                                                            smem + k.shared_size_bytes + 1024) >= 2 else 1
     grid = grid_of(N, x.device, blocks_per_sm)
     held = not cuda.early_launch(x.device.index or 0) or (w.nbytes >= HOLD_BYTES if held is None else held)
-    x_first = held and blocks_per_sm == 1
+    x_first = (held or qw > 0) and blocks_per_sm == 1
     null = np.uint64(0)
     if qw:
         assert (warps, depth) == decode_variant(w) and comp.grid == grid, "QDEC state numbered for another grid"

@@ -186,10 +186,15 @@ def bench_qdec(bits: int = 3, group_size: int = 128) -> list[dict]:
     from .kernels import qdec
     from .kernels.gemv import gemv, grid_of
     from .quant import QuantResidual
+    from .model import holds
     pcie = pcie_bandwidth()
     rows = []
-    for name, (N, K) in LLAMA3_8B.items():
+    kinds = list(LLAMA3_8B)
+    size = {name: random_packed(N, K, bits, group_size).nbytes for name, (N, K) in LLAMA3_8B.items()}
+    for i, (name, (N, K)) in enumerate(LLAMA3_8B.items()):
         sets, nbytes = gemv_sets(N, K, bits, group_size)
+        prev = kinds[i - 1]  # the GEMV before this one in decode (down before qkv): whether it holds this one's launch,
+        held = holds(prev, size[prev], size[name])  # so that base and QDEC take decode's x_first (kernels.gemv.gemv)
         C, grid = qdec.chunks(K), grid_of(N, torch.device("cuda"))
         xs = [torch.randn(K, device="cuda").half() * torch.where(torch.rand(K, device="cuda") < 0.02, 8.0, 1.0).half()
               for _ in sets]
@@ -197,14 +202,14 @@ def bench_qdec(bits: int = 3, group_size: int = 128) -> list[dict]:
         res = [qdec.HostResidual.pin(QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32),
                                                    (torch.rand(N) * 0.01).half())) for _ in sets]
         part = qdec.new_part([(K, N)], "cuda")
-        base = time_graph([lambda s=s, x=x: gemv(x, s[0], out=s[1]) for s, x in zip(sets, xs)])
+        base = time_graph([lambda s=s, x=x: gemv(x, s[0], out=s[1], held=held) for s, x in zip(sets, xs)])
         for n_tb in qdec.viable_n_tb(K, N, grid):
             row = {"layer": name, "N": N, "K": K, "n_tb": n_tb, "base_us": base * 1e6, "us": {}}
             for k in QDEC_K[1:]:
                 a = xs[0].float().abs()
                 b0, b15 = float(a.max()), float(a[:1024].topk(k).values[-1])
                 comps = [qdec.Call(r, qdec.new_state(K, N, "cuda"), part, k, n_tb, b0, b15, grid) for r in res]
-                t = time_graph([lambda s=s, x=x, c=c: gemv(x, s[0], out=s[1], comp=c)
+                t = time_graph([lambda s=s, x=x, c=c: gemv(x, s[0], out=s[1], held=held, comp=c)
                                 for s, x, c in zip(sets, xs, comps)])
                 row["us"][k] = t * 1e6
             kmax = QDEC_K[-1]

@@ -372,17 +372,21 @@ class Transformer(nn.Module):
             self.head.place(device, dtype)
         self.inv_freq = self.inv_freq.to(device)
         if device.type == "cuda":
-            from .kernels.gemv import HOLD_BYTES
-            # decode's GEMVs in launch order: a large one followed by a large one holds its launch (qkv: the
-            # attention comes next)
-            order = [*self.linears(), self.head]
+            order = [*self.linears(), self.head]  # decode's GEMVs in launch order
             for lin, nxt in zip(order, order[1:]):
-                lin.hold_next = nxt.held = lin.kind != "qkv" and min(lin.nbytes, nxt.nbytes) >= HOLD_BYTES
+                lin.hold_next = nxt.held = holds(lin.kind, lin.nbytes, nxt.nbytes)
         return self
 
     def linears(self):
         for blk in self.blocks:
             yield from (blk.qkv, blk.o, blk.gate_up, blk.down)
+
+
+def holds(kind: str, nbytes: int, next_nbytes: int) -> bool:
+    """Whether decode's GEMV of `kind` (nbytes of weights) holds the launch of the next one (next_nbytes): where both
+    are large (kernels.gemv.HOLD_BYTES), except after qkv, whose next kernel is the attention."""
+    from .kernels.gemv import HOLD_BYTES
+    return kind != "qkv" and min(nbytes, next_nbytes) >= HOLD_BYTES
 
 
 def build_block(cfg: ModelConfig, layer: int, t: dict, settings: QdecSettings) -> Block:

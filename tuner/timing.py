@@ -3,7 +3,9 @@
 GEMV times (gemv_time) come from CUDA graphs of several of the model's own layers of one kind, back to back (their
 packed weights, their pinned residuals, enough layers that L2 cannot serve a repeat, up to all of them), each with
 the input transform and residual add it has in the decode step (RMSNorm for qkv and gate_up, the SwiGLU gate for
-down, the residual add for o and down), timed by localllm.bench.time_graph (median replay over CUDA events). The
+down, the residual add for o and down) and staging x first where decode does (Linear.held; without it gate_up's QDEC
+kernel staged x first in these back-to-back graphs but not in decode, and its predicted cost went negative), timed by
+localllm.bench.time_graph (median replay over CUDA events). The
 inputs are random with the spread the calibration saw per channel, and b0 / b15 are the layer's calibration
 boundaries, as the runtime sets them. The decode step (decode_time) is the captured graph of generation, with QDEC
 off or at a setting (LocalModel.set_qdec with per-kind n_tb), the median of a few runs.
@@ -133,7 +135,7 @@ class GemvTimer:
                 comp = qdec.Call(lin.host_residual, s["state"], self.part, k_chunk, n_tb, lin.stats.b0,
                                  float(lin.stats.kth[k_chunk - 1]), s["grid"])
             calls.append(functools.partial(gemv, s["x"], lin.packed, out=s["out"], residual=s["residual"],
-                                           norm=s["norm"], glu=s["glu"], comp=comp))
+                                           norm=s["norm"], glu=s["glu"], held=lin.held, comp=comp))
         return time_graph(calls, self.reps)
 
 
