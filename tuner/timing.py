@@ -3,9 +3,9 @@
 GEMV times (gemv_time) come from CUDA graphs of several of the model's own layers of one kind, back to back (their
 packed weights, their pinned residuals, enough layers that L2 cannot serve a repeat, up to all of them), each with
 the input transform and residual add it has in the decode step (RMSNorm for qkv and gate_up, the SwiGLU gate for
-down, the residual add for o and down) and staging x first where decode does (Linear.held; without it gate_up's QDEC
-kernel staged x first in these back-to-back graphs but not in decode, and its predicted cost went negative), timed by
-localllm.bench.time_graph (median replay over CUDA events). The
+down, the residual add for o and down) and decode's launch order (Linear.held: whether x is ready at the start, which
+kernels.gemv.gemv would otherwise guess from the weight size), timed by localllm.bench.time_graph (median replay over
+CUDA events). The
 inputs are random with the spread the calibration saw per channel, and b0 / b15 are the layer's calibration
 boundaries, as the runtime sets them. The decode step (decode_time) is the captured graph of generation, with QDEC
 off or at a setting (LocalModel.set_qdec with per-kind n_tb), the median of a few runs.
