@@ -1,5 +1,6 @@
 """The `localllm` command as a user runs it."""
 import json
+import re
 import subprocess
 import sys
 
@@ -11,9 +12,16 @@ def run(*args):
 
 
 def test_generate_streams_text(tiny_quant):
-    r = run("generate", tiny_quant, "Once upon a time", "--max-new-tokens", "8", "--seed", "1", "--temperature", "0")
+    """`generate` prints the reply generate() gives for the same settings, then a summary line. (The reply may be
+    empty: a random tiny model's first greedy token is its end of sequence in about one run in 400.)"""
+    from localllm.generate import generate
+    from localllm.runtime import load
+    r = run("generate", tiny_quant, "Once upon a time", "--raw", "--max-new-tokens", "8", "--seed", "1",
+            "--temperature", "0")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() and "tokens" in r.stderr and "tok/s" in r.stderr
+    assert r.stdout == generate(load(tiny_quant), "Once upon a time", max_new_tokens=8, temperature=0, seed=1) + "\n"
+    m = re.search(r"\[(\d+) tokens, [\d.]+ tok/s, .* finished by (\w+)", r.stderr)
+    assert m and (int(m[1]) == 8) == (m[2] == "length"), r.stderr
 
 
 def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):
