@@ -150,7 +150,8 @@ __device__ __forceinline__ void lut_scales(const unsigned char* rec, int g, floa
 // QW * 36 ints. Uniform weights without QDEC: registers capped at 64 so that 32 warps fit on an SM (the sweep's
 // variants); table weights run one block per SM, and 4-bit tables use ~74 (+1-2 points of copy bandwidth).
 // Group size = 64 << GSHIFT (uniform weights; LUT: GSHIFT 0, G = 1). hold: the next kernel is a GEMV that must not
-// share the SMs with this one's stream (kernels.gemv.gemv), so it launches only as this one's blocks exit. x_first:
+// share the SMs with this one's stream (kernels.gemv.gemv), so it launches only as this one's blocks end their
+// streams (its blocks then take SMs as this one's exit, its launch overlapping their last sums). x_first:
 // x is ready when this one starts (it launched so, or without programmatic launch): stage x before requesting the
 // first weights, whose HBM misses would delay x's L2 hits (kernels.gemv.gemv says where).
 template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT>
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                                         : make_float2(0.0f, 0.0f);
     // Weights are nobody's output: they were requested before waiting for the kernel that produces x.
     wait_previous();
-    if (!hold) start_next();  // else the next kernel launches as this one's blocks exit
+    if (!hold) start_next();  // else at the end of the block's stream
     if (threadIdx.x == 0) QDEC_MARK(1);
 
     // The input transform: with norm_w, x becomes fp16(x * rsqrt(mean(x^2) + eps) * norm_w) (ops.rmsnorm); with
@@ -488,6 +489,11 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                     y[tile * 16 + threadIdx.x] = __float2half_rn(v);
             }
         }
+        // A held next kernel may launch now (where this one triggered at its start, a second trigger does nothing;
+        // testing hold here cost the W4 kernels a spill). The streaming warps only, so that a block with QDEC warps
+        // does not trigger before its stream ends, whether a block counts as triggered at its first thread's or its
+        // last's.
+        start_next(false);
         cp_async_wait<0>();
         if (threadIdx.x == 0) QDEC_MARK(6);
     } else if constexpr (QW > 0) {  // QDEC warps

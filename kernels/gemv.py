@@ -141,8 +141,9 @@ def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
 # Every GEMV launches early (cuda.launch) and lets the next kernel launch at its start, so that kernel's prologue
 # (a GEMV's first weights) overlaps its stream, unless both are GEMVs of at least this many bytes: the next would hold
 # half of each SM's registers through this one's whole long stream (session 3), so it launches only as this one's
-# blocks exit (hold_next), still before their memory is flushed. After a short GEMV (8B o before gate_up) the early
-# launch pays: H100, 8B decode, 8-bit head, W3 1.85 -> 1.80 ms per step, W4 2.03 -> 1.98 (kernels/NOTES.md, session 23).
+# blocks end their streams (hold_next; at their exit until session 24: 8B decode -0.3%). After a short GEMV (8B o
+# before gate_up) the early launch pays: H100, 8B decode, 8-bit head, W3 1.85 -> 1.80 ms per step, W4 2.03 -> 1.98
+# (kernels/NOTES.md, session 23).
 HOLD_BYTES = int(os.environ.get("LOCALLLM_HOLD_BYTES", 16 << 20))
 # A GEMV that starts with x ready (held, or no early launch) stages x before it requests its first weights, whose HBM
 # misses would otherwise delay x's L2 hits by ~1.4 us. H100, 8B decode, 8-bit head: W3 1.777 -> 1.768 ms per step, W4
@@ -187,7 +188,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     variant: one of VARIANTS for uniform weights (default decode_variant); blocks_per_sm default: 2 where
     TWO_BLOCK_TILES says, else 1.
     hold_next: this GEMV and the next kernel are GEMVs of HOLD_BYTES or more (the next launches as this one's blocks
-    exit); default: the next kernel is taken to be a GEMV of w's size (the benchmarks' repeated calls).
+    end their streams); default: the next kernel is taken to be a GEMV of w's size (the benchmarks' repeated calls).
     held: the kernel before this one holds its launch (hold_next), so x is ready when it starts; default: the one before
     is taken to be a GEMV of w's size. Without early launches (cuda.early_launch) every GEMV is held. A held GEMV
     at one block per SM, and every QDEC GEMV (its selection waits for x), stages x before it requests its first

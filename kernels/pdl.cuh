@@ -9,8 +9,13 @@ __device__ __forceinline__ void wait_previous() {
 #endif
 }
 
-__device__ __forceinline__ void start_next() {
+// fence = false: no compiler memory barrier (the next kernel's wait_previous waits for this whole grid anyway); at
+// the end of the GEMV's stream the barrier cost registers
+__device__ __forceinline__ void start_next(bool fence = true) {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if (fence)
+        asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    else
+        asm volatile("griddepcontrol.launch_dependents;\n");
 #endif
 }
