@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
         // testing hold here cost the W4 kernels a spill). The streaming warps only, so that a block with QDEC warps
         // does not trigger before its stream ends, whether a block counts as triggered at its first thread's or its
         // last's.
-        start_next(false);
+        start_next();
         cp_async_wait<0>();
         if (threadIdx.x == 0) QDEC_MARK(6);
     } else if constexpr (QW > 0) {  // QDEC warps

@@ -216,7 +216,9 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         blocks_per_sm = 2 if many and cuda.resident_blocks(dev, 32 * warps, k.num_regs,
                                                            smem + k.shared_size_bytes + 1024) >= 2 else 1
     grid = grid_of(N, x.device, blocks_per_sm)
-    held = not cuda.early_launch(x.device.index or 0) or (w.nbytes >= HOLD_BYTES if held is None else held)
+    repeated = w.nbytes >= HOLD_BYTES  # the defaults: this GEMV's neighbours are GEMVs of w's size
+    hold_next = repeated if hold_next is None else hold_next
+    held = not cuda.early_launch(x.device.index or 0) or (repeated if held is None else held)
     x_first = (held or qw > 0) and blocks_per_sm == 1
     null = np.uint64(0)
     if qw:
@@ -230,7 +232,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         cuda.ptr(w.qweight), cuda.ptr(meta), cuda.ptr(x), null if residual is None else cuda.ptr(residual),
         cuda.ptr(out), np.int32(N), np.int32(K), np.int32(G), np.uint32(0x64006400),
         null if norm is None else cuda.ptr(norm[0]), np.float32(norm[1] if norm else 0.0), np.int32(glu),
-        np.int32(w.nbytes >= HOLD_BYTES if hold_next is None else hold_next), np.int32(x_first), *extra),
+        np.int32(hold_next), np.int32(x_first), *extra),
         shared_mem=smem, early=True)
     return out
 

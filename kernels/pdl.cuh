@@ -9,13 +9,8 @@ __device__ __forceinline__ void wait_previous() {
 #endif
 }
 
-// fence = false: no compiler memory barrier (the next kernel's wait_previous waits for this whole grid anyway); at
-// the end of the GEMV's stream the barrier cost registers
-__device__ __forceinline__ void start_next(bool fence = true) {
+__device__ __forceinline__ void start_next() {
 #if __CUDA_ARCH__ >= 900
-    if (fence)
-        asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    else
-        asm volatile("griddepcontrol.launch_dependents;\n");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }

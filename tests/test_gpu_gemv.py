@@ -69,8 +69,8 @@ def test_gemv_gives_the_same_bits_on_any_grid(bits):
 @pytest.mark.parametrize("mode", ["plain", "norm", "glu"])
 @pytest.mark.parametrize("K", [4096, 14336, 576])
 def test_gemv_gives_the_same_bits_whether_x_or_the_weights_load_first(mode, K):
-    """A GEMV launched as the one before it exits (held) stages x before it requests its first weights, else the
-    weights go first: the order of the loads changes no bit of y, and y is right."""
+    """A GEMV whose launch the one before it held stages x before it requests its first weights, else the weights
+    go first: the order of the loads changes no bit of y, and y is right."""
     from localllm import ops
     from localllm.kernels.gemv import Packed, gemv
     N = 1024
