@@ -226,7 +226,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         smem += qdec.shared_bytes(K, N, comp.k_chunk, grid, comp.n_tb)
         extra = comp.args(K, N)
     else:
-        extra = (null, null, null, null, null, *(np.int32(0),) * 4, *(np.float32(0),) * 4)
+        extra = (null, null, null, null, null, np.int32(0), np.int32(0), *(np.float32(0),) * 4)  # as comp.args
     cuda.allow_shared(k, smem)
     cuda.launch(k, (grid,), (32 * (warps + qw),), (
         cuda.ptr(w.qweight), cuda.ptr(meta), cuda.ptr(x), null if residual is None else cuda.ptr(residual),
