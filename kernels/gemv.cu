@@ -199,7 +199,10 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     __shared__ uint32_t seq;
     unsigned long long ticket = 0;
     if (QW && threadIdx.x == 32 * WARPS) ticket = atomicAdd(state, 1ull);
-    if (threadIdx.x == 0) QDEC_MARK(0);
+    if (threadIdx.x == 0) {
+        QDEC_MARK_START();
+        QDEC_MARK(0);
+    }
     if (QW && !streamer) {  // the residual scales of this block's outputs (no kernel writes them): asynchronously now
         const int u = threadIdx.x - 32 * WARPS;
         const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(sscale));

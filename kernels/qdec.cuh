@@ -19,16 +19,21 @@
 // fixed grid, ticket / grid + 1 numbers the calls of this layer, so flags never need resetting.
 #pragma once
 
-// Profiling aid (scripts/qdec_timeline.py compiles with -DQDEC_MARKS): globaltimer stamps of a block's phases.
+// Profiling aid (scripts/qdec_timeline.py and chain_timeline.py compile with -DQDEC_MARKS): globaltimer stamps of a
+// block's phases, for each of a block's last 8 calls (slot = its calls since the script zeroed qdec_mark_calls, mod 8).
 #ifdef QDEC_MARKS
-__device__ unsigned long long qdec_marks[1024 * 16];
+__device__ unsigned long long qdec_marks[8 * 1024 * 16];  // [slot][block][mark]
+__device__ unsigned int qdec_mark_calls[1024];
+__shared__ unsigned int qdec_mark_slot;  // set by thread 0 at the block's start (QDEC_MARK_START)
+#define QDEC_MARK_START() (qdec_mark_slot = atomicAdd(qdec_mark_calls + blockIdx.x, 1u) & 7u)
 #define QDEC_MARK(i)                                                                              \
     do {                                                                                          \
         unsigned long long t;                                                                     \
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                                     \
-        qdec_marks[blockIdx.x * 16 + (i)] = t;                                                     \
+        qdec_marks[(qdec_mark_slot * 1024 + blockIdx.x) * 16 + (i)] = t;                           \
     } while (0)
 #else
+#define QDEC_MARK_START()
 #define QDEC_MARK(i)
 #endif
 

@@ -3,6 +3,10 @@
 python scripts/qdec_timeline.py [layer] [bits] [k_chunk,...] [n_tb,...] [fused]   e.g.  qkv 3 0,2,8,32 4,8
 (n_tb default: qdec.default_n_tb and the largest viable one; n_tb "-" for the default. k_chunk 0: the plain GEMV, no
 QDEC. fused: the input transform decode applies, RMSNorm for qkv and gate_up, SwiGLU for down; else plain x)
+
+python scripts/qdec_timeline.py [layer] [bits] chain   e.g.  o 3 chain
+the plain GEMV as `bench gemv` times it: 8 calls on distinct weight copies back to back in one CUDA graph (early
+launches), each call's phases after the previous call's last block ended (kernels/NOTES.md, session 25)
 """
 import functools
 import os
@@ -13,7 +17,7 @@ import torch
 
 from localllm.kernels import cuda, qdec
 from localllm.kernels.gemv import NAMES, gemv, grid_of
-from localllm.bench import LLAMA3_8B, gemv_sets
+from localllm.bench import LLAMA3_8B, gemv_sets, random_packed
 from localllm.quant import QuantResidual
 
 _plain = cuda.module
@@ -35,7 +39,7 @@ def _marked(name, device, names):  # the same module, compiled with the phase st
 cuda.module = _marked
 layer = sys.argv[1] if len(sys.argv) > 1 else "qkv"
 bits = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-ks = [int(k) for k in (sys.argv[3] if len(sys.argv) > 3 else "2,8,32").split(",")]
+ks = [int(k) for k in (sys.argv[3] if len(sys.argv) > 3 else "2,8,32").split(",")] if sys.argv[3:4] != ["chain"] else []
 fused = len(sys.argv) > 5 and sys.argv[5] == "fused"
 N, K = LLAMA3_8B[layer]
 sets, _ = gemv_sets(N, K, bits, 128)
@@ -56,6 +60,18 @@ names = ["start", "x ready", "staged", "selected", "fetched", "flagged", "stream
 FETCH_ONLY = (3, 4, 5, 10, 11, 12, 13, 14)
 
 
+def run(call, times=5):
+    """call() `times` times, the last one stamped into slot 0 (qdec_mark_calls zeroed before it)."""
+    import cupy
+    for _ in range(times - 1):
+        call()
+    torch.cuda.synchronize()
+    ptr = cuda.module("gemv", torch.cuda.current_device(), NAMES).get_global("qdec_mark_calls")
+    cupy.ndarray((1024,), dtype=cupy.uint32, memptr=ptr).fill(0)
+    call()
+    torch.cuda.synchronize()
+
+
 def marks(blocks):
     import cupy
     ptr = cuda.module("gemv", torch.cuda.current_device(), NAMES).get_global("qdec_marks")
@@ -64,11 +80,44 @@ def marks(blocks):
     return (m - m[:, 0].min()) / 1e3  # us since the first block started
 
 
+CHAIN = ("start", "x ready", "staged", "pair 1 landed", "tile 1 done", "streamed", "end")
+
+
+def chain(calls: int = 8) -> None:
+    import cupy
+    ws = [(random_packed(N, K, bits, 128), torch.empty(N, device="cuda", dtype=torch.float16)) for _ in range(calls)]
+    for wc, oc in ws:  # compile, allocate
+        gemv(x, wc, out=oc)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for wc, oc in ws:
+            gemv(x, wc, out=oc)
+    for _ in range(200):
+        g.replay()
+    torch.cuda.synchronize()
+    counters = cupy.ndarray((1024,), dtype=cupy.uint32, memptr=cuda.module(
+        "gemv", torch.cuda.current_device(), NAMES).get_global("qdec_mark_calls"))
+    counters.fill(0)  # the next replay's call c stamps slot c
+    g.replay()
+    torch.cuda.synchronize()
+    ptr = cuda.module("gemv", torch.cuda.current_device(), NAMES).get_global("qdec_marks")
+    m = cupy.ndarray((8 * 1024 * 16,), dtype=cupy.uint64, memptr=ptr).get().reshape(8, 1024, 16)[:calls, :grid]
+    m = m.astype(np.int64)
+    print(f"\n{layer} W{bits}, {calls} calls in one graph: calls 2-{calls - 1}, us after the previous call's last "
+          "block ended, median / min / max over the blocks (the stamps cost ~0.7 us per call)")
+    for nm in CHAIN:
+        i = names.index(nm)
+        a = np.concatenate([(m[c, :, i] - m[c - 1, :, 8].max()) / 1e3 for c in range(2, calls)])
+        print(f"  {nm:13} {np.median(a):7.2f} {a.min():7.2f} {a.max():7.2f}")
+    per = np.median([(m[c, :, 8].max() - m[c - 1, :, 8].max()) / 1e3 for c in range(2, calls)])
+    print(f"  last end to last end: {per:.2f} us per call")
+
+
+if len(sys.argv) > 3 and sys.argv[3] == "chain":
+    chain()
 for k in ks:
     if k == 0:  # the plain GEMV: its phases over all blocks (pair 1 landed: warp 0's first pair, first tile only)
-        for _ in range(5):
-            gemv(xin, w, out=out, **kw)
-        torch.cuda.synchronize()
+        run(lambda: gemv(xin, w, out=out, **kw))
         rel = marks(grid)
         print(f"\n{layer} W{bits} plain GEMV{' (fused input)' if kw else ''}: us since the first block's start, "
               "median / max over the blocks")
@@ -81,9 +130,7 @@ for k in ks:
         a = x.float().abs()
         comp = qdec.Call(res, qdec.new_state(K, N, "cuda"), part, k, n_tb, float(a.max()),
                          float(a[:1024].topk(k).values[-1]), grid)
-        for _ in range(5):
-            gemv(xin, w, out=out, comp=comp, **kw)
-        torch.cuda.synchronize()
+        run(lambda: gemv(xin, w, out=out, comp=comp, **kw))
         rel = marks(grid)
         print(f"\n{layer} W{bits} k_chunk={k} n_tb={n_tb}: us since the first block's start, median / max over "
               "the fetching blocks | the others")
