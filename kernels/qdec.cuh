@@ -19,7 +19,7 @@
 // fixed grid, ticket / grid + 1 numbers the calls of this layer, so flags never need resetting.
 #pragma once
 
-// Profiling aid (scripts/qdec_timeline.py and chain_timeline.py compile with -DQDEC_MARKS): globaltimer stamps of a
+// Profiling aid (scripts/qdec_timeline.py compiles with -DQDEC_MARKS, also in its chain mode): globaltimer stamps of a
 // block's phases, for each of a block's last 8 calls (slot = its calls since the script zeroed qdec_mark_calls, mod 8).
 #ifdef QDEC_MARKS
 __device__ unsigned long long qdec_marks[8 * 1024 * 16];  // [slot][block][mark]
