@@ -39,7 +39,8 @@ def _marked(name, device, names):  # the same module, compiled with the phase st
 cuda.module = _marked
 layer = sys.argv[1] if len(sys.argv) > 1 else "qkv"
 bits = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-ks = [int(k) for k in (sys.argv[3] if len(sys.argv) > 3 else "2,8,32").split(",")] if sys.argv[3:4] != ["chain"] else []
+chain_mode = sys.argv[3:4] == ["chain"]
+ks = [] if chain_mode else [int(k) for k in (sys.argv[3] if len(sys.argv) > 3 else "2,8,32").split(",")]
 fused = len(sys.argv) > 5 and sys.argv[5] == "fused"
 N, K = LLAMA3_8B[layer]
 sets, _ = gemv_sets(N, K, bits, 128)
@@ -60,22 +61,26 @@ names = ["start", "x ready", "staged", "selected", "fetched", "flagged", "stream
 FETCH_ONLY = (3, 4, 5, 10, 11, 12, 13, 14)
 
 
+def stamps(name: str):
+    """The marked module's device array `name`: qdec_marks [slot, block, mark] (uint64) or qdec_mark_calls [block]."""
+    import cupy
+    ptr = cuda.module("gemv", torch.cuda.current_device(), NAMES).get_global(name)
+    return cupy.ndarray((8, 1024, 16) if name == "qdec_marks" else (1024,),
+                        dtype=cupy.uint64 if name == "qdec_marks" else cupy.uint32, memptr=ptr)
+
+
 def run(call, times=5):
     """call() `times` times, the last one stamped into slot 0 (qdec_mark_calls zeroed before it)."""
-    import cupy
     for _ in range(times - 1):
         call()
     torch.cuda.synchronize()
-    ptr = cuda.module("gemv", torch.cuda.current_device(), NAMES).get_global("qdec_mark_calls")
-    cupy.ndarray((1024,), dtype=cupy.uint32, memptr=ptr).fill(0)
+    stamps("qdec_mark_calls").fill(0)
     call()
     torch.cuda.synchronize()
 
 
 def marks(blocks):
-    import cupy
-    ptr = cuda.module("gemv", torch.cuda.current_device(), NAMES).get_global("qdec_marks")
-    m = cupy.ndarray((1024 * 16,), dtype=cupy.uint64, memptr=ptr)[: blocks * 16].get().reshape(blocks, 16)
+    m = stamps("qdec_marks")[0, :blocks].get()
     m = m.astype(np.int64)
     return (m - m[:, 0].min()) / 1e3  # us since the first block started
 
@@ -84,7 +89,6 @@ CHAIN = ("start", "x ready", "staged", "pair 1 landed", "tile 1 done", "streamed
 
 
 def chain(calls: int = 8) -> None:
-    import cupy
     ws = [(random_packed(N, K, bits, 128), torch.empty(N, device="cuda", dtype=torch.float16)) for _ in range(calls)]
     for wc, oc in ws:  # compile, allocate
         gemv(x, wc, out=oc)
@@ -95,14 +99,10 @@ def chain(calls: int = 8) -> None:
     for _ in range(200):
         g.replay()
     torch.cuda.synchronize()
-    counters = cupy.ndarray((1024,), dtype=cupy.uint32, memptr=cuda.module(
-        "gemv", torch.cuda.current_device(), NAMES).get_global("qdec_mark_calls"))
-    counters.fill(0)  # the next replay's call c stamps slot c
+    stamps("qdec_mark_calls").fill(0)  # the next replay's call c stamps slot c
     g.replay()
     torch.cuda.synchronize()
-    ptr = cuda.module("gemv", torch.cuda.current_device(), NAMES).get_global("qdec_marks")
-    m = cupy.ndarray((8 * 1024 * 16,), dtype=cupy.uint64, memptr=ptr).get().reshape(8, 1024, 16)[:calls, :grid]
-    m = m.astype(np.int64)
+    m = stamps("qdec_marks")[:calls, :grid].get().astype(np.int64)
     print(f"\n{layer} W{bits}, {calls} calls in one graph: calls 2-{calls - 1}, us after the previous call's last "
           "block ended, median / min / max over the blocks (the stamps cost ~0.7 us per call)")
     for nm in CHAIN:
@@ -113,7 +113,7 @@ def chain(calls: int = 8) -> None:
     print(f"  last end to last end: {per:.2f} us per call")
 
 
-if len(sys.argv) > 3 and sys.argv[3] == "chain":
+if chain_mode:
     chain()
 for k in ks:
     if k == 0:  # the plain GEMV: its phases over all blocks (pair 1 landed: warp 0's first pair, first tile only)

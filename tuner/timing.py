@@ -5,9 +5,8 @@ packed weights, their pinned residuals, enough layers that L2 cannot serve a rep
 the input transform and residual add it has in the decode step (RMSNorm for qkv and gate_up, the SwiGLU gate for
 down, the residual add for o and down) and decode's launch order (Linear.held: whether x is ready at the start, which
 kernels.gemv.gemv would otherwise guess from the weight size), timed by localllm.bench.time_graph (median replay over
-CUDA events). The
-inputs are random with the spread the calibration saw per channel, and b0 / b15 are the layer's calibration
-boundaries, as the runtime sets them. The decode step (decode_time) is the captured graph of generation, with QDEC
+CUDA events). The inputs are random with the spread the calibration saw per channel, and b0 / b15 are the layer's
+calibration boundaries, as the runtime sets them. The decode step (decode_time) is the captured graph of generation, with QDEC
 off or at a setting (LocalModel.set_qdec with per-kind n_tb), the median of a few runs.
 
 n_tb: kernels.qdec.viable_n_tb, the number of compensating blocks, each taking ceil(chunks / n_tb) whole
