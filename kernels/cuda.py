@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -41,6 +42,13 @@ def require() -> None:
                             "driver (pip install 'localllm[cuda12]')") from None
 
 
+def source(name: str) -> str:
+    """kernels/<name>.cu with the digest of the headers beside it: CuPy caches compiled modules on disk by source
+    text and options, not by what the source includes, so an edited header (an upgrade) must change the text."""
+    headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(HERE.glob("*.cuh")))).hexdigest()
+    return (HERE / f"{name}.cu").read_text() + f"\n// headers {headers}\n"
+
+
 @functools.cache
 def module(name: str, device: int, names: tuple[str, ...]):
     """Compile kernels/<name>.cu for `device`; `names` are the template instantiations to export."""
@@ -48,7 +56,7 @@ def module(name: str, device: int, names: tuple[str, ...]):
     import cupy
     with cupy.cuda.Device(device):
         major, minor = torch.cuda.get_device_capability(device)
-        src = (HERE / f"{name}.cu").read_text()
+        src = source(name)
         options = ("-std=c++17", f"--gpu-architecture=sm_{major}{minor}", f"-I{HERE}") + (
             ("-lineinfo",) if os.environ.get("LOCALLLM_LINEINFO") == "1" else ())
         mod = cupy.RawModule(code=src, options=options, name_expressions=list(names))

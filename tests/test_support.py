@@ -48,3 +48,18 @@ def test_new_folder_replaces_only_when_asked_and_only_when_complete(tmp_path):
         (tmp / "b.txt").write_text("two")
     assert [f.name for f in out.iterdir()] == ["b.txt"]
     assert [f.name for f in tmp_path.iterdir()] == ["report"], "no temp or old folder left"
+
+
+def test_kernel_source_changes_with_its_headers(tmp_path, monkeypatch):
+    """CuPy's disk cache keys on the source text: an edited header must change it, or a stale kernel would run."""
+    import shutil
+
+    from localllm.kernels import cuda
+    for p in list(cuda.HERE.glob("*.cu")) + list(cuda.HERE.glob("*.cuh")):
+        shutil.copy(p, tmp_path / p.name)
+    monkeypatch.setattr(cuda, "HERE", tmp_path)
+    before = cuda.source("gemv")
+    assert before.startswith((tmp_path / "gemv.cu").read_text())
+    qdec = tmp_path / "qdec.cuh"
+    qdec.write_text(qdec.read_text() + "\n// an edit\n")
+    assert cuda.source("gemv") != before
