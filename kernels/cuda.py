@@ -49,17 +49,20 @@ def source(name: str) -> str:
     return (HERE / f"{name}.cu").read_text() + f"\n// headers {headers}\n"
 
 
+def options(device: int) -> tuple[str, ...]:
+    """NVRTC options of every kernel module for `device` (LOCALLLM_LINEINFO=1 adds line info for profilers)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return ("-std=c++17", f"--gpu-architecture=sm_{major}{minor}", f"-I{HERE}") + (
+        ("-lineinfo",) if os.environ.get("LOCALLLM_LINEINFO") == "1" else ())
+
+
 @functools.cache
 def module(name: str, device: int, names: tuple[str, ...]):
     """Compile kernels/<name>.cu for `device`; `names` are the template instantiations to export."""
     require()
     import cupy
     with cupy.cuda.Device(device):
-        major, minor = torch.cuda.get_device_capability(device)
-        src = source(name)
-        options = ("-std=c++17", f"--gpu-architecture=sm_{major}{minor}", f"-I{HERE}") + (
-            ("-lineinfo",) if os.environ.get("LOCALLLM_LINEINFO") == "1" else ())
-        mod = cupy.RawModule(code=src, options=options, name_expressions=list(names))
+        mod = cupy.RawModule(code=source(name), options=options(device), name_expressions=list(names))
         mod.compile()
         return mod
 

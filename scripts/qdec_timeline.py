@@ -28,10 +28,8 @@ def _marked(name, device, names):  # the same module, compiled with the phase st
     import cupy
     if name != "gemv":
         return _plain(name, device, names)
-    major, minor = torch.cuda.get_device_capability(device)
     mod = cupy.RawModule(code=cuda.source("gemv"), name_expressions=list(names),
-                         options=("-std=c++17", f"--gpu-architecture=sm_{major}{minor}", f"-I{cuda.HERE}",
-                                  "-DQDEC_MARKS", *os.environ.get("QDEC_FLAGS", "").split()))
+                         options=(*cuda.options(device), "-DQDEC_MARKS", *os.environ.get("QDEC_FLAGS", "").split()))
     mod.compile()
     return mod
 
