@@ -76,7 +76,7 @@ def test_awq_fold_computes_the_same_function(seed):
     h = torch.randn(16, CFG.hidden_size, dtype=torch.float64)
     x_o = torch.rand(8, CFG.q_size) * 3  # any positive statistics: the scales below come from them
     s = {"qkv": awq.scales_of(torch.rand(CFG.hidden_size) + 0.1, 0.7),
-         "o": awq.scales_of(awq.tied_mean_abs(x_o, CFG), 0.5),
+         "o": awq.scales_of(awq.tied(x_o.abs().mean(0), CFG), 0.5),
          "gate_up": awq.scales_of(torch.rand(CFG.hidden_size) * 5, 0.4),
          "down": awq.scales_of(torch.rand(CFG.intermediate_size) + 0.01, 0.9)}
     folded = awq.fold(t, CFG, s)
@@ -94,12 +94,36 @@ def test_awq_search_beats_rtn_on_outlier_channels(seed):
     x = torch.randn(2048, 256)
     x[:, :4] *= 30  # a few salient input channels
     q = lambda v: rtn_dequantized(v, 3, 64)  # noqa: E731
-    s, alpha = awq.search(w, x, q)
+    s, alpha, duo = awq.search(w, x, q)
     err = lambda w_hat: ((x @ (w_hat - w).T) ** 2).mean().item()  # noqa: E731
-    assert alpha > 0, f"seed={seed}"
+    assert alpha > 0 and not duo, f"seed={seed}"
     assert err((q((w * s).float()).double() / s).float()) < 0.7 * err(q(w)), f"seed={seed}"
     # alpha = 0 is RTN: s = 1
     assert torch.equal(awq.scales_of(torch.rand(7), 0.0), torch.ones(7, dtype=torch.float64))
+    # with duo scales on offer the search picks whichever measures less, and it measures no more than without them
+    s2, _, _ = awq.search(w, x, q, w_mean=awq.weight_mean(w, 64))
+    assert err((q((w * s2).float()).double() / s2).float()) <= err((q((w * s).float()).double() / s).float())
+
+
+def test_awq_search_with_duo_scales_and_an_output_map_takes_the_grids_least_error(seed):
+    torch.manual_seed(seed % 2**31)
+    w = torch.randn(48, 128) * 0.02
+    w[:, 5] *= 6  # a channel whose weights set its groups' ranges
+    x = torch.randn(300, 128) * (torch.rand(128) * 4 + 0.1)
+    q = lambda v: rtn_dequantized(v, 3, 64)  # noqa: E731
+    wm = awq.weight_mean(w, 64)
+    assert wm.shape == (128,) and (wm > 0).all() and (wm <= 1).all() and wm[5] > 0.5 > wm.median()
+    out = lambda y: F.silu(y[:, :24]) * y[:, 24:]  # noqa: E731  (gate_up's SwiGLU)
+    s, alpha, duo = awq.search(w, x, q, w_mean=wm, out=out)
+    x64, w64 = x.double(), w.double()
+    errs = {}
+    for d in (False, True):
+        for a in awq.ALPHAS:
+            sc = awq.scales_of(x.abs().mean(0), a, wm if d else None)
+            w_hat = q((w64 * sc).float()).double() / sc
+            errs[d, a] = (out(x64 @ w_hat.T) - out(x64 @ w64.T)).square().mean().item()
+    assert min(errs, key=errs.get) == (duo, alpha), f"seed={seed}"
+    assert torch.equal(s, awq.scales_of(x.abs().mean(0), alpha, wm if duo else None))
 
 
 def test_awq_block_quantizes_the_folded_weights(seed):
