@@ -70,15 +70,15 @@ def search(w: Tensor, x: Tensor, quantize: Callable[[Tensor], Tensor], mean_abs:
         x = x[torch.linspace(0, x.shape[0] - 1, SEARCH_TOKENS).long()]
     mean_abs = x.abs().mean(0) if mean_abs is None else mean_abs
     out = out or (lambda y: y)
-    w = w.double()
-    ref = out(x.double() @ w.T)
+    w, x64 = w.double(), x.double()
+    ref = out(x64 @ w.T)
     best = (float("inf"), None, 0.0, False)
     for duo in (False, True) if w_mean is not None else (False,):
         for alpha in ALPHAS:
             s = scales_of(mean_abs, alpha, w_mean if duo else None)
             # (x / s) Q(W s)^T = x (Q(W s) / s)^T
             w_hat = quantize((w * s).float()).double() / s
-            err = (out(x.double() @ w_hat.T) - ref).square().mean().item()
+            err = (out(x64 @ w_hat.T) - ref).square().mean().item()
             if err < best[0]:
                 best = (err, s, alpha, duo)
     return best[1], best[2], best[3]
