@@ -90,7 +90,7 @@ def cmd_quantize(a) -> None:
 
 
 def cmd_eval(a) -> None:
-    from .evaluate import Reference, read_text, source_path, sweep, tokenize
+    from .evaluate import Reference, paired_change, read_text, source_path, sweep, tokenize
     from .model import QDEC_MODES
     from .runtime import load
     modes = [m.strip() for m in a.qdec.split(",") if m.strip()]
@@ -124,11 +124,14 @@ def cmd_eval(a) -> None:
     base = next((r for r in rows if r.mode == "off"), None)
     print(f"perplexity of {name}: {len(ids) - 1} predicted tokens, windows of {a.ctx}, {lm.kv_bits}-bit KV cache, "
           f"{lm.path}" + (f"; KL divergence from {reference.lm.path}" if reference else ""))
-    print(f"{'QDEC':8} {'k_chunk':>7} {'perplexity':>11}" + (f" {'vs off':>8}" if base else "")
+    # vs off: the change in perplexity and its 95% interval (the same tokens, compared token by token)
+    print(f"{'QDEC':8} {'k_chunk':>7} {'perplexity':>11}" + (f" {'vs off (95%)':>16}" if base else "")
           + (f" {'KL':>8}" + (f" {'vs off':>8}" if base else "") if reference else ""))
     for r in rows:
         line = f"{r.mode:8} {r.k_chunk:7d} {r.perplexity:11.4f}"
-        line += f" {100 * (r.perplexity / base.perplexity - 1):+7.2f}%" if base else ""
+        if base:
+            change, half = paired_change(r.losses, base.losses)
+            line += f" {change:+7.2f}% {'±' + ('-' if half is None else f'{half:.2f}'):>7}"  # -: under 2 blocks
         if reference:
             line += f" {r.kl:8.4f}" + (f" {100 * (r.kl / base.kl - 1):+7.1f}%" if base and base.kl > 0 else "")
         print(line)

@@ -6,6 +6,8 @@ Each cell: perplexity / mean KL divergence per token from the source checkpoint 
 source is loaded once per model; --no-kl skips it). Columns: QDEC off; approx k_chunk 8 on every layer; approx k_chunk 8
 on gate_up only, a small-budget setting (what `localllm tune` picked for a 5% budget on the H100 for the 8B W3 shapes
 until the faster kernel of 2026-11-24: n_tb 4, k (0, 0, 8, 0), measured +4.3%; now k_chunk 14 on gate_up).
+A second table puts each model's perplexity against the first model's in the same column, with the 95% interval of
+the token-by-token comparison (evaluate.paired_change): whether a method's difference from another is more than noise.
 """
 from __future__ import annotations
 
@@ -24,26 +26,42 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--no-kl", action="store_true", help="perplexity only")
     a = p.parse_args()
-    from localllm.evaluate import Reference, read_text, score, source_path, tokenize
+    from localllm.evaluate import Reference, losses, paired_change, read_text, source_path, tokenize
     from localllm.modelfile import quant_label
     from localllm.runtime import load
     print(f"| model | {' | '.join(SETTINGS)} |")
     print("|---|" + "---|" * len(SETTINGS))
+    scored, labels = [], []  # per model: {setting: per-token losses}
     for m in a.models:
         lm = load(m, qdec="off")
         ids = tokenize(lm, read_text(None)[0], a.tokens)
         src = source_path(lm)
         ref = None if a.no_kl or not src else Reference(load(src, qdec="off"), lm)
-        cells = []
+        cells, scored_m = [], {}
         for name, s in SETTINGS.items():
             if s != "off" and not lm.has_residuals:
                 cells.append("")
                 continue
             lm.set_qdec(s)
-            ppl, kl = score(lm, ids, a.ctx, desc=name, reference=ref)
+            ppl, kl, scored_m[name] = losses(lm, ids, a.ctx, desc=name, reference=ref)
             cells.append(f"{ppl:.2f}" + (f" / {kl:.4f}" if kl is not None else ""))
         label = quant_label(lm.manifest["quant"]) if lm.manifest else "source (dense)"
-        print(f"| {label} ({Path(m).name}) | {' | '.join(cells)} |", flush=True)
+        labels.append(f"{label} ({Path(m).name})")
+        scored.append(scored_m)
+        print(f"| {labels[-1]} | {' | '.join(cells)} |", flush=True)
+    if len(scored) > 1:
+        print(f"\nperplexity vs {labels[0]}, 95% interval of the token-by-token comparison\n")
+        print(f"| model | {' | '.join(SETTINGS)} |")
+        print("|---|" + "---|" * len(SETTINGS))
+        for label, sm in zip(labels[1:], scored[1:]):
+            cells = []
+            for name in SETTINGS:
+                if name not in sm or name not in scored[0] or len(sm[name]) != len(scored[0][name]):
+                    cells.append("")
+                    continue
+                change, half = paired_change(sm[name], scored[0][name])
+                cells.append(f"{change:+.2f}%" + (f" ± {half:.2f}" if half is not None else ""))
+            print(f"| {label} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,37 @@ def test_eval_command_prints_a_table(tiny_quant):
     assert "199 predicted tokens" in lines[0]
     rows = [ln.split() for ln in lines[2:]]
     assert [(x[0], x[1]) for x in rows] == [("off", "0"), ("exact", "8"), ("exact", "16")]
-    assert all(float(x[2]) > 1 for x in rows) and rows[0][3] == "+0.00%"
+    assert all(float(x[2]) > 1 for x in rows) and rows[0][3:5] == ["+0.00%", "±0.00"]
+    # 199 tokens: 3 blocks of 64, so every change has an interval
+    assert all(x[4].startswith("±") and float(x[4][1:]) > 0 for x in rows[1:]), rows
+
+
+def test_paired_change_measures_a_shift_exactly_and_its_interval_covers_the_truth():
+    from localllm.evaluate import PAIR_BLOCK, paired_change
+    b = torch.rand(1000, dtype=torch.float64) * 5
+    assert paired_change(b, b) == (0.0, 0.0)
+    change, half = paired_change(b + 0.01, b)  # every token 0.01 nats worse: exp(0.01) - 1, and no doubt about it
+    assert change == pytest.approx(100 * math.expm1(0.01), rel=1e-9) and half == pytest.approx(0, abs=1e-9)
+    assert paired_change(b[:100], b[:100] - 0.5)[1] is None  # one block: no interval
+    with pytest.raises(ValueError, match="same tokens"):
+        paired_change(b, b[:-1])
+    # noise: independent per token, and correlated (one offset per block of neighbours, which a token-by-token
+    # standard error would miss); the 95% interval should hold the true change in ~95% of trials, at the width the
+    # noise implies
+    n, trials, delta = 64 * PAIR_BLOCK, 300, 0.02
+    for kind in ("tokens", "blocks"):
+        covered, halves = 0, []
+        for _ in range(trials):
+            if kind == "tokens":
+                noise = torch.randn(n, dtype=torch.float64) * 0.5
+            else:
+                noise = (torch.randn(n // PAIR_BLOCK, dtype=torch.float64) * 0.5).repeat_interleave(PAIR_BLOCK)
+            change, half = paired_change(b.repeat(5)[:n] + delta + noise, b.repeat(5)[:n])
+            covered += abs(change - 100 * math.expm1(delta)) <= half
+            halves.append(half)
+        sd = 0.5 / math.sqrt(n if kind == "tokens" else n // PAIR_BLOCK)  # of the mean difference
+        assert 0.88 <= covered / trials <= 0.995, (kind, covered)
+        assert sum(halves) / trials == pytest.approx(100 * 1.96 * sd * math.exp(delta), rel=0.15), kind
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -93,6 +123,9 @@ def test_kl_from_the_source_matches_a_direct_computation_and_falls_with_compensa
     ref = Reference(dense_lm, lm)
     ppl, kl = score(lm, ids, ctx=128, reference=ref)
     assert ppl == pytest.approx(perplexity(lm, ids, ctx=128), rel=1e-12)
+    from localllm.evaluate import losses
+    nll = losses(lm, ids, ctx=128)[2]  # the per-token losses perplexity is made of
+    assert nll.shape == (len(ids) - 1,) and math.exp(nll.mean()) == pytest.approx(ppl, rel=1e-12)
     want, n = 0.0, 0
     with torch.inference_mode():
         for s in range(0, len(ids) - 1, 128):  # the same windows, by torch's own kl_div
@@ -114,8 +147,8 @@ def test_eval_command_reports_kl_from_the_recorded_source(tiny_quant):
     lines = r.stdout.splitlines()
     assert "KL divergence from" in lines[0] and lines[1].split()[-3:] == ["KL", "vs", "off"]
     rows = [ln.split() for ln in lines[2:]]
-    off, full = float(rows[0][4]), float(rows[1][4])
-    assert rows[0][5] == "+0.0%" and 0 < full < off
+    off, full = float(rows[0][5]), float(rows[1][5])
+    assert rows[0][6] == "+0.0%" and 0 < full < off
 
 
 def test_eval_reference_with_another_vocabulary_is_refused(tiny_quant, tmp_path):
