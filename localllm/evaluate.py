@@ -137,7 +137,6 @@ def losses(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: 
     stepwise = dev.type == "cuda" and lm.settings.mode != "off"
     nll = []
     kl = torch.zeros((), dtype=torch.float64, device=dev)
-    count = 0
     with torch.inference_mode():
         for s in progress(range(0, len(ids) - 1, ctx), desc=desc, unit="window"):
             w = torch.tensor(ids[s: s + ctx + 1], device=dev)
@@ -152,9 +151,8 @@ def losses(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: 
             if reference is not None:
                 ref = reference.log_probs(s, w)
                 kl += (ref.exp() * (ref - F.log_softmax(logits, dim=-1))).sum()
-            count += len(w) - 1
     nll = torch.cat(nll).cpu()
-    return math.exp(nll.mean().item()), (kl.item() / count if reference is not None else None), nll
+    return math.exp(nll.mean().item()), (kl.item() / len(nll) if reference is not None else None), nll
 
 
 def _decoded_logits(lm: LocalModel, w: torch.Tensor) -> torch.Tensor:

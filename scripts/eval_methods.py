@@ -29,8 +29,11 @@ def main() -> None:
     from localllm.evaluate import Reference, losses, paired_change, read_text, source_path, tokenize
     from localllm.modelfile import quant_label
     from localllm.runtime import load
-    print(f"| model | {' | '.join(SETTINGS)} |")
-    print("|---|" + "---|" * len(SETTINGS))
+    def header() -> None:
+        print(f"| model | {' | '.join(SETTINGS)} |")
+        print("|---|" + "---|" * len(SETTINGS))
+
+    header()
     scored, labels = [], []  # per model: {setting: per-token losses}
     for m in a.models:
         lm = load(m, qdec="off")
@@ -51,8 +54,7 @@ def main() -> None:
         print(f"| {labels[-1]} | {' | '.join(cells)} |", flush=True)
     if len(scored) > 1:
         print(f"\nperplexity vs {labels[0]}, 95% interval of the token-by-token comparison\n")
-        print(f"| model | {' | '.join(SETTINGS)} |")
-        print("|---|" + "---|" * len(SETTINGS))
+        header()
         for label, sm in zip(labels[1:], scored[1:]):
             cells = []
             for name in SETTINGS:
