@@ -115,11 +115,14 @@ def test_decode_equals_prefill_with_a_quantized_cache(tiny_ckpt, bits):
     # then every later position differs by up to ~6e-4 (and later layers' codes with it). The first layer's codes
     # (computed from the embeddings alone) are the same but for such rare ones, and the outputs agree to fp32
     # rounding up to the first position where the caches differ.
+    # Counted per (kv head, position) of the first layer: in 240 trials 4% had one such vector differ, 0.4% two.
     differ = torch.zeros(48, dtype=torch.bool)
+    first_layer = torch.zeros(m.cfg.num_kv_heads, 48, dtype=torch.bool)
     for n in ("k", "v", "k_sz", "v_sz"):
         d = getattr(whole, n) != getattr(cache, n)  # [layers, batch, kv heads, positions, ...]
-        assert d[0].float().mean() < 0.01, n
+        first_layer |= d[0, 0].flatten(2).any(-1)
         differ |= d.transpose(0, 3).flatten(1).any(1)
+    assert first_layer.sum() <= 3, first_layer.nonzero().tolist()
     first = int(differ.nonzero()[0]) if differ.any() else 40
     assert first == 0 or (parts[:, :first] - full[:, :first]).abs().amax().item() < 1e-4
     err = ((full - ref).norm() / ref.norm()).item()
