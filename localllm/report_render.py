@@ -511,10 +511,13 @@ def _run_md(i: int, run: dict) -> list[str]:
     cal = st.get("calibration") or {}
     bits = set(st["bits"]) if secs & {"quality", "pareto"} else set()
     bits |= {st["compare_bits"]} if secs & {"quality", "outliers", "kernel"} else set()
+    # runs before 2026-11-27 did not record the head (the default went to 8 bits on 2026-11-26)
+    head = f", output head {'fp16' if st['head_bits'] == 16 else str(st['head_bits']) + '-bit'}" \
+        if "head_bits" in st else ""
     out = [f"Run {i}: `{run['command']}`", "",
-           f"- Quantized variants: RTN, group size {st['group_size']}, {', '.join(f'W{b}' for b in sorted(bits))}, "
-           f"4-bit QDEC residuals; calibration: {cal.get('tokens')} tokens of {cal.get('text')} (k_chunk up to "
-           f"{cal.get('kmax')})."]
+           f"- Quantized variants: RTN, group size {st['group_size']}, {', '.join(f'W{b}' for b in sorted(bits))}"
+           f"{head}, 4-bit QDEC residuals; calibration: {cal.get('tokens')} tokens of {cal.get('text')} (k_chunk up "
+           f"to {cal.get('kmax')})."]
     if "quality" in secs:
         widths = (" " + ", ".join(str(w) for w in sorted({4, *st["residual_bits"]})) + " bits"
                   if "residual_bits" in st else "")  # reports before 2026-11-23 did not record them
