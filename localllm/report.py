@@ -48,7 +48,7 @@ SELECTION_MODES = ("exact", "static", "random")  # compared with approx at --com
 KERNEL_K = (1, 2, 4, 8, 16, 32, 64, 128)  # k_chunk values of the kernel sweep (Fig. 17); 1: the tuner's first step
 KERNEL_MAX_N_TB = 6  # n_tb values per layer type in the kernel sweep, spread over the viable ones
 ALL_CHANNELS = 1024  # k_chunk that selects every channel of a chunk
-HEAD_BITS = 16  # the variants' output head: unquantized, as in the paper (variant)
+VARIANT_HEAD_BITS = 16  # the variants' output head: unquantized, as in the paper (variant)
 BUDGETS = (0.025, 0.05, 0.1, 0.2, 0.5, 1.0)  # the Pareto section's tuner budgets: the paper's four, and two large
 # ones for models whose GEMVs are so short that QDEC's fixed cost per call exceeds the small budgets
 # --checks auto: the all-channels check gathers the whole fp16 residual for every token (~17 min for a 1.5B model on
@@ -153,7 +153,8 @@ def variant(ckpt, sha: str, name: str, bits: int, group_size: int, src: str) -> 
         shutil.rmtree(out)  # our own cache, from another localllm or an interrupted write: make it again
     print(f"localllm: quantizing {name} to {bits} bits for the report (cached in {out})", file=sys.stderr)
     seq_len = min(512, ckpt.config.max_position_embeddings)
-    return quantize(src, str(out), bits=bits, group_size=group_size, seq_len=seq_len, ckpt=ckpt, head_bits=HEAD_BITS)
+    return quantize(src, str(out), bits=bits, group_size=group_size, seq_len=seq_len, ckpt=ckpt,
+                    head_bits=VARIANT_HEAD_BITS)
 
 
 def machine(gpu: bool) -> dict:
@@ -543,8 +544,8 @@ def make_report(o: Options) -> Path:
            "settings": {"bits": list(o.bits), "k_chunks": list(o.k_chunks), "compare_bits": o.compare_bits,
                         "residual_bits": list(o.residual_bits), "group_size": o.group_size,
                         "budgets": list(o.budgets), "tokens": o.tokens, "ctx": o.ctx, "seed": o.seed,
-                        "gguf_file": o.gguf_file, "shapes_8b": o.shapes_8b, "head_bits": HEAD_BITS, "full_check": full,
-                        "full_check_why": full_why}}
+                        "gguf_file": o.gguf_file, "shapes_8b": o.shapes_8b, "head_bits": VARIANT_HEAD_BITS,
+                        "full_check": full, "full_check_why": full_why}}
     report, index, state = _start(o, out, prior, key, sha, name, ckpt, sections)
 
     commit = git_commit()  # the code that measures, before any edit during a long run
