@@ -22,7 +22,7 @@
 // 2^BITS 8-bit values per output channel (quant.QuantLUT.grid, kernels.gemv.PackedLUT). The meta record is then the
 // tile's (lut_record_bytes): the 16 rows' tables (2^BITS bytes each, rows 0..15), their fp32 scales, then their fp32
 // offsets (rows 0, 8, 1, 9, ...), fetched with every pair like the uniform record. Codes and tables in PackedLUT's
-// load-time layout, four lookups per three byte permutes (five at 4 bits; lut.cuh, lut_fragments) into
+// load-time layout, four lookups per three byte permutes (4 bits: four and an XOR; lut.cuh, lut_fragments) into
 // half2s of 1024 + v; per pair, rows g, g + 8 += scale * (C - 1024 X) + offset * X (X: the pair's sum of x).
 #include <cuda_fp16.h>
 

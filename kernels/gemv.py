@@ -82,15 +82,19 @@ class PackedLUT:
 
     @classmethod
     def from_quant(cls, q: QuantLUT, device: torch.device | str = "cuda") -> "PackedLUT":
+        v, scale, offset = (t.to(device) for t in q.grid())
+        table, place = lut_pairs(v) if q.bits == 4 else (v, None)
         qw = q.qweight.to(device)
         out = torch.empty_like(qw)
         for t in range(0, qw.shape[0], 256):  # 4096 rows at a time: the int64 temporaries stay small
-            out[t:t + 256] = select_layout(unpack_codes(qw[t:t + 256], q.bits), q.bits)
-        v, scale, offset = (t.to(device) for t in q.grid())
+            codes = unpack_codes(qw[t:t + 256], q.bits)
+            if place is not None:
+                codes = place[16 * t:16 * (t + 256)].gather(1, codes.long())
+            out[t:t + 256] = select_layout(codes, q.bits)
         tiles = v.shape[0] // 16
         rows = lane_rows(device)
         per_row = [f.view(tiles, 16)[:, rows].contiguous().view(torch.uint8) for f in (scale, offset)]
-        rec = torch.cat([v.view(tiles, -1), *per_row], dim=1).contiguous()
+        rec = torch.cat([table.view(tiles, -1), *per_row], dim=1).contiguous()
         return cls(out, rec, q.bits, q.in_features)
 
     @property
@@ -104,6 +108,24 @@ class PackedLUT:
     @property
     def nbytes(self) -> int:
         return self.qweight.numel() * 4 + self.lut.numel()
+
+
+def lut_pairs(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit tables v uint8 [N, 16] (QuantLUT.grid: an even number of entries below 128 per row) -> (the bytes the
+    GPU looks up [N, 16], where each entry goes [N, 16]: the code the kernel reads for code c is place[c]).
+    Entries go in pairs of slots (i, i + 8) whose values share their sign bit, so that one byte permute of slots 0-7
+    and one of 8-15, each replicating the sign bit of the slot i or i + 8 it was not asked for (selector bit 3),
+    combine by XOR: a pair of entries below 128 is stored as it is, one above 128 with slot i + 8 complemented
+    (kernels/lut.cuh, lut_fragments)."""
+    low = v < 128
+    rank_low, rank_high = low.long().cumsum(1) - 1, (~low).long().cumsum(1) - 1
+    n_low = low.long().sum(1, keepdim=True)
+    if (n_low % 2).any():
+        raise ValueError("each 4-bit table needs an even number of entries below 128 (QuantLUT.grid)")
+    rank = torch.where(low, rank_low, rank_high)
+    place = torch.where(low, 0, n_low // 2) + rank // 2 + 8 * (rank % 2)
+    stored = torch.where(~low & (rank % 2 == 1), 255 - v, v)
+    return torch.empty_like(v).scatter_(1, place, stored), place
 
 
 def lut_record_bytes(bits: int) -> int:

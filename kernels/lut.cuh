@@ -38,26 +38,35 @@ __host__ __device__ constexpr int lut_col(int t, int m, int j, int h) { return 1
 // shift and mask, lut_selectors; the selector for r = 0 in bits 0-15, r = 1 in bits 16-31):
 // - 2 and 3 bits: the low two bits of the codes of (m, r) in word m / 2 at bits 16 r + 4 p + 2 (m % 2) + {0, 1}; the
 //   third bit (3 bits) in word 2 at bit 16 r + 4 p + m.
-// - 4 bits: the whole code in word m at bits 16 r + 4 p. A permute sees 8 entries, so the low three bits pick from
-//   entries 0-7 and from 8-15, and a third permute, whose selector nibble is p + 4 * (bit 3 of the code), keeps one of
-//   the two: 5 permutes per four weights (fp16 tables took 8; 7-bit tables and PRMT's sign replication could do with
-//   4 and an OR, but the coarser grid cost the demo model 1.3% perplexity at 4 bits).
+// - 4 bits: the whole code in word m at bits 16 r + 4 p, already placed by kernels.gemv.lut_pairs: a row's entries sit
+//   in 8 pairs of slots (i, i + 8) of the same sign bit, slot i + 8 of a pair at or above 128 complemented. A permute
+//   sees 8 slots: the nibble looks slot c up among 0-7 and the nibble c ^ 8 among 8-15; for c < 8 the second picks
+//   slot c + 8 with bit 3 set, i.e. its sign bit replicated (0x00: a low pair's, or a high pair's complemented byte),
+//   for c >= 8 the first replicates slot c - 8's (0x00 low, 0xFF high, undoing the complement), so the XOR of the
+//   two is the entry: 4 permutes and an XOR per four weights (5 permutes when a third one chose between the two
+//   picks; a 7-bit grid, all sign bits 0, would do with an OR but cost the demo model 1.3% perplexity).
 template <int BITS>
 __host__ __device__ __forceinline__ uint32_t lut_selectors(const uint32_t (&w)[BITS], int m) {
-    if (BITS == 4) return w[m & (BITS - 1)] & 0x77777777u;  // bit 3 of a nibble would mean sign replication
+    if (BITS == 4) return w[m & (BITS - 1)];  // the whole nibble: bit 3 replicates the picked slot's sign
     uint32_t s = (w[m >> 1] >> (2 * (m & 1))) & 0x33333333u;
     if (BITS == 3) s |= (m >= 2 ? w[2 % BITS] >> (m - 2) : w[2 % BITS] << (2 - m)) & 0x44444444u;
     return s;
 }
 
-// PRMT: byte i of the result is byte (nibble i of s) of the 8 bytes y:x (selector bit 3, sign replication, unused).
+// PRMT: byte i of the result is byte (bits 0-2 of nibble i of s) of the 8 bytes y:x, or with the nibble's bit 3
+// set, that byte's sign bit replicated (0x00 or 0xFF). Inline PTX: __byte_perm documents 3-bit selectors.
 __host__ __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
 #ifdef __CUDA_ARCH__
-    return __byte_perm(x, y, s);
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(y), "r"(s));
+    return r;
 #else
     const unsigned long long v = (unsigned long long)y << 32 | x;
     uint32_t r = 0;
-    for (int i = 0; i < 4; i++) r |= (uint32_t)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFFu) << (8 * i);
+    for (int i = 0; i < 4; i++) {
+        const uint32_t n = (s >> (4 * i)) & 15u, b = (uint32_t)(v >> (8 * (n & 7))) & 0xFFu;
+        r |= (n & 8 ? (b & 0x80u ? 0xFFu : 0u) : b) << (8 * i);
+    }
     return r;
 #endif
 }
@@ -82,15 +91,14 @@ __host__ __device__ __forceinline__ void lut_fragments(const uint32_t (&w)[BITS]
 #pragma unroll
     for (int m = 0; m < 4; m++) {
         const uint32_t both = lut_selectors<BITS>(w, m);
-        // 4 bits: nibble p of the final pick is p, or p + 4 where the code is >= 8 (its bit 3 moved to bit 2)
-        const uint32_t high = BITS == 4 ? ((w[m & (BITS - 1)] >> 1) & 0x44444444u) | 0x32103210u : 0u;
+        const uint32_t flip = BITS == 4 ? both ^ 0x88888888u : 0u;  // 4 bits: the nibbles c ^ 8 for slots 8-15
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const uint32_t s = r ? both >> 16 : both;
             const uint32_t* tb = r ? tg8 : tg;
             uint32_t v;  // the four entries' bytes
             if constexpr (BITS == 4)
-                v = byte_perm(byte_perm(tb[0], tb[1], s), byte_perm(tb[2], tb[3], s), r ? high >> 16 : high);
+                v = byte_perm(tb[0], tb[1], s) ^ byte_perm(tb[2], tb[3], r ? flip >> 16 : flip);
             else
                 v = byte_perm(tb[0], tb[R - 1], s);
             a[m][r] = byte_perm(v, magic, 0x5150u);      // nibbles 0, 1: elements (r, h 0), (r, h 1)

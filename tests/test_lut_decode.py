@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from localllm.kernels.gemv import PackedLUT, lane_rows, lut_record_bytes
+from localllm.kernels.gemv import PackedLUT, lane_rows, lut_pairs, lut_record_bytes
 from localllm.quant import BASE_BITS, QuantLUT, pack_codes
 
 HERE = Path(__file__).parent
@@ -53,6 +53,26 @@ def test_byte_permute_lookups_of_the_select_layout(decoder, bits):
     assert torch.equal(torch.tensor(list(map(int, out))).view(n, k), 0x6400 + v)  # fp16 1024 + v
 
 
+def test_4_bit_tables_go_in_pairs_of_slots_whose_xor_looks_an_entry_up():
+    """lut_pairs, emulated as gemv.cu runs it: slot c of 0-7 with the code c, of 8-15 with c ^ 8, the picked byte's sign
+    replicated where the nibble's bit 3 is set, the two XORed: every code gives its entry back."""
+    v = torch.randint(0, 256, (64, 16), dtype=torch.uint8)
+    v[:, 0] = torch.where((v < 128).sum(1) % 2 == 1, v[:, 0] ^ 0x80, v[:, 0])  # an even number below 128 per row
+    v[0] = 200  # one row all above, one all below
+    v[1] = 5
+    table, place = lut_pairs(v)
+    assert torch.equal(place.sort(1).values, torch.arange(16).expand(64, 16))
+    t = table.long()
+    sign = lambda b: torch.where(b >= 128, 255, 0)  # noqa: E731
+    for c in range(16):
+        p = place[:, c]
+        lo = torch.where(p < 8, t.gather(1, (p % 8)[:, None])[:, 0], sign(t.gather(1, (p % 8)[:, None])[:, 0]))
+        hi = torch.where(p >= 8, t.gather(1, (8 + p % 8)[:, None])[:, 0], sign(t.gather(1, (8 + p % 8)[:, None])[:, 0]))
+        assert torch.equal(lo ^ hi, v[:, c].long())
+    with pytest.raises(ValueError, match="even number"):
+        lut_pairs(torch.tensor([[1] + [200] * 15], dtype=torch.uint8))
+
+
 @pytest.mark.parametrize("bits", BASE_BITS)
 def test_packed_lut_record_of_a_tile(bits):
     """What gemv.cu's table path reads per 16-row tile (lut_tables, the epilogue, dequant_lut): the rows' byte tables
@@ -63,7 +83,7 @@ def test_packed_lut_record_of_a_tile(bits):
     rec = PackedLUT.from_quant(q, "cpu").lut
     v, scale, offset = q.grid()
     assert rec.dtype == torch.uint8 and rec.shape == (n // 16, lut_record_bytes(bits))
-    assert torch.equal(rec[:, :16 * e].reshape(n, e), v)
+    assert torch.equal(rec[:, :16 * e].reshape(n, e), lut_pairs(v)[0] if bits == 4 else v)
     lanes = lane_rows("cpu")
     assert lanes.tolist() == [r for g in range(8) for r in (g, g + 8)]
     for i, want in enumerate((scale, offset)):
