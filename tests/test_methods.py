@@ -285,6 +285,8 @@ def test_quantize_lut(bits, seed):
 def test_tables_run_on_an_8_bit_grid_per_row(bits, seed):
     lut = (torch.randn(64, 2**bits) * torch.rand(64, 1) * 0.1).half()
     lut[0] = 0.25  # a constant row
+    if bits == 4:  # ties that leave no even split but all on one side (_even_split's fallback)
+        lut[1] = torch.tensor([-0.03] * 7 + [0.05] * 9)
     q = QuantLUT(pack_codes(torch.randint(0, 2**bits, (64, 128), dtype=torch.uint8), bits), lut, bits, 128)
     v, scale, offset = q.grid()
     assert v.dtype == torch.uint8 and int(v.max()) <= TABLE_LEVELS
@@ -302,11 +304,12 @@ def test_tables_run_on_an_8_bit_grid_per_row(bits, seed):
         v0 = quant._snap(t, scale0, lo.float()).clamp(0, TABLE_LEVELS)
         even0 = (v0 < 128).sum(1) % 2 == 0
         assert even0.any() and not even0.all(), f"seed={seed}: both kinds of rows occur"
-        # (scored in float32: equal within its rounding)
-        assert (mine <= moved(v0, scale0, lo.float()) * (1 + 1e-5) + 1e-30)[even0].all(), f"seed={seed}"
+        # (candidates are scored in float32: near-ties within its rounding, ~1e-5 of a row's sum, may go either way)
+        assert (mine <= moved(v0, scale0, lo.float()) * (1 + 1e-3) + 1e-30)[even0].all(), f"seed={seed}"
         ve, se, oe = quant._even_split(t)
-        assert (mine <= moved(ve.clamp(0, TABLE_LEVELS), se, oe) * (1 + 1e-5) + 1e-30).all(), f"seed={seed}"
+        assert (mine <= moved(ve.clamp(0, TABLE_LEVELS), se, oe) * (1 + 1e-3) + 1e-30).all(), f"seed={seed}"
         assert (scale.double() <= (hi - lo) / 127.5 * (1 + 2**-20)).all()
+        assert ((v[1] < 128).all() or (v[1] >= 128).all()) and scale[1] > (hi[1] - lo[1]) / 128
     # each entry moves by at most half a step (plus float32 rounding: of the scale, times v <= 255, and of the entry;
     # without it 1.4% of seeds failed by ~1e-9), and the grid keeps the table's order
     tol = scale.double()[:, None] * (0.5 + TABLE_LEVELS * 2**-24) + t.abs() * 2**-23 + 1e-12
