@@ -396,38 +396,37 @@ def _even_split(t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 # GRID_SCALES), each at GRID_PHASES offsets spread over the slack the larger scale leaves. The demo model's SqueezeLLM
 # 4-bit tables: the snap moves an entry by 0.91e-3 of its row's range (RMS), against 1.06e-3 on the range's own grid
 # and 1.12e-3 with the least-scale even split alone (_even_split); the model's KL divergence from its fp16 tables
-# (QDEC off, 4096 tokens) is 1.45e-3, against 2.11e-3 and 2.54e-3. It costs ~15 us a row on one CPU thread, once
-# per load (the demo model: 2.2 s; an 8B model's 1.4M rows ~20 s, less with more threads).
+# (QDEC off, 4096 tokens) is 1.45e-3, against 2.11e-3 and 2.54e-3. It costs ~13 us a row on one CPU thread, once
+# per load (the demo model: 2.1 s; an 8B model's 1.4M rows ~20 s, less with more threads).
 GRID_SCALES, GRID_PHASES = 8, 8
 
 
-def _searched_grid(t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _searched_grid(t: Tensor, rows: int = 8192) -> tuple[Tensor, Tensor, Tensor]:
     """QuantLUT.grid at 4 bits, for tables t [n, 16] (float64): of the GRID_SCALES x GRID_PHASES candidates and
     _even_split's grid, the one per row with an even number of entries below 128 and the least sum of squared
-    moves. The candidates are scored in float32 (any v is exact: the model runs offset + scale * v)."""
-    lo, hi = t.min(1).values, t.max(1).values
-    r, t32 = hi - lo, t.float()
-    best = torch.full_like(t32[:, 0], math.inf)
-    scale, offset = torch.zeros_like(best), lo.float()
-
-    def snap(s, o):  # float32: the same bits for a candidate and for the winner recomputed below
-        return torch.where(s[:, None] > 0, (t32 - o[:, None]) / s[:, None].clamp(min=1e-30), 0.0).round().clamp(
-            0, TABLE_LEVELS)
-
-    for i in range(GRID_SCALES):  # i = j = 0 first: the range's own grid, which ties keep
-        s = (r / TABLE_LEVELS * (1 + i / 128)).float()
-        slack = TABLE_LEVELS * s.double() - r
-        for j in range(GRID_PHASES if i else 1):
-            o = (lo - slack * j / (GRID_PHASES - 1)).float()
-            v = snap(s, o)
-            e = (o[:, None] + s[:, None] * v - t32).square().sum(1)
-            win = (e < best) & ((v <= TABLE_LEVELS // 2).sum(1) % 2 == 0)
-            best = torch.where(win, e, best)
-            scale, offset = torch.where(win, s, scale), torch.where(win, o, offset)
-    v = snap(scale, offset).double()
+    moves (ties: the earlier candidate, the range's own grid first). The candidates are scored in float32 (any v
+    is exact: the model runs offset + scale * v), all at once for `rows` rows at a time: a few large tensor ops
+    instead of many small ones, which a busy CPU's threads make slow."""
+    lo, hi = t.min(1, keepdim=True).values, t.max(1, keepdim=True).values
+    r = hi - lo
+    cand = [(0, 0)] + [(a, b) for a in range(1, GRID_SCALES) for b in range(GRID_PHASES)]  # C (scale, phase) pairs
+    i, j = torch.tensor(cand, dtype=t.dtype, device=t.device).T
+    s = (r / TABLE_LEVELS * (1 + i / 128)).float()  # [n, C]
+    o = (lo - (TABLE_LEVELS * s.double() - r) * j / (GRID_PHASES - 1)).float()
+    t32 = t.float()
+    best = torch.empty(t.shape[0], dtype=torch.long, device=t.device)
+    err = torch.empty(t.shape[0], device=t.device)
+    for a in range(0, t.shape[0], rows):
+        sc, oc, tc = s[a:a + rows, :, None], o[a:a + rows, :, None], t32[a:a + rows, None, :]
+        v = torch.where(sc > 0, (tc - oc) / sc.clamp(min=1e-30), 0.0).round().clamp(0, TABLE_LEVELS)  # [m, C, 16]
+        e = (oc + sc * v - tc).square().sum(2)
+        e = torch.where((v <= TABLE_LEVELS // 2).sum(2) % 2 == 0, e, math.inf)
+        err[a:a + rows], best[a:a + rows] = e.min(1)
+    scale, offset = s.gather(1, best[:, None])[:, 0], o.gather(1, best[:, None])[:, 0]
+    v = torch.where(scale[:, None] > 0, (t32 - offset[:, None]) / scale[:, None].clamp(min=1e-30), 0.0).round()
+    v = v.clamp(0, TABLE_LEVELS).double()
     ve, se, oe = _even_split(t)  # always even (the only one where ties leave no other split)
-    e = (oe[:, None] + se[:, None] * ve.clamp(0, TABLE_LEVELS).float() - t32).square().sum(1)
-    win = e < best
+    win = (oe[:, None] + se[:, None] * ve.clamp(0, TABLE_LEVELS).float() - t32).square().sum(1) < err
     v, scale, offset = torch.where(win[:, None], ve, v), torch.where(win, se, scale), torch.where(win, oe, offset)
     return v.clamp(0, TABLE_LEVELS).to(torch.uint8), scale, offset
 
