@@ -416,15 +416,15 @@ def _searched_grid(t: Tensor, rows: int = 8192) -> tuple[Tensor, Tensor, Tensor]
     t32 = t.float()
     best = torch.empty(t.shape[0], dtype=torch.long, device=t.device)
     err = torch.empty(t.shape[0], device=t.device)
+    v = torch.empty_like(t)
     for a in range(0, t.shape[0], rows):
         sc, oc, tc = s[a:a + rows, :, None], o[a:a + rows, :, None], t32[a:a + rows, None, :]
-        v = torch.where(sc > 0, (tc - oc) / sc.clamp(min=1e-30), 0.0).round().clamp(0, TABLE_LEVELS)  # [m, C, 16]
-        e = (oc + sc * v - tc).square().sum(2)
-        e = torch.where((v <= TABLE_LEVELS // 2).sum(2) % 2 == 0, e, math.inf)
+        vc = torch.where(sc > 0, (tc - oc) / sc.clamp(min=1e-30), 0.0).round().clamp(0, TABLE_LEVELS)  # [m, C, 16]
+        e = (oc + sc * vc - tc).square().sum(2)
+        e = torch.where((vc <= TABLE_LEVELS // 2).sum(2) % 2 == 0, e, math.inf)
         err[a:a + rows], best[a:a + rows] = e.min(1)
+        v[a:a + rows] = vc.gather(1, best[a:a + rows, None, None].expand(-1, 1, vc.shape[2]))[:, 0]
     scale, offset = s.gather(1, best[:, None])[:, 0], o.gather(1, best[:, None])[:, 0]
-    v = torch.where(scale[:, None] > 0, (t32 - offset[:, None]) / scale[:, None].clamp(min=1e-30), 0.0).round()
-    v = v.clamp(0, TABLE_LEVELS).double()
     ve, se, oe = _even_split(t)  # always even (the only one where ties leave no other split)
     win = (oe[:, None] + se[:, None] * ve.clamp(0, TABLE_LEVELS).float() - t32).square().sum(1) < err
     v, scale, offset = torch.where(win[:, None], ve, v), torch.where(win, se, scale), torch.where(win, oe, offset)
