@@ -8,7 +8,10 @@ from localllm.cli import main
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "localllm.cli", *map(str, args)], capture_output=True, text=True)
+    """The command's exit code and output, decoded as UTF-8 without newline translation (text=True would turn a
+    generated "\r" into "\n")."""
+    r = subprocess.run([sys.executable, "-m", "localllm.cli", *map(str, args)], capture_output=True)
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode())
 
 
 def test_generate_streams_text(tiny_quant):
