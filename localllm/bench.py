@@ -74,6 +74,14 @@ def random_quant(N: int, K: int, bits: int, group_size: int, dev):
     return QuantWeight(q, scales, zeros, bits, group_size, K)
 
 
+def random_lut(N: int, K: int, bits: int, dev):
+    """A random table (SqueezeLLM-format) weight: random codes, each row's 2^bits entries sorted normal draws scaled
+    as random_quant's weights."""
+    from .quant import QuantLUT, pack_codes
+    return QuantLUT(pack_codes(torch.randint(0, 2**bits, (N, K), device=dev), bits),
+                    (torch.randn(N, 2**bits, device=dev).sort(1).values * K ** -0.5).half(), bits, K)
+
+
 def random_packed(N: int, K: int, bits: int, group_size: int):
     """A random GPU weight (kernels.gemv.Packed) of N x K."""
     from .kernels.gemv import Packed
@@ -142,7 +150,6 @@ def bench_gemv(bits_list=(4, 3, 2), group_size: int = 128) -> list[dict]:
 def bench_gemv_lut(bits_list=(4, 3), group_size: int = 128) -> list[dict]:
     """The non-uniform (table) GEMV on the 8B shapes next to the uniform GEMV of the same bits, in one run."""
     from .kernels.gemv import PackedLUT, gemv
-    from .quant import QuantLUT, pack_codes
     bw = copy_bandwidth()
     rows = []
     for name, (N, K) in LLAMA3_8B.items():
@@ -151,9 +158,7 @@ def bench_gemv_lut(bits_list=(4, 3), group_size: int = 128) -> list[dict]:
             sets, nbytes = gemv_sets(N, K, bits, group_size)
             t_uni = time_graph([lambda s=s: gemv(x, s[0], out=s[1]) for s in sets])
             del sets
-            luts = [(PackedLUT.from_quant(QuantLUT(pack_codes(torch.randint(0, 2**bits, (N, K), device="cuda"), bits),
-                                                   torch.randn(N, 2**bits, device="cuda").sort(1).values.half(), bits,
-                                                   K)),
+            luts = [(PackedLUT.from_quant(random_lut(N, K, bits, "cuda")),
                      torch.empty(N, device="cuda", dtype=torch.float16)) for _ in range(_copies(N * K * bits // 8))]
             lut_bytes = luts[0][0].nbytes + K * 2 + N * 2
             t = time_graph([lambda s=s: gemv(x, s[0], out=s[1]) for s in luts])
@@ -238,9 +243,10 @@ LLAMA3_8B_CONFIG = dict(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
 
 
-def random_model(cfg, bits: int | None, group_size: int = 128, head_bits: int = 16):
-    """A decoder of cfg's shapes with random weights made on the GPU: packed `bits`-bit, or dense fp16 (None); the
-    output head fp16 (head_bits 16) or 8-bit (quant.HEAD_BITS, as `localllm quantize` writes it)."""
+def random_model(cfg, bits: int | None, group_size: int = 128, head_bits: int = 16, table: bool = False):
+    """A decoder of cfg's shapes with random weights made on the GPU: packed `bits`-bit (table: SqueezeLLM-format
+    tables, else group-wise uniform), or dense fp16 (None); the output head fp16 (head_bits 16) or 8-bit
+    (quant.HEAD_BITS, as `localllm quantize` writes it)."""
     from .model import KINDS, QdecSettings, RMSNorm, Transformer, build_block
     from .modelfile import linear_shape
     from .quant import HEAD_GROUP
@@ -254,7 +260,8 @@ def random_model(cfg, bits: int | None, group_size: int = 128, head_bits: int = 
             if bits is None:
                 t[kind] = {"weight": torch.randn(N, K, device=dev, dtype=torch.float16) * K ** -0.5}
             else:
-                t[kind] = {"quant": random_quant(N, K, bits, group_size, dev)}
+                q = random_lut(N, K, bits, dev) if table else random_quant(N, K, bits, group_size, dev)
+                t[kind] = {"quant": q}
         blk = build_block(cfg, i, t, settings)
         for lin in (blk.qkv, blk.o, blk.gate_up, blk.down):
             lin.place(dev, torch.float16)
@@ -359,14 +366,17 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
     del dense
     torch.cuda.empty_cache()
     hf_tps = hf_generate_tps(cfg)
-    for bits, head in [(b, h) for h in (16, 8) for b in bits_list]:
+    # uniform weights with either head; table (SqueezeLLM-format) weights with the 8-bit head `localllm quantize`
+    # writes for every method
+    for bits, head, table in [(b, h, False) for h in (16, 8) for b in bits_list] + [(b, 8, True) for b in bits_list]:
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
-        m = random_model(cfg, bits, head_bits=head)
+        m = random_model(cfg, bits, head_bits=head, table=table)
         used = torch.cuda.memory_allocated() - base
         nbytes = weight_bytes(m)
         t = decode_time(m, kv_bits=kv_bits)
-        rows.append({"bits": bits, "head": head, "ms": t * 1e3, "prefill512_ms": prefill_time(m) * 1e3, "tok/s": 1 / t,
+        rows.append({"bits": bits, "head": head, "weights": "table" if table else "uniform", "ms": t * 1e3,
+                     "prefill512_ms": prefill_time(m) * 1e3, "tok/s": 1 / t,
                      "sampled_tok/s": 1 / sampled_decode_time(m, SamplingParams()),
                      "roofline_tok/s": bw / nbytes,
                      "of_roofline": nbytes / bw / t, "of_read_roofline": nbytes / rd / t, "vs_fp16_graph": t16 / t,
@@ -379,13 +389,15 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
           f"bandwidth ({rd / 1e9:.0f} GB/s)")
     print(f"fp16 (same decoder, CUDA graph): {1 / t16:.1f} tok/s; transformers fp16 generate: {hf_tps:.1f} tok/s; "
           "sampled: generate()'s token loop at its default sampling (temperature 0.7, top-p 0.9), tokenizer aside; "
-          "head: the output head fp16 (16) or 8-bit (8, what `localllm quantize` writes)")
-    print(f"{'bits':>4} {'head':>4} {'ms/tok':>7} {'tok/s':>7} {'roofline':>8} {'% roof':>7} {'% read':>7} {'vs fp16':>8} "
-          f"{'bytes x':>8} {'vs HF':>6} {'GPU GB':>7} {'model GB':>9} {'prefill 512 ms':>14} {'sampled tok/s':>13}")
+          "head: the output head fp16 (16) or 8-bit (8, what `localllm quantize` writes); weights: group-wise uniform "
+          "(rtn, awq) or per-row tables (squeezellm)")
+    print(f"{'bits':>4} {'head':>4} {'weights':>7} {'ms/tok':>7} {'tok/s':>7} {'roofline':>8} {'% roof':>7} "
+          f"{'% read':>7} {'vs fp16':>8} {'bytes x':>8} {'vs HF':>6} {'GPU GB':>7} {'model GB':>9} "
+          f"{'prefill 512 ms':>14} {'sampled tok/s':>13}")
     for r in rows:
-        print(f"{r['bits']:>4} {r['head']:>4} {r['ms']:7.2f} {r['tok/s']:7.1f} {r['roofline_tok/s']:8.1f} "
-              f"{100 * r['of_roofline']:6.1f}% {100 * r['of_read_roofline']:6.1f}% {r['vs_fp16_graph']:7.2f}x "
-              f"{r['bytes_ratio']:7.2f}x "
+        print(f"{r['bits']:>4} {r['head']:>4} {r['weights']:>7} {r['ms']:7.2f} {r['tok/s']:7.1f} "
+              f"{r['roofline_tok/s']:8.1f} {100 * r['of_roofline']:6.1f}% {100 * r['of_read_roofline']:6.1f}% "
+              f"{r['vs_fp16_graph']:7.2f}x {r['bytes_ratio']:7.2f}x "
               f"{r['vs_hf']:5.1f}x {r['gpu_mem_GB']:7.2f} {r['packed_GB']:9.2f} {r['prefill512_ms']:14.1f} "
               f"{r['sampled_tok/s']:13.1f}")
     return rows
@@ -443,12 +455,12 @@ def random_qdec(model, copies: int = 1, kmax: int = 256) -> None:
             lin.residual, lin.host_residual, lin.stats = res[kind][i % copies], host[kind][i % copies], stats[kind]
 
 
-def random_local_model(cfg, bits: int, copies: int = 4):
+def random_local_model(cfg, bits: int, copies: int = 4, table: bool = False):
     """A random_model with random_qdec, as a runtime.LocalModel (no tokenizer): what `bench tune` tunes."""
     import tempfile
 
     from .runtime import LocalModel
-    m = random_model(cfg, bits)
+    m = random_model(cfg, bits, table=table)
     random_qdec(m, copies)
     manifest = {"model_id": f"random-{cfg.num_layers}x{cfg.hidden_size}-w{bits}", "quant": {"bits": bits},
                 "calibration": {"kmax": 256}}
@@ -459,18 +471,22 @@ def random_local_model(cfg, bits: int, copies: int = 4):
 
 def bench_e2e_qdec(bits: int = 3, k_chunk: int = 8, kv_bits: int = 16) -> None:
     """8B-shaped decode with QDEC on every layer (k_chunk each, default n_tb; residuals pinned, one per layer kind)
-    vs the same model without it."""
+    vs the same model without it; group-wise uniform weights, then table (SqueezeLLM-format) weights."""
     from .config import ModelConfig
     cfg = ModelConfig(**LLAMA3_8B_CONFIG)
-    lm = random_local_model(cfg, bits, copies=1)
-    t_off = decode_time(lm.model, kv_bits=kv_bits)
-    lm.set_qdec(k_chunk)
-    t_on = decode_time(lm.model, kv_bits=kv_bits)
-    m = lm.model
-    print(f"\nDecode with QDEC, Llama-3-8B shapes W{bits}, k_chunk={k_chunk} on every layer (default n_tb): "
-          f"{1 / t_on:.1f} tok/s vs {1 / t_off:.1f} without ({100 * (t_on / t_off - 1):+.1f}% per token); "
-          f"GPU memory for QDEC: {next(m.linears()).comp.part.numel() * 4 / 1e6:.2f} MB partials + "
-          f"{sum(lin.comp.state.numel() * 8 for lin in m.linears()) / 1e3:.0f} KB flags")
+    for table in (False, True):
+        lm = random_local_model(cfg, bits, copies=1, table=table)
+        t_off = decode_time(lm.model, kv_bits=kv_bits)
+        lm.set_qdec(k_chunk)
+        t_on = decode_time(lm.model, kv_bits=kv_bits)
+        m = lm.model
+        print(f"\nDecode with QDEC, Llama-3-8B shapes W{bits} {'table' if table else 'uniform'} weights, "
+              f"k_chunk={k_chunk} on every layer (default n_tb): {1 / t_on:.1f} tok/s vs {1 / t_off:.1f} without "
+              f"({100 * (t_on / t_off - 1):+.1f}% per token); GPU memory for QDEC: "
+              f"{next(m.linears()).comp.part.numel() * 4 / 1e6:.2f} MB partials + "
+              f"{sum(lin.comp.state.numel() * 8 for lin in m.linears()) / 1e3:.0f} KB flags")
+        del lm, m
+        torch.cuda.empty_cache()
 
 
 def bench_tune(bits: int = 3, budgets=(0.025, 0.05, 0.1, 0.2)) -> None:
