@@ -91,6 +91,7 @@ def cmd_quantize(a) -> None:
 
 def cmd_eval(a) -> None:
     from .evaluate import Reference, paired_change, read_text, source_path, sweep, tokenize
+    from .loader import check_source
     from .model import QDEC_MODES
     from .runtime import load
     modes = [m.strip() for m in a.qdec.split(",") if m.strip()]
@@ -104,9 +105,11 @@ def cmd_eval(a) -> None:
     if a.prefill_int8 and a.device != "cpu":
         raise LocalLLMError("--prefill-int8 changes prompts only, and eval on the GPU runs token by token: measure its "
                             "effect with --device cpu (the GPU computes the same function)")
+    text, name = read_text(a.text)  # the cheap checks before the model loads
+    if a.reference not in (None, "source"):
+        check_source(a.reference)
     lm = load(a.model, gguf_file=a.gguf_file, qdec="off", device=a.device, kv_bits=a.kv_bits,
               prefill_int8=a.prefill_int8)
-    text, name = read_text(a.text)
     ids = tokenize(lm, text, a.max_tokens)
     reference = None
     if a.reference is not None:

@@ -98,10 +98,21 @@ def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Che
                 raise LocalLLMError(f"{path} holds several GGUF files ({', '.join(ggufs)}); pass one with --gguf-file")
             return _open_gguf(path, gguf_file or ggufs[0])
         return _open_safetensors(path, {"format": "safetensors", "path": str(path)})
-    if _looks_like_hub_id(str(src)):
-        local = _download(str(src))
-        return _open_safetensors(local, {"format": "safetensors", "path": str(local), "hub_id": str(src)})
-    raise LocalLLMError(f"no such file or folder: {src}; pass a checkpoint folder, a .gguf file or a hub id (org/name)")
+    if not _looks_like_hub_id(str(src)):
+        raise _no_source(src)
+    local = _download(str(src))
+    return _open_safetensors(local, {"format": "safetensors", "path": str(local), "hub_id": str(src)})
+
+
+def check_source(src: str | os.PathLike) -> None:
+    """Raise the user's error now if `src` is neither a path here nor a hub id (so that a command taking two models
+    fails before loading the first)."""
+    if not Path(src).expanduser().exists() and not _looks_like_hub_id(str(src)):
+        raise _no_source(src)
+
+
+def _no_source(src) -> LocalLLMError:
+    return LocalLLMError(f"no such file or folder: {src}; pass a checkpoint folder, a .gguf file or a hub id (org/name)")
 
 
 def _looks_like_hub_id(s: str) -> bool:

@@ -54,16 +54,19 @@ REFIT_K_CHUNK = 8  # the channels per 1024 that refit_inputs leaves to QDEC
 SENSITIVITY_TOKENS = 1024  # calibration tokens the KL sensitivity is measured on (each block costs a model pass)
 
 
-def calibration_tokens(tokenizer, text_file: str | None, n_tokens: int, seq_len: int) -> tuple[torch.Tensor, dict]:
-    """Token ids [n_seq, seq_len] from the calibration text, and how to name that text in the manifest."""
+def calibration_text(text_file: str | None) -> tuple[str, str]:
+    """The calibration text (the built-in one without a file), and how to name it in the manifest."""
     if text_file is None:
         text = resources.files("localllm").joinpath("data", DEFAULT_CALIB).read_text(encoding="utf-8")
-        name = f"builtin:{DEFAULT_CALIB}"
-    else:
-        p = Path(text_file).expanduser()
-        if not p.is_file():
-            raise LocalLLMError(f"calibration text {p} does not exist; pass a UTF-8 text file with --calib-text")
-        text, name = p.read_text(encoding="utf-8", errors="replace"), str(p)
+        return text, f"builtin:{DEFAULT_CALIB}"
+    p = Path(text_file).expanduser()
+    if not p.is_file():
+        raise LocalLLMError(f"calibration text {p} does not exist; pass a UTF-8 text file with --calib-text")
+    return p.read_text(encoding="utf-8", errors="replace"), str(p)
+
+
+def calibration_tokens(tokenizer, text: str, name: str, n_tokens: int, seq_len: int) -> tuple[torch.Tensor, dict]:
+    """Token ids [n_seq, seq_len] from the calibration text, and its record for the manifest."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     seq_len = min(seq_len, len(ids))
     n_seq = min(max(1, n_tokens // seq_len), len(ids) // seq_len)
@@ -218,6 +221,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
                             f"{', '.join(map(str, GROUP_SIZES))}")
     if Path(out).expanduser().exists():
         raise LocalLLMError(f"{out} already exists; choose another output path or remove it first")
+    text, text_name = calibration_text(calib_text)  # before the checkpoint loads
     ckpt = ckpt or open_checkpoint(src, gguf_file)
     cfg = ckpt.config
     for kind in KINDS:
@@ -225,7 +229,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         if K % TILE_K or N % TILE_N:
             raise LocalLLMError(f"{kind} projection is {N}x{K}: localllm needs in_features % {TILE_K} == 0 and "
                                 f"out_features % {TILE_N} == 0 (the GPU kernels' tiles)")
-    toks, calib = calibration_tokens(ckpt.tokenizer, calib_text, calib_tokens, seq_len)
+    toks, calib = calibration_tokens(ckpt.tokenizer, text, text_name, calib_tokens, seq_len)
     fingerprint = ckpt.fingerprint()
     pos = torch.arange(toks.shape[1])
     rope = rope_tables(rope_inv_freq(cfg), pos)

@@ -525,10 +525,10 @@ def make_report(o: Options) -> Path:
         if asked and all(s in GPU_SECTIONS for s in asked):
             raise LocalLLMError(f"--sections {','.join(asked)} measures the GPU and needs one: {why_no_gpu}")
         sections = tuple(s for s in sections if s not in GPU_SECTIONS)
+    text = read_text(o.text)  # before the checkpoint opens (a GGUF converts then)
     ckpt = open_checkpoint(src, o.gguf_file)
     name = model_name(src, ckpt)
     out = Path(o.out or f"report-{_slug(name)}").expanduser()
-    text = read_text(o.text)
     prior = _read_report(out)
     if out.exists() and "in_progress" not in (prior or {}):  # before hashing the model: a refusal comes at once
         if o.update and prior is None:

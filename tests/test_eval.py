@@ -103,6 +103,15 @@ def test_eval_bad_input_is_one_line(tiny_quant, args, msg):
     assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr
 
 
+def test_eval_checks_its_text_and_reference_before_loading_the_model(tmp_path):
+    # the model does not exist either: the errors below come from checks made before the load would fail
+    missing = str(tmp_path / "no-model")
+    r = run("eval", missing, "--text", str(tmp_path / "no.txt"))
+    assert r.returncode != 0 and "no text file at" in r.stderr and "Traceback" not in r.stderr
+    r = run("eval", missing, "--reference", str(tmp_path / "no-ref"))
+    assert r.returncode != 0 and f"no such file or folder: {tmp_path / 'no-ref'}" in r.stderr
+
+
 def test_eval_of_a_model_without_residuals_says_so(tiny_ckpt):
     r = run("eval", tiny_ckpt, "--qdec", "approx", "--max-tokens", "50")
     assert r.returncode != 0 and "has no QDEC residuals" in r.stderr and "Traceback" not in r.stderr

@@ -149,6 +149,10 @@ def test_bad_input_is_one_line(tiny_ckpt, tiny_quant, tmp_path, capsys, monkeypa
         assert main(["report", str(tiny_ckpt), "--out", str(tmp_path / "old"), *args]) == 2, args
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1, (args, err)
+    # the text is checked before the checkpoint opens (the model is missing too)
+    assert main(["report", str(tmp_path / "no-model"), "--out", str(tmp_path / "t"), "--text",
+                 str(tmp_path / "no.txt")]) == 2
+    assert "no text file at" in capsys.readouterr().err
     assert main(["report", str(tiny_quant), "--out", str(tmp_path / "q")]) == 2
     err = capsys.readouterr().err
     assert "is a quantized localllm model" in err and "pass that checkpoint" in err
