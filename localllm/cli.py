@@ -49,6 +49,9 @@ def cmd_chat(a) -> None:
     settings = ReplySettings(system=a.system or "", temperature=a.temperature, top_p=a.top_p,
                              max_new_tokens=a.max_new_tokens, seed=a.seed)
     settings.check()
+    save_dir = Path(a.save_dir).expanduser()  # found now, not at the first Ctrl+S after a long chat
+    if not save_dir.is_dir():
+        raise LocalLLMError(f"--save-dir {a.save_dir} is not a folder: create it or pass an existing one")
     from .tui.app import ChatApp
     ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, budget=a.budget, settings=settings,
             save_dir=a.save_dir, kv_bits=a.kv_bits, prefill_int8=a.prefill_int8, tune=not a.no_tune).run()
@@ -244,7 +247,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=int, default=512)
     c.add_argument("--seed", type=int, help="the same seed for every reply (default: a new one each)")
     _model_options(c)
-    c.add_argument("--save-dir", default=".", help="where ctrl+s saves the chat (default: the current folder)")
+    c.add_argument("--save-dir", default=".", help="the existing folder where ctrl+s saves the chat (default: the current folder)")
     c.add_argument("--no-tune", action="store_true",
                    help="on a GPU with no tuning profile for this model, keep QDEC's default k_chunk instead of "
                         "tuning once for --budget (seconds; the profile is saved next to the model)")

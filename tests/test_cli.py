@@ -73,10 +73,12 @@ def test_chat_starts_the_app_with_the_options(tiny_quant, monkeypatch):
     assert main(["chat", str(tiny_quant), "--device", "cpu", "--no-tune"]) == 0 and not started[1].tune
 
 
-def test_chat_errors_before_the_app_are_one_line(capsys):
+def test_chat_errors_before_the_app_are_one_line(capsys, tmp_path):
     import torch
     assert main(["chat", "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
+    assert main(["chat", "--save-dir", str(tmp_path / "no-such-folder")]) == 2
+    assert "--save-dir" in capsys.readouterr().err and not (tmp_path / "no-such-folder").exists()
     if not torch.cuda.is_available():
         assert main(["chat", "--device", "cuda"]) == 2
         assert capsys.readouterr().err.startswith("localllm: error: no CUDA GPU is visible")
