@@ -247,7 +247,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=int, default=512)
     c.add_argument("--seed", type=int, help="the same seed for every reply (default: a new one each)")
     _model_options(c)
-    c.add_argument("--save-dir", default=".", help="the existing folder where ctrl+s saves the chat (default: the current folder)")
+    c.add_argument("--save-dir", default=".",
+                   help="the existing folder where ctrl+s saves the chat (default: the current folder)")
     c.add_argument("--no-tune", action="store_true",
                    help="on a GPU with no tuning profile for this model, keep QDEC's default k_chunk instead of "
                         "tuning once for --budget (seconds; the profile is saved next to the model)")

@@ -112,7 +112,8 @@ def check_source(src: str | os.PathLike) -> None:
 
 
 def _no_source(src) -> LocalLLMError:
-    return LocalLLMError(f"no such file or folder: {src}; pass a checkpoint folder, a .gguf file or a hub id (org/name)")
+    return LocalLLMError(f"no such file or folder: {src}; pass a checkpoint folder, a .gguf file or a hub id "
+                         "(org/name)")
 
 
 def _looks_like_hub_id(s: str) -> bool:
