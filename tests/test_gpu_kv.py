@@ -91,7 +91,12 @@ def test_gpu_decode_matches_the_cpu_reference(tiny_quant, bits):
             dec = lm.decoder(64)
             out.append(dec.prefill(ids[:20]).float().cpu())
             out += [dec.step(torch.tensor(ids[t], device=lm.model.device), t).float().cpu() for t in range(20, 40)]
-    assert rel(torch.stack(got), torch.stack(want)) < 3e-2
+    # The two paths round differently by an ulp here and there before the cache quantizes, and at 4 bits one flipped
+    # code moves a value by a fifteenth of its row's range. Over 40 fresh tiny models on the H100 (2026-11-27)
+    # rel was 0.0035 median / 0.0053 max at 8 bits and 0.016 / 0.041 at 4 bits (4 of 40 above the 0.03 this test had).
+    # The append and the attention are held to float64 and kvquant by the tests above; this bound catches a path that
+    # goes wrong end to end.
+    assert rel(torch.stack(got), torch.stack(want)) < {8: 1.5e-2, 4: 0.1}[bits]
 
 
 def test_a_decoder_cache_that_does_not_fit_names_the_kv_bits(tiny_quant, monkeypatch):
