@@ -52,6 +52,9 @@ def cmd_chat(a) -> None:
     save_dir = Path(a.save_dir).expanduser()  # found now, not at the first Ctrl+S after a long chat
     if not save_dir.is_dir():
         raise LocalLLMError(f"--save-dir {a.save_dir} is not a folder: create it or pass an existing one")
+    if a.model is not None:  # a mistyped path: one line here; what goes wrong while loading shows in the app
+        from .loader import check_source
+        check_source(a.model)
     from .tui.app import ChatApp
     ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, budget=a.budget, settings=settings,
             save_dir=a.save_dir, kv_bits=a.kv_bits, prefill_int8=a.prefill_int8, tune=not a.no_tune).run()

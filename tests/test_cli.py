@@ -80,6 +80,8 @@ def test_chat_errors_before_the_app_are_one_line(capsys, tmp_path):
     assert "top_p" in capsys.readouterr().err
     assert main(["chat", "--save-dir", str(tmp_path / "no-such-folder")]) == 2
     assert "--save-dir" in capsys.readouterr().err and not (tmp_path / "no-such-folder").exists()
+    assert main(["chat", str(tmp_path / "no-model")]) == 2
+    assert capsys.readouterr().err.startswith("localllm: error: no such file or folder")
     if not torch.cuda.is_available():
         assert main(["chat", "--device", "cuda"]) == 2
         assert capsys.readouterr().err.startswith("localllm: error: no CUDA GPU is visible")
