@@ -5,7 +5,8 @@ machine and clock. Prints one row per measurement, one column per build, every r
     python3 scripts/kernel_ab.py scratch/a,scratch/b ROUNDS [ROWS]
 
 ROWS (comma-separated, default all but qdec3): qkv, o, gate_up, down (8B shapes, W4 and W3, % of copy bandwidth,
-as `localllm bench gemv`), down+glu (down staging SwiGLU of [gate | up]), decode3 / decode4 (the 8B-shaped decode
+as `localllm bench gemv`, and in the first round each build's max |y - ref| / max |ref| against float64 on the tree's
+dequantized weights, fp16 rounding being ~5e-4), down+glu (down staging SwiGLU of [gate | up]), decode3 / decode4 (the 8B-shaped decode
 step with the 8-bit head, ms), qdec3 (the W3 step with QDEC at k_chunk 8 on every layer, ms). On the device machine,
 carry the folders (`run`'s carry) and install the package first.
 """
@@ -17,7 +18,7 @@ import torch
 from localllm import bench
 from localllm.config import ModelConfig
 from localllm.kernels import cuda
-from localllm.kernels.gemv import gemv
+from localllm.kernels.gemv import dequantize, gemv
 
 TREE = cuda.HERE
 ROWS = "qkv,o,gate_up,down,down+glu,decode3,decode4"
@@ -60,6 +61,16 @@ def main(argv: list[str]) -> None:
             for bits in (4, 3):
                 sets, nbytes = bench.gemv_sets(N, K, bits, 128)
                 x = torch.randn(2 * K if glu else K, device="cuda").half()
+                if r == 0:  # each build's output against float64 on the tree's dequantized weights, once
+                    use("tree")
+                    xf = x.double()
+                    xf = torch.nn.functional.silu(xf[:K]) * xf[K:] if glu else xf
+                    ref = dequantize(sets[0][0]).double() @ xf
+                    for b in builds:
+                        use(b)
+                        y = gemv(x, sets[0][0], glu=glu).double()
+                        err = ((y - ref).abs().max() / ref.abs().max()).item()
+                        res.setdefault((f"{name} W{bits} err", b), []).append(f"{err:.1e}")
                 for b in builds:
                     use(b)
                     t = bench.time_graph([lambda s=s: gemv(x, s[0], out=s[1], glu=glu) for s in sets])
