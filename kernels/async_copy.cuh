@@ -8,9 +8,9 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool o
         "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(dst),
         "l"(src), "r"((int)on));
 }
-// The same for bytes read once (a GEMV's weights): marked evict_first in L2, so a stream larger than L2 does not push
-// out what is read again soon (the next GEMV's x, the KV cache; H100: down's staging of x had missed L2), and with
-// a 256-byte L2 fetch. The policy is one createpolicy the compiler hoists.
+// The same for bytes read once (a GEMV's weights): marked evict_first in L2, so that a stream larger than L2 does not
+// push out what is read again soon (the next GEMV's x, the KV cache), and with a 256-byte L2 fetch. H100: down 86 /
+// 76% -> 90 / 80% of copy bandwidth at W4 / W3 (kernels/NOTES.md, session 36). The compiler hoists the createpolicy.
 __device__ __forceinline__ void cp_async16_stream(unsigned dst, const void* src, bool on) {
     unsigned long long pol;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
