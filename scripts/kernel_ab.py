@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from localllm import bench
+from localllm import bench, ops
 from localllm.config import ModelConfig
 from localllm.kernels import cuda
 from localllm.kernels.gemv import dequantize, gemv
@@ -63,8 +63,7 @@ def main(argv: list[str]) -> None:
                 x = torch.randn(2 * K if glu else K, device="cuda").half()
                 if r == 0:  # each build's output against float64 on the tree's dequantized weights, once
                     use("tree")
-                    xf = x.double()
-                    xf = torch.nn.functional.silu(xf[:K]) * xf[K:] if glu else xf
+                    xf = ops.silu_mul(x.double()) if glu else x.double()
                     ref = dequantize(sets[0][0]).double() @ xf
                     for b in builds:
                         use(b)
