@@ -24,6 +24,9 @@
 // offsets (rows 0, 8, 1, 9, ...), fetched with every pair like the uniform record. Codes and tables in PackedLUT's
 // load-time layout, four lookups per three byte permutes (4 bits: four and an XOR; lut.cuh, lut_fragments) into
 // half2s of 1024 + v; per pair, rows g, g + 8 += scale * (C - 1024 X) + offset * X (X: the pair's sum of x).
+// Grouped tables (GSHIFT > 0, quant.QuantLUT with groups): W_hat[n, c] = o[n, g] + s[n, g] * (the entry above); a
+// tile's record is followed by one LUT_GROUP_BYTES record per group (16 fp16 scales, 16 fp16 offsets, rows 0, 8, 1,
+// 9, ...), which every pair fetches beside the tile's tables: rows += s * (scale * (C - 1024 X) + offset * X) + o * X.
 #include <cuda_fp16.h>
 
 #include "pdl.cuh"
@@ -120,6 +123,7 @@ __device__ __forceinline__ void lane_words(const uint32_t* p, uint32_t (&w)[BITS
 }
 
 constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 zeros; rows 0, 8, 1, 9, ..., 7, 15
+constexpr int LUT_GROUP_BYTES = 64;  // grouped tables, per (tile, group): 16 fp16 scales, 16 fp16 offsets; rows as above
 
 // A lane's two rows' tables (rows g, g + 8; 2^BITS bytes each, lut_regs registers) from its tile's record.
 template <int BITS>
@@ -149,9 +153,10 @@ __device__ __forceinline__ void lut_scales(const unsigned char* rec, int g, floa
 // the block's fp32 results (16 per tile), the selection (k_chunk ints, k_chunk floats), 1024 bucket bytes and
 // QW * 36 ints. Uniform weights without QDEC: registers capped at 64 so that 32 warps fit on an SM (the sweep's
 // variants); table weights run one block per SM, and 4-bit tables use ~74 (+1-2 points of copy bandwidth).
-// Group size = 64 << GSHIFT (uniform weights; LUT: GSHIFT 0, G = 1). hold: the next kernel is a GEMV that must not
-// share the SMs with this one's stream (kernels.gemv.gemv), so it launches only as this one's blocks end their
-// streams (its blocks then take SMs as this one's exit, its launch overlapping their last sums). x_first:
+// Group size = 64 << GSHIFT (uniform weights and grouped tables; per-row tables: GSHIFT 0, G = 1). hold: the next
+// kernel is a GEMV that must not share the SMs with this one's stream (kernels.gemv.gemv), so it launches only as
+// this one's blocks end their streams (its blocks then take SMs as this one's exit, its launch overlapping their last
+// sums). x_first:
 // x is ready when this one starts (it launched so, or without programmatic launch): stage x before requesting the
 // first weights, whose HBM misses would delay x's L2 hits (kernels.gemv.gemv says where).
 template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT>
@@ -163,11 +168,14 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
          int* __restrict__ sel_out, int k_chunk, int n_tb, float b0, float b15, float inv_hi,
          float inv_lo) {
     // A ring slot holds a pair of steps (128 channels): their weights, then the pair's meta: the tile's tables (LUT),
-    // the one record of the pair's group (group size >= 128), or the two steps' records (64). TREC: the bytes of one
-    // (tile, group) record in meta.
+    // (and grouped, the pair's group record after them), the one record of the pair's group (group size >= 128), or
+    // the two steps' records (64). TREC: the bytes of one (tile, group) record in meta, or of a tile's tables.
     constexpr int STEP_BYTES = 128 * BITS, PAIR_BYTES = 2 * STEP_BYTES;
     constexpr int TREC = LUT ? lut_record_bytes(BITS) : META_BYTES;
-    constexpr int SLOT = PAIR_BYTES + (LUT ? TREC : 2 * META_BYTES);
+    constexpr int GREC = LUT && GSHIFT ? LUT_GROUP_BYTES : 0;
+    constexpr int SLOT = PAIR_BYTES + (LUT ? TREC + GREC : 2 * META_BYTES);
+    static_assert(!LUT || GSHIFT < 2, "grouped tables: group size 128 (a pair)");
+    static_assert(TREC + GREC <= 512, "a slot's meta is one 16-byte copy per lane");
     extern __shared__ __align__(16) unsigned char smem[];
     const int S = K / 64, P = (S + 1) / 2;  // steps; pairs of steps, the last one single where S is odd
     uint32_t* xs = reinterpret_cast<uint32_t*>(smem);  // [step][t][m][2] half2 words
@@ -219,7 +227,8 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     const uint32_t ring0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + lane * 16;
     const uint32_t ring_last = ring0 + (DEPTH - 1) * SLOT;
     const uint8_t* src = qw + ((size_t)t_begin * S + 2 * lo) * STEP_BYTES + lane * 16;
-    const uint8_t* mtile = meta + (size_t)t_begin * G * TREC + lane * 16;
+    const size_t tstride = GREC ? TREC + (size_t)G * GREC : (size_t)G * TREC;  // meta bytes per tile
+    const uint8_t* mtile = meta + (size_t)t_begin * tstride + lane * 16;
     // at a tile's end: from the start of this warp's last pair to the next tile's first (past the other warps' steps)
     const long long wrap_step = (long long)(S - 2 * (hi - lo) + 2) * STEP_BYTES;
     int in_pair = lo, issued = 0;
@@ -233,15 +242,17 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 cp_async16(in_slot + 512 * j, src + 512 * j, live && 16 * lane + 512 * j < wbytes);
             else
                 cp_async16_stream(in_slot + 512 * j, src + 512 * j, live && 16 * lane + 512 * j < wbytes);
-        const int roff = LUT ? 0 : GSHIFT ? (in_pair >> (GSHIFT > 0 ? GSHIFT - 1 : 0)) * META_BYTES
-                                          : in_pair * 2 * META_BYTES;
-        const int rlanes = LUT ? TREC / 16 : GSHIFT || !two ? META_BYTES / 16 : 2 * META_BYTES / 16;
+        // lanes past the tables (grouped tables) copy the pair's group record, which follows the tile's tables
+        const int roff = LUT ? (GREC && lane >= TREC / 16 ? in_pair * GREC : 0)
+                       : GSHIFT ? (in_pair >> (GSHIFT > 0 ? GSHIFT - 1 : 0)) * META_BYTES
+                                : in_pair * 2 * META_BYTES;
+        const int rlanes = LUT ? (TREC + GREC) / 16 : GSHIFT || !two ? META_BYTES / 16 : 2 * META_BYTES / 16;
         cp_async16(in_slot + PAIR_BYTES, mtile + roff, live && lane < rlanes);
         cp_async_commit();
         const bool wrap = ++in_pair == hi;
         in_pair = wrap ? lo : in_pair;
         src += wrap ? wrap_step : PAIR_BYTES;
-        mtile += wrap ? (size_t)G * TREC : 0;
+        mtile += wrap ? tstride : 0;
         in_slot = in_slot == ring_last ? ring0 : in_slot + SLOT;
     };
 
@@ -418,8 +429,15 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             float2 sc, of;
             lut_scales<BITS>(rec, g, sc, of);
             const float v0 = (c[0][0] + c[1][0]) + (c[2][0] + c[3][0]), v1 = (c[0][2] + c[1][2]) + (c[2][2] + c[3][2]);
-            acc0 = fmaf(sc.x, fmaf(-1024.0f, X, v0), fmaf(of.x, X, acc0));
-            acc1 = fmaf(sc.y, fmaf(-1024.0f, X, v1), fmaf(of.y, X, acc1));
+            if constexpr (GREC > 0) {  // the pair's group: its scales and offsets of rows g, g + 8
+                const float2 gs = __half22float2(reinterpret_cast<const __half2*>(rec + TREC)[g]);
+                const float2 go = __half22float2(reinterpret_cast<const __half2*>(rec + TREC + 32)[g]);
+                acc0 = fmaf(gs.x, fmaf(sc.x, fmaf(-1024.0f, X, v0), of.x * X), fmaf(go.x, X, acc0));
+                acc1 = fmaf(gs.y, fmaf(sc.y, fmaf(-1024.0f, X, v1), of.y * X), fmaf(go.y, X, acc1));
+            } else {
+                acc0 = fmaf(sc.x, fmaf(-1024.0f, X, v0), fmaf(of.x, X, acc0));
+                acc1 = fmaf(sc.y, fmaf(-1024.0f, X, v1), fmaf(of.y, X, acc1));
+            }
         } else {
 #pragma unroll
             for (int h = 0; h < 2; h++) {
@@ -560,10 +578,11 @@ template __global__ void dequant<8>(const uint32_t*, const uint8_t*, __half*, in
 
 // Table weights as dense fp16 [N, K], as quant.QuantLUT.dequantize(torch.float16), from kernels.gemv.PackedLUT: one
 // thread per (tile, step, lane); an entry is offset + scale * v in float64 (the product is exact, so a contraction into
-// an fma changes nothing), rounded to fp32, then to fp16: quant.QuantLUT.values, then the cast.
+// an fma changes nothing), rounded to fp32, then to fp16: quant.QuantLUT.values, then the cast. Grouped (G groups of
+// group_size per tile record): o + s * entry in float64, uncontracted as on the CPU, then rounded.
 template <int BITS>
 __global__ void dequant_lut(const uint32_t* __restrict__ qw, const uint8_t* __restrict__ lut, __half* __restrict__ out,
-                            int N, int K) {
+                            int N, int K, int G, int group_size) {
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     const int steps = K / 64;
     if (idx >= N / 16 * steps * 32) return;
@@ -571,7 +590,9 @@ __global__ void dequant_lut(const uint32_t* __restrict__ qw, const uint8_t* __re
     const int g = lane >> 2, t = lane & 3;
     uint32_t w[BITS];
     lane_words<BITS>(qw + (size_t)idx * BITS, w);
-    const uint8_t* rec = lut + (size_t)tile * lut_record_bytes(BITS);
+    const uint8_t* rec = lut + (size_t)tile * (lut_record_bytes(BITS) + G * LUT_GROUP_BYTES);
+    const __half* grp = reinterpret_cast<const __half*>(rec + lut_record_bytes(BITS) +
+                                                        step * 64 / max(group_size, 1) * LUT_GROUP_BYTES);
     uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()], a[4][4];
     lut_tables<BITS>(rec, g, tg, tg8);
     lut_fragments<BITS>(w, tg, tg8, 0x64006400u, a);
@@ -585,13 +606,17 @@ __global__ void dequant_lut(const uint32_t* __restrict__ qw, const uint8_t* __re
             for (int h = 0; h < 2; h++) {
                 const int row = tile * 16 + lut_row(g, j), col = step * 64 + lut_col(t, m, j, h);
                 const double v = (double)((a[m][j] >> (16 * h)) & 0x3FFu);  // 1024 + v: its low 10 bits are v
-                const double e = (j & 1) ? (double)of.y + (double)sc.y * v : (double)of.x + (double)sc.x * v;
+                double e = (j & 1) ? (double)of.y + (double)sc.y * v : (double)of.x + (double)sc.x * v;
+                if (G > 0) {  // rows g, g + 8 side by side: 2g + (j & 1)
+                    const int r = 2 * g + (j & 1);
+                    e = __dadd_rn((double)__half2float(grp[16 + r]), __dmul_rn((double)__half2float(grp[r]), e));
+                }
                 out[(size_t)row * K + col] = __float2half_rn((float)e);
             }
 }
-template __global__ void dequant_lut<2>(const uint32_t*, const uint8_t*, __half*, int, int);
-template __global__ void dequant_lut<3>(const uint32_t*, const uint8_t*, __half*, int, int);
-template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*, int, int);
+template __global__ void dequant_lut<2>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
+template __global__ void dequant_lut<3>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
+template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 
 // (warps per block, ring depth) variants, chosen by gemv.py; QDEC (QW = 4) with the first
 #define INST(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false)
@@ -605,7 +630,9 @@ INST_BITS(8, 5, 0)
 INST_BITS(16, 3, 4)
 // 8 bits (the output head, quant.HEAD_BITS): gemv.py's HEAD_VARIANT, whose rings fit 99 KB of shared memory (sm_89)
 INST_GS(8, 16, 2, 0)
-// table weights: gemv.py's TABLE_VARIANT, with and without QDEC
-#define INST_LUT(QW) INST_L(2, 16, 2, 0, QW, true) INST_L(3, 16, 2, 0, QW, true) INST_L(4, 16, 2, 0, QW, true)
-INST_LUT(0)
-INST_LUT(4)
+// table weights: gemv.py's TABLE_VARIANT, with and without QDEC, per row (GS 0) and grouped by 128 (GS 1)
+#define INST_LUT(GS, QW) INST_L(2, 16, 2, GS, QW, true) INST_L(3, 16, 2, GS, QW, true) INST_L(4, 16, 2, GS, QW, true)
+INST_LUT(0, 0)
+INST_LUT(0, 4)
+INST_LUT(1, 0)
+INST_LUT(1, 4)

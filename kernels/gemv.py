@@ -8,11 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from localllm.quant import GROUP_SIZES, HEAD_BITS, PACK_BITS, QuantLUT, QuantWeight, as_int32, unpack_codes
+from localllm.quant import GROUP_SIZES, HEAD_BITS, PACK_BITS, TABLE_GROUP, QuantLUT, QuantWeight, as_int32, unpack_codes
 
 from . import cuda, qdec
 
 META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
+LUT_GROUP_BYTES = 64  # grouped tables, per (tile, group) after the tile's tables: 16 fp16 scales, 16 fp16 offsets
+TABLE_GS = (0, GROUP_SIZES.index(TABLE_GROUP))  # gemv.cu's GSHIFT of tables: per row, grouped
 
 # (warps per block, ring depth in pairs of steps per warp): the compiled variants of gemv.cu. The first, at one block
 # per SM, is what decode runs (with and without QDEC); the sweep (`localllm bench gemv-sweep`) also times the others.
@@ -27,7 +29,8 @@ NAMES = tuple(f"gemv<{b},{w},{d},{gs},0,false>" for b in (2, 3, 4) for w, d in V
               for gs in range(len(GROUP_SIZES))) \
     + tuple(f"gemv<{b},{w},{d},{gs},{qdec.QW},false>" for b in (2, 3, 4) for w, d in VARIANTS[:1]
             for gs in range(len(GROUP_SIZES))) \
-    + tuple(f"gemv<{b},{w},{d},0,{qw},true>" for b in (2, 3, 4) for w, d in (TABLE_VARIANT,) for qw in (0, qdec.QW)) \
+    + tuple(f"gemv<{b},{w},{d},{gs},{qw},true>" for b in (2, 3, 4) for w, d in (TABLE_VARIANT,) for gs in TABLE_GS
+            for qw in (0, qdec.QW)) \
     + tuple(f"gemv<{HEAD_BITS},{w},{d},{gs},0,false>" for w, d in (HEAD_VARIANT,) for gs in range(len(GROUP_SIZES))) \
     + tuple(f"dequant<{b}>" for b in PACK_BITS) + tuple(f"dequant_lut<{b}>" for b in (2, 3, 4))
 
@@ -74,11 +77,13 @@ class Packed:
 class PackedLUT:
     """A QuantLUT as the GPU kernels read it: the codes rearranged at load time so that a lane's four codes of one row
     and mma tile are the nibbles of one byte-permute selector (kernels/lut.cuh, lut_fragments), and one record per
-    16-row tile of the rows' 8-bit tables (QuantLUT.grid) and their scales and offsets (lut_record_bytes)."""
+    16-row tile of the rows' 8-bit tables (QuantLUT.grid) and their scales and offsets (lut_record_bytes); grouped
+    tables, then one LUT_GROUP_BYTES record per group: the rows' fp16 group scales, then offsets (rows 0, 8, 1, 9, ...)."""
     qweight: torch.Tensor  # int32 [N/16, K*bits/2]
-    lut: torch.Tensor  # uint8 [N/16, lut_record_bytes(bits)]
+    lut: torch.Tensor  # uint8 [N/16, lut_record_bytes(bits) (+ G * LUT_GROUP_BYTES)]
     bits: int
     in_features: int
+    group_size: int | None = None  # grouped tables: TABLE_GROUP
 
     @classmethod
     def from_quant(cls, q: QuantLUT, device: torch.device | str = "cuda") -> "PackedLUT":
@@ -94,8 +99,12 @@ class PackedLUT:
         tiles = v.shape[0] // 16
         rows = lane_rows(device)
         per_row = [f.view(tiles, 16)[:, rows].contiguous().view(torch.uint8) for f in (scale, offset)]
-        rec = torch.cat([table.view(tiles, -1), *per_row], dim=1).contiguous()
-        return cls(out, rec, q.bits, q.in_features)
+        parts = [table.view(tiles, -1), *per_row]
+        if q.scales is not None:  # [tiles, G, 16 scales + 16 offsets] as bytes
+            G = q.scales.shape[1]
+            grp = [f.to(device).view(tiles, 16, G)[:, rows].transpose(1, 2) for f in (q.scales, q.offsets)]
+            parts.append(torch.cat(grp, dim=2).contiguous().view(torch.uint8).view(tiles, G * LUT_GROUP_BYTES))
+        return cls(out, torch.cat(parts, dim=1).contiguous(), q.bits, q.in_features, q.group_size)
 
     @property
     def out_features(self) -> int:
@@ -103,7 +112,7 @@ class PackedLUT:
 
     def tiles(self, t0: int, t1: int) -> "PackedLUT":
         """Rows 16 t0 .. 16 t1 (views)."""
-        return PackedLUT(self.qweight[t0:t1], self.lut[t0:t1], self.bits, self.in_features)
+        return PackedLUT(self.qweight[t0:t1], self.lut[t0:t1], self.bits, self.in_features, self.group_size)
 
     @property
     def nbytes(self) -> int:
@@ -181,9 +190,12 @@ HOLD_BYTES = int(os.environ.get("LOCALLLM_HOLD_BYTES", 16 << 20))
 TWO_BLOCK_TILES = 8
 
 
-def record_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> int:
-    """Bytes of one meta record: lut_record_bytes for table weights, else META_BYTES."""
-    return lut_record_bytes(w.bits) if isinstance(w, (PackedLUT, QuantLUT)) else META_BYTES
+def slot_meta_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> int:
+    """Bytes of the meta a ring slot holds beside a pair's weights (gemv.cu, SLOT): for table weights a tile's tables
+    (lut_record_bytes) and, grouped, the pair's group record; else room for two META_BYTES records."""
+    if isinstance(w, (PackedLUT, QuantLUT)):
+        return lut_record_bytes(w.bits) + (LUT_GROUP_BYTES if w.group_size else 0)
+    return 2 * META_BYTES
 
 
 def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int, int]:
@@ -195,8 +207,8 @@ def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int,
 
 def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
     """What the kernel reads besides the codes: (records, records per tile, table weight?)."""
-    if isinstance(w, PackedLUT):
-        return w.lut, 1, True  # one record per tile
+    if isinstance(w, PackedLUT):  # one record per tile, or grouped, the number of groups
+        return w.lut, -(-w.in_features // w.group_size) if w.group_size else 1, True
     return w.meta, w.meta.shape[1], False
 
 
@@ -229,7 +241,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     qw = qdec.QW if comp is not None and comp.k_chunk > 0 else 0
     assert not lut or (warps, depth) == TABLE_VARIANT, "table weights: TABLE_VARIANT only"
     assert w.bits != HEAD_BITS or ((warps, depth) == HEAD_VARIANT and not qw), "8 bits: HEAD_VARIANT, no QDEC"
-    gs = 0 if lut else GROUP_SIZES.index(w.group_size)
+    gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()}>", NAMES)
     smem = shared_bytes(w, warps, depth)
     if blocks_per_sm is None:
@@ -263,8 +275,7 @@ def shared_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, warps: int, dep
     """Dynamic shared memory of the GEMV without QDEC: x as B fragments, its sums per step or pair (float4), each
     warp's ring of slots (a pair of steps: weights, then a tile's tables or two records)."""
     K = w.in_features
-    table = isinstance(w, (PackedLUT, QuantLUT))
-    return K * 2 + K // 64 * 16 + warps * depth * (256 * w.bits + (record_bytes(w) if table else 2 * META_BYTES))
+    return K * 2 + K // 64 * 16 + warps * depth * (256 * w.bits + slot_meta_bytes(w))
 
 
 def grid_of(N: int, device: torch.device, blocks_per_sm: int = 1) -> int:
@@ -278,9 +289,11 @@ def dequantize(w: Packed | PackedLUT) -> torch.Tensor:
     out = torch.empty(N, K, dtype=torch.float16, device=w.qweight.device)
     threads = N // 16 * (K // 64) * 32
     if isinstance(w, PackedLUT):
+        G = -(-K // w.group_size) if w.group_size else 0
         cuda.kernel("gemv", f"dequant_lut<{w.bits}>", NAMES)(
             (-(-threads // 256),), (256,), (cuda.ptr(w.qweight), cuda.ptr(w.lut), cuda.ptr(out), np.int32(N),
-                                            np.int32(K)), stream=cuda.stream())
+                                            np.int32(K), np.int32(G), np.int32(w.group_size or 0)),
+            stream=cuda.stream())
         return out
     G = w.meta.shape[1]
     cuda.kernel("gemv", f"dequant<{w.bits}>", NAMES)(

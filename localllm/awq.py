@@ -19,7 +19,6 @@ o is searched before qkv and down before gate_up, because their folds change the
 then quantize. The folded block computes the same function as the source block (tests check it in float64). Then, as
 AWQ does, each group's range is shrunk where that lowers the error (clip_search): the weights beyond it take the end
 codes, and the residual (QDEC) keeps what the clipping cut.
-equalize_o folds scales of the same form into o, taken from its weights alone (for squeezellm's per-row tables).
 """
 from __future__ import annotations
 
@@ -151,24 +150,6 @@ def _float32(t: dict) -> dict:
     f = lambda v: None if v is None else v.float()  # noqa: E731
     return {k: ({"weight": f(v["weight"]), "bias": f(v["bias"])} if isinstance(v, dict) else f(v))
             for k, v in t.items()}
-
-
-def equalize_o(t: dict, cfg: ModelConfig) -> tuple[dict, Tensor]:
-    """Scales that even out o's input channels, from its weights alone, folded into the v rows like AWQ's: s[c] =
-    1 / RMS over rows of W_o[:, c], tied across a GQA group, normalized to a geometric mean of 1. For squeezellm:
-    its tables are per row, and o's input channels come in heads whose weights differ in scale (2-4x in RMS within
-    one row on Qwen2.5-Coder-1.5B), so a row's table spends its levels on the large heads; after the fold the table
-    fits them all and W_hat = Q(W diag(s)) / s varies per head. The k-means then weighs by the Fisher of the scaled
-    weights (F / s^2, the input being x / s). Only o: evening out the columns of qkv, gate_up and down as well made
-    both test models worse (down alone, Qwen: KL 0.362 -> 0.376; all four, SmolLM2-135M: perplexity 93 -> 239).
-    -> (folded float32 tensors, s [q_size])."""
-    group = cfg.num_heads // cfg.num_kv_heads
-    ms = t["o"]["weight"].double().square().mean(0).view(cfg.num_kv_heads, group, cfg.head_dim).mean(1)
-    rms = ms.sqrt()
-    rms = rms.clamp(min=1e-3 * rms.max().item() + 1e-30)  # a dead channel keeps a finite scale
-    s = (1 / rms) / (1 / rms).log().mean().exp()
-    s = s[:, None].expand(-1, group, -1).reshape(-1)
-    return _float32(fold(t, cfg, {"o": s})), s
 
 
 def awq_block(t: dict, cfg: ModelConfig, inputs: dict[str, Tensor], bits: int, group_size: int

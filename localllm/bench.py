@@ -75,11 +75,14 @@ def random_quant(N: int, K: int, bits: int, group_size: int, dev):
 
 
 def random_lut(N: int, K: int, bits: int, dev):
-    """A random table (SqueezeLLM-format) weight: random codes, each row's 2^bits entries sorted normal draws scaled
-    as random_quant's weights."""
-    from .quant import QuantLUT, pack_codes
+    """A random table (SqueezeLLM-format, grouped as `quantize --method squeezellm` makes them) weight: random codes,
+    each row's 2^bits entries sorted uniform draws in the groups' unit, group scales as random_quant's."""
+    from .quant import TABLE_GROUP, QuantLUT, pack_codes
+    G = -(-K // TABLE_GROUP)
+    scales = (torch.rand(N, G, device=dev) * 2 / (2**bits * K**0.5)).half()
     return QuantLUT(pack_codes(torch.randint(0, 2**bits, (N, K), device=dev), bits),
-                    (torch.randn(N, 2**bits, device=dev).sort(1).values * K ** -0.5).half(), bits, K)
+                    (torch.rand(N, 2**bits, device=dev).sort(1).values * (2**bits - 1)).half(), bits, K,
+                    scales, (-scales.float() * 2 ** (bits - 1)).half(), TABLE_GROUP)
 
 
 def random_packed(N: int, K: int, bits: int, group_size: int):
@@ -165,7 +168,8 @@ def bench_gemv_lut(bits_list=(4, 3), group_size: int = 128) -> list[dict]:
             del luts
             rows.append({"layer": name, "N": N, "K": K, "bits": bits, "us": t * 1e6, "of_copy_bw": lut_bytes / t / bw,
                          "uniform_us": t_uni * 1e6, "uniform_of_copy_bw": nbytes / t_uni / bw})
-    print(f"\nNon-uniform (table) GEMV vs the uniform GEMV (group size {group_size}), batch 1, inside CUDA graphs "
+    print(f"\nNon-uniform (table, grouped by 128) GEMV vs the uniform GEMV (group size {group_size}), batch 1, inside "
+          f"CUDA graphs "
           f"(measured copy bandwidth {bw / 1e9:.0f} GB/s)")
     print(f"{'layer':8} {'N x K':>13} {'bits':>4} {'table us':>9} {'% copy bw':>9} {'uniform us':>10} {'% copy bw':>9}")
     for r in rows:
@@ -390,7 +394,7 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
     print(f"fp16 (same decoder, CUDA graph): {1 / t16:.1f} tok/s; transformers fp16 generate: {hf_tps:.1f} tok/s; "
           "sampled: generate()'s token loop at its default sampling (temperature 0.7, top-p 0.9), tokenizer aside; "
           "head: the output head fp16 (16) or 8-bit (8, what `localllm quantize` writes); weights: group-wise uniform "
-          "(rtn, awq) or per-row tables (squeezellm)")
+          "(rtn, awq) or tables grouped by 128 (squeezellm)")
     print(f"{'bits':>4} {'head':>4} {'weights':>7} {'ms/tok':>7} {'tok/s':>7} {'roofline':>8} {'% roof':>7} "
           f"{'% read':>7} {'vs fp16':>8} {'bytes x':>8} {'vs HF':>6} {'GPU GB':>7} {'model GB':>9} "
           f"{'prefill 512 ms':>14} {'sampled tok/s':>13}")

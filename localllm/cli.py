@@ -270,8 +270,10 @@ def parser() -> argparse.ArgumentParser:
                    help="bits per weight; 2.5 / 3.5: half the blocks one bit lower, chosen by KL sensitivity")
     q.add_argument("--method", default="rtn", choices=("rtn", "awq", "squeezellm"),
                    help="base quantizer: rtn (round to nearest), awq (activation-aware scaling and clipping, then "
-                        "rtn), squeezellm (non-uniform per-channel tables by sensitivity-weighted k-means)")
-    q.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES, help="rtn and awq only")
+                        "rtn), squeezellm (non-uniform per-channel tables by sensitivity-weighted k-means, over "
+                        "weights normalized per group of 128)")
+    q.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES,
+                   help="input channels per scale: rtn and awq; squeezellm takes 128 only")
     q.add_argument("--no-residuals", action="store_true", help="skip QDEC residuals")
     q.add_argument("--head-bits", type=int, default=HEAD_BITS, choices=HEAD_WIDTHS,
                    help="output head: 8-bit (default; half its bytes per token, no measurable loss) or 16 (fp16)")

@@ -14,6 +14,7 @@ Nothing is pickled. Loading checks version, sizes, hashes and shapes and refuses
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -33,11 +34,13 @@ from .qdec import ActStats
 from .quant import BASE_BITS, HEAD_BITS, QuantLUT, QuantResidual, QuantWeight
 
 # Version 2: per-block bit widths (quant.block_bits) and the non-uniform layout. Version 3: the output head may be
-# quantized (quant.head). Version 1 files (uniform bits, WEIGHT_LAYOUT) still load.
-FORMAT_VERSION = 3
+# quantized (quant.head). Version 4: grouped tables. Version 1 files (uniform bits, WEIGHT_LAYOUT) still load.
+FORMAT_VERSION = 4
 WEIGHT_LAYOUT = "rtn-mma-v3"        # quant.pack_codes: 16x64 tiles in tensor-core operand order, group scale + zero
 LUT_LAYOUT = "lut-mma-v3"           # the same packed codes, one fp16 table of 2^bits values per output channel
-READABLE = {1: (WEIGHT_LAYOUT,), 2: (WEIGHT_LAYOUT, LUT_LAYOUT), 3: (WEIGHT_LAYOUT, LUT_LAYOUT)}  # format version -> weight layouts it may hold
+LUT_GROUP_LAYOUT = "lut-group-mma-v3"  # LUT_LAYOUT plus fp16 scales and offsets per group (quant.QuantLUT)
+READABLE = {1: (WEIGHT_LAYOUT,), 2: (WEIGHT_LAYOUT, LUT_LAYOUT), 3: (WEIGHT_LAYOUT, LUT_LAYOUT),
+            4: (WEIGHT_LAYOUT, LUT_LAYOUT, LUT_GROUP_LAYOUT)}  # format version -> weight layouts it may hold
 RESIDUAL_LAYOUT = "sym4-inmajor-v1"  # quant.QuantResidual: [K, N/8] int32 of (q + 8) nibbles
 FILES = ("model.safetensors", "residuals.safetensors", "calibration.safetensors")
 
@@ -62,6 +65,8 @@ def block_state(i: int, blk: Block) -> tuple[dict, dict, dict]:
         model[p + kind + ".qweight"] = q.qweight
         if isinstance(q, QuantLUT):
             model[p + kind + ".lut"] = q.lut
+            if q.scales is not None:
+                model |= {p + kind + ".scales": q.scales, p + kind + ".offsets": q.offsets}
         else:
             model |= {p + kind + ".scales": q.scales, p + kind + ".zeros": q.zeros}
         if lin.bias is not None:
@@ -158,7 +163,9 @@ def load(path: str | Path, verify: bool = True, settings: QdecSettings | None = 
     cfg = ModelConfig.from_dict(m["config"])
     files = {n: _load_checked(path, n, meta, verify) for n, meta in m["files"].items()}
     w, res, cal = (files.get(n, {}) for n in FILES)
-    g, lut = m["quant"]["group_size"], m["quant"]["layout"] == LUT_LAYOUT
+    layout = m["quant"]["layout"]
+    lut, grouped = layout in (LUT_LAYOUT, LUT_GROUP_LAYOUT), layout != LUT_LAYOUT
+    g = m["quant"]["group_size"] if grouped else None
     bits_of = block_bits(m, cfg.num_layers)
     settings = settings or QdecSettings()
 
@@ -179,11 +186,15 @@ def load(path: str | Path, verify: bool = True, settings: QdecSettings | None = 
             N, K = linear_shape(cfg, kind)
             q = p + kind + "."
             qweight = take(w, q + "qweight", (N // 16, K * bits // 2), FILES[0])
+            groups = (N, math.ceil(K / g)) if grouped else None
             if lut:
                 quant = QuantLUT(qweight, take(w, q + "lut", (N, 2**bits), FILES[0]), bits, K)
+                if grouped:
+                    quant = dataclasses.replace(quant, scales=take(w, q + "scales", groups, FILES[0]),
+                                                offsets=take(w, q + "offsets", groups, FILES[0]), group_size=g)
             else:
-                quant = QuantWeight(qweight, take(w, q + "scales", (N, math.ceil(K / g)), FILES[0]),
-                                    take(w, q + "zeros", (N, math.ceil(K / g)), FILES[0]), bits, g, K)
+                quant = QuantWeight(qweight, take(w, q + "scales", groups, FILES[0]),
+                                    take(w, q + "zeros", groups, FILES[0]), bits, g, K)
             bias = take(w, q + "bias", (N,), FILES[0]) if kind == "qkv" and cfg.qkv_bias else None
             residual = None
             if res:

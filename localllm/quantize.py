@@ -9,10 +9,11 @@ Methods (the base quantizer; QDEC works on top of each):
     awq         rtn after AWQ's per-input-channel scaling, found on the block's calibration inputs and folded into
                 the block (awq.py), so the runtime is unchanged; each group's range clipped where that lowers the
                 error on those inputs
-    squeezellm  non-uniform: per output channel, 2^bits fp16 values by k-means weighted by each weight's
-                sensitivity, the square root of the Fisher diagonal on the calibration text (fisher.py,
-                quant.quantize_lut), then refit to the layer's output error on the block's calibration inputs
-                (refit_inputs); o's input channels first evened out per head by folded scales (awq.equalize_o)
+    squeezellm  non-uniform: per output channel, 2^bits fp16 values over the weights of each group of 128
+                mapped onto [0, 2^bits - 1] by the group's min and max (quant.QuantLUT), by k-means weighted by
+                each weight's sensitivity, the mean x^2 of its input channel on the block's calibration inputs
+                times its group's scale squared (quant.quantize_lut), then refit to the layer's output error on
+                those inputs (refit_inputs)
 Mixed bits (3.5): every block is quantized alone and scored by the KL divergence of the model's output from the
 source model's (kl_sensitivity); the less sensitive half gets 3 bits, the rest 4.
 
@@ -36,15 +37,14 @@ import torch.nn.functional as F
 
 from . import awq, modelfile
 from .errors import LocalLLMError
-from .fisher import fisher_diagonal
 from .loader import Checkpoint, open_checkpoint
 from .config import rope_inv_freq
 from .model import KINDS, Linear, QdecSettings, RMSNorm, attention_mask, build_block, rope_tables
 from .progress import progress
 from .qdec import ActStats, select_exact
 from .smooth_attention import ALPHA as SMOOTH_ALPHA, factors as smooth_factors, fold as smooth_fold, key_max
-from .quant import (BASE_BITS, GROUP_SIZES, HEAD_BITS, HEAD_GROUP, HEAD_WIDTHS, TILE_K, TILE_N, quantize_lut,
-                    quantize_residual, quantize_rtn)
+from .quant import (BASE_BITS, GROUP_SIZES, HEAD_BITS, HEAD_GROUP, HEAD_WIDTHS, TABLE_GROUP, TILE_K, TILE_N,
+                    quantize_lut, quantize_residual, quantize_rtn)
 
 DEFAULT_CALIB = "calibration.txt"  # shipped in localllm/data
 METHODS = ("rtn", "awq", "squeezellm")
@@ -104,22 +104,17 @@ def block_inputs(cfg, i: int, t: dict, h: torch.Tensor, rope: tuple, pos: torch.
 def quantize_block(t: dict, bits: int, group_size: int, residuals: bool, method: str = "rtn",
                    calib=None, cfg=None) -> tuple[dict, dict]:
     """Dense block tensors (Checkpoint.block_tensors) -> (build_block's arguments for the quantized block, what the
-    method found: AWQ's alpha per kind). calib: for awq the block's calibration inputs per kind (block_inputs; awq
-    also needs the model config), for squeezellm (the weights' sensitivity per kind, fisher.fisher_diagonal; the
-    block's calibration inputs, or None: no refit of the tables)."""
+    method found: AWQ's alpha per kind). calib: for awq and squeezellm the block's calibration inputs per kind
+    (block_inputs; awq also needs the model config)."""
     info, clips = {}, {}
     if method == "awq":
         t, info, clips = awq.awq_block(t, cfg, calib, bits, group_size)
-    elif method == "squeezellm":
-        t, s_o = awq.equalize_o(t, cfg)
-        fisher, inputs = calib
     out = {"attn_norm": t["attn_norm"], "mlp_norm": t["mlp_norm"]}
     for kind in KINDS:
         w = t[kind]["weight"]
-        if method == "squeezellm":  # k-means weighted by sqrt(Fisher) (fisher.py: why sqrt); o's of W diag(s): F / s^2
-            so = s_o.float() if kind == "o" else 1.0
-            x = None if inputs is None else refit_inputs(inputs[kind] / so)  # the folded o multiplies x / s
-            q = quantize_lut(w, bits, fisher[kind].sqrt() / so, x)
+        if method == "squeezellm":
+            x = calib[kind].float()
+            q = quantize_lut(w.float(), bits, x.square().mean(0), refit_inputs(x), TABLE_GROUP)
         else:
             q = quantize_rtn(w, bits, group_size, clips.get(kind))
         res = quantize_residual(w - q.dequantize()) if residuals else None
@@ -219,6 +214,9 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     if group_size not in GROUP_SIZES:
         raise LocalLLMError(f"--group-size {group_size} is not supported; use one of "
                             f"{', '.join(map(str, GROUP_SIZES))}")
+    if method == "squeezellm" and group_size != TABLE_GROUP:
+        raise LocalLLMError(f"--method squeezellm groups its tables by {TABLE_GROUP} input channels; drop --group-size "
+                            f"{group_size} or use --method rtn or awq")
     if Path(out).expanduser().exists():
         raise LocalLLMError(f"{out} already exists; choose another output path or remove it first")
     text, text_name = calibration_text(calib_text)  # before the checkpoint loads
@@ -235,16 +233,11 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     rope = rope_tables(rope_inv_freq(cfg), pos)
     mask = attention_mask(pos, None)
 
-    fisher = fisher_diagonal(ckpt, toks) if method == "squeezellm" else None
-
     def calib_of(i, t, h):  # what the method needs of block i besides its weights (h: the block's input)
-        if method == "rtn":
-            return None
-        inputs = block_inputs(cfg, i, t, h, rope, pos, mask)
-        return (fisher[i], inputs) if method == "squeezellm" else inputs
+        return None if method == "rtn" else block_inputs(cfg, i, t, h, rope, pos, mask)
 
-    quant = {"method": method, "bits": bits, "group_size": None if method == "squeezellm" else group_size,
-             "layout": modelfile.LUT_LAYOUT if method == "squeezellm" else modelfile.WEIGHT_LAYOUT}
+    quant = {"method": method, "bits": bits, "group_size": group_size,
+             "layout": modelfile.LUT_GROUP_LAYOUT if method == "squeezellm" else modelfile.WEIGHT_LAYOUT}
     if isinstance(bits, float):
         n_seq = max(1, min(toks.shape[0], sensitivity_tokens // toks.shape[1]))
         sens = toks[:n_seq]
@@ -256,9 +249,10 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         block_bits = [bits] * cfg.num_layers
     quant["block_bits"] = block_bits
     if method == "squeezellm":
-        quant["weight_sensitivity"] = "sqrt of the Fisher diagonal (squared next-token-loss gradients per token) on " \
-                                      "the calibration text"
-        quant["equalized"] = "o: input channels scaled to equal RMS per GQA group before k-means, folded into v"
+        quant["weight_sensitivity"] = "mean x^2 of the weight's input channel on the calibration inputs, times its " \
+                                      "group's scale squared"
+        quant["table_groups"] = f"fp16 scale and offset per {TABLE_GROUP} input channels: the group's min and max " \
+                                f"onto 0 and 2^bits - 1, the tables fitted in that unit"
         quant["table_refit"] = f"least squares on the output error over {REFIT_TOKENS} calibration inputs, and the " \
                                f"same with their {REFIT_K_CHUNK} largest |x| per 1024 channels zeroed"
 

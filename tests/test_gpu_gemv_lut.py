@@ -11,10 +11,17 @@ pytestmark = pytest.mark.gpu
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1728, 576), (576, 1536), (48, 192)]
 
 
-def random_lut(N, K, bits, device="cuda"):
+def random_lut(N, K, bits, device="cuda", grouped=False):
+    """Random codes and tables; grouped: tables in the unit [0, 2^bits - 1], random fp16 group scales and offsets."""
     codes = torch.randint(0, 2**bits, (N, K), device=device)
-    lut = (torch.randn(N, 2**bits, device=device) * 0.02).sort(dim=1).values.half()
-    return QuantLUT(pack_codes(codes, bits), lut, bits, K)
+    if not grouped:
+        lut = (torch.randn(N, 2**bits, device=device) * 0.02).sort(dim=1).values.half()
+        return QuantLUT(pack_codes(codes, bits), lut, bits, K)
+    lut = (torch.rand(N, 2**bits, device=device) * (2**bits - 1)).sort(dim=1).values.half()
+    G = -(-K // 128)
+    scales = (torch.rand(N, G, device=device) * 0.01 / 2**bits).half()
+    offsets = (-torch.rand(N, G, device=device) * 0.01).half()
+    return QuantLUT(pack_codes(codes, bits), lut, bits, K, scales, offsets, 128)
 
 
 def on_gpu(q: QuantLUT):
@@ -23,11 +30,12 @@ def on_gpu(q: QuantLUT):
     return PackedLUT.from_quant(q, "cuda")
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("N,K", SHAPES)
-def test_lut_gemv_matches_float64_reference(bits, N, K):
+def test_lut_gemv_matches_float64_reference(bits, N, K, grouped):
     from localllm.kernels.gemv import gemv
-    q = random_lut(N, K, bits)
+    q = random_lut(N, K, bits, grouped=grouped)
     x = torch.randn(K, device="cuda").half()
     x[torch.randint(0, K, (4,))] *= 30  # activation outliers
     out = torch.full((N,), float("nan"), device="cuda", dtype=torch.float16)  # poison: every row must be written
@@ -39,21 +47,23 @@ def test_lut_gemv_matches_float64_reference(bits, N, K):
     assert rel < 1e-3, f"bits={bits} {N}x{K}: rel err {rel}"
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (1728, 576), (48, 192)])
-def test_lut_dequant_kernel_equals_reference(bits, N, K):
+def test_lut_dequant_kernel_equals_reference(bits, N, K, grouped):
     from localllm.kernels.gemv import dequantize
-    q = random_lut(N, K, bits)
+    q = random_lut(N, K, bits, grouped=grouped)
     assert torch.equal(dequantize(on_gpu(q)), q.dequantize(torch.float16))
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize("mode", ["norm", "glu", "residual"])
-def test_lut_gemv_input_transforms_and_residual(mode, bits):
+def test_lut_gemv_input_transforms_and_residual(mode, bits, grouped):
     from localllm import ops
     from localllm.kernels.gemv import gemv
     N, K = 1024, 4096
-    q = random_lut(N, K, bits)
+    q = random_lut(N, K, bits, grouped=grouped)
     w = on_gpu(q)
     if mode == "norm":
         x, nw = torch.randn(K, device="cuda").half(), torch.rand(K, device="cuda") + 0.5
@@ -70,12 +80,13 @@ def test_lut_gemv_input_transforms_and_residual(mode, bits):
     assert ((got.double().cpu() - ref).norm() / ref.norm()).item() < 2e-3
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("bits,k_chunk", [(3, 8), (4, 32), (2, 2)])
-def test_lut_gemv_with_qdec_adds_the_selected_residual_rows(bits, k_chunk):
+def test_lut_gemv_with_qdec_adds_the_selected_residual_rows(bits, k_chunk, grouped):
     from test_gpu_qdec import check_selection, setup
     from localllm.kernels.gemv import gemv
     N, K = 6144, 4096
-    q = random_lut(N, K, bits, device="cpu")
+    q = random_lut(N, K, bits, device="cpu", grouped=grouped)
     _, r, _, x, comp = setup(N, K, 3, k_chunk)  # a residual, x and a QDEC launch for this shape
     w = on_gpu(q)
     out = torch.full((N,), float("nan"), device="cuda", dtype=torch.float16)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from localllm.kernels.gemv import PackedLUT, lane_rows, lut_pairs, lut_record_bytes
-from localllm.quant import BASE_BITS, QuantLUT, pack_codes
+from localllm.quant import BASE_BITS, QuantLUT, pack_codes, quantize_lut
 
 HERE = Path(__file__).parent
 KERNELS = HERE.parent / "kernels"
@@ -89,3 +89,14 @@ def test_packed_lut_record_of_a_tile(bits):
     for i, want in enumerate((scale, offset)):
         got = rec[:, 16 * e + 64 * i:16 * e + 64 * (i + 1)].contiguous().view(torch.float32)
         assert torch.equal(got, want.view(n // 16, 16)[:, lanes])
+    # grouped tables: then per group, the rows' fp16 group scales and offsets, rows in the same order
+    k = 320  # groups of 128, 128, 64
+    w = torch.randn(n, k) * torch.rand(k)
+    g = quantize_lut(w, bits, group_size=128)
+    grec = PackedLUT.from_quant(g, "cpu").lut
+    base = lut_record_bytes(bits)
+    assert grec.shape == (n // 16, base + 3 * 64)
+    for j in range(3):
+        for i, want in enumerate((g.scales, g.offsets)):
+            got = grec[:, base + 64 * j + 32 * i:base + 64 * j + 32 * (i + 1)].contiguous().view(torch.float16)
+            assert torch.equal(got, want[:, j].reshape(n // 16, 16)[:, lanes])

@@ -12,7 +12,7 @@ from localllm.config import ModelConfig, rope_inv_freq
 from localllm.errors import LocalLLMError
 from localllm.model import KINDS, QdecSettings, attention_mask, build_block, rope_tables
 from localllm.quant import (TABLE_LEVELS, QuantLUT, lut_centroids, pack_codes, quantize_lut, quantize_rtn,
-                            refit_table, rtn_dequantized, unpack_codes)
+                            refit_table, rtn_dequantized, table_groups, unpack_codes)
 from localllm.quantize import (REFIT_K_CHUNK, REFIT_TOKENS, block_inputs, kl_sensitivity, mixed_bits, quantize,
                                quantize_block, refit_inputs)
 from localllm.runtime import load
@@ -282,6 +282,32 @@ def test_quantize_lut(bits, seed):
 
 
 @pytest.mark.parametrize("bits", (2, 3, 4))
+def test_quantize_lut_grouped(bits, seed):
+    k = 576  # four groups of 128 and a partial one of 64
+    w = torch.randn(32, k) * 0.05 * (torch.rand(k) * 4 + 0.1)
+    w[3, 128:256] = 0.01  # a constant group
+    q = quantize_lut(w, bits, torch.rand(k), group_size=128)
+    assert q.group_size == 128 and q.scales.shape == q.offsets.shape == (32, 5) and q.scales.dtype == torch.float16
+    assert q.nbytes == q.qweight.numel() * 4 + 32 * 2**bits * 2 + 32 * 5 * 4
+    s, o = table_groups(w, bits, 128)
+    assert torch.equal(q.scales, s) and torch.equal(q.offsets, o)
+    assert o[3, 1] <= 0.01 and 0 < s[3, 1] < 1e-5  # the constant group: its offset at (or just below) its value
+    # every weight took the table value nearest it in its group's unit u = (w - offset) / scale
+    sf, of = (t.float().repeat_interleave(128, dim=1)[:, :k] for t in (s, o))
+    u = (w - of) / sf
+    assert u.min() >= 0 and u.max() <= 2**bits - 1, "every group's [min, max] maps into [0, 2^bits - 1]"
+    codes = unpack_codes(q.qweight, bits).long()
+    dist = (u[:, :, None] - q.lut.float()[:, None, :]).abs()
+    assert torch.allclose((u - q.lut.float().gather(1, codes)).abs(), dist.min(-1).values, atol=1e-5), f"seed={seed}"
+    # and runs as offset + scale * (the entry on the row's 8-bit grid), in float64 then rounded once
+    want = (of.double() + sf.double() * q._values64().gather(1, codes)).float()
+    assert torch.equal(q.dequantize(), want) and torch.equal(q.dequantize(torch.float16), want.half())
+    assert (q.dequantize()[3, 128:256] - 0.01).abs().max() < 1e-5  # the constant group, through its offset
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quantize_lut(w, bits, group_size=96)
+
+
+@pytest.mark.parametrize("bits", (2, 3, 4))
 def test_tables_run_on_an_8_bit_grid_per_row(bits, seed):
     lut = (torch.randn(64, 2**bits) * torch.rand(64, 1) * 0.1).half()
     lut[0] = 0.25  # a constant row
@@ -330,34 +356,16 @@ def test_lut_importance_protects_the_important_channels(seed):
     assert ((w - plain) ** 2).mean() < ((w - rtn_dequantized(w, 3, 512)) ** 2).mean(), f"seed={seed}"
 
 
-def test_equalize_o_evens_out_heads_and_keeps_the_function(seed):
-    torch.manual_seed(seed % 2**31)
-    t = random_block(CFG)
-    t["o"]["weight"] = t["o"]["weight"] * (torch.rand(CFG.q_size, dtype=torch.float64) * 4 + 0.1)  # heads differ
-    h = torch.randn(16, CFG.hidden_size, dtype=torch.float64)
-    folded, s = awq.equalize_o(t, CFG)
-    want = ref_block(t, CFG, h)
-    got = ref_block({k: ({kk: vv.double() if vv is not None else None for kk, vv in v.items()}
-                         if isinstance(v, dict) else v.double()) for k, v in folded.items()}, CFG, h)
-    assert (got - want).abs().max() < 1e-5 * want.abs().max(), f"seed={seed}"
-    g = CFG.num_heads // CFG.num_kv_heads  # tied across a GQA group (the fold goes into the shared v rows)
-    rms_o = folded["o"]["weight"].double().square().mean(0).view(CFG.num_kv_heads, g, -1).mean(1).sqrt()
-    assert rms_o.max() < 1.001 * rms_o.min(), f"seed={seed}"
-    assert torch.equal(folded["gate_up"]["weight"], t["gate_up"]["weight"].float())
-
-
-def test_equalized_tables_fit_rows_whose_channels_differ_in_scale(seed):
+def test_grouped_tables_fit_rows_whose_channels_differ_in_scale(seed):
     torch.manual_seed(seed % 2**31)
     w = torch.randn(64, 512) * 0.02
     w[:, :256] *= 0.2  # half the input channels (say, heads) 5x smaller in every row
-    fisher = torch.ones(512)
-    plain = quantize_lut(w, 3, fisher.sqrt()).dequantize()
-    s = 1 / w.square().mean(0).sqrt()
-    equalized = quantize_lut(w * s, 3, (fisher / s**2).sqrt()).dequantize() / s  # the scaled weights' Fisher
+    imp = torch.ones(512)
+    plain, grouped = quantize_lut(w, 3, imp).dequantize(), quantize_lut(w, 3, imp, group_size=128).dequantize()
     err = lambda w_hat, sl=slice(None): ((w - w_hat)[:, sl] ** 2).sum().item()  # noqa: E731
     # the small channels keep their precision instead of sharing the large ones' levels, and the total is lower
-    assert err(equalized, slice(0, 256)) < 0.3 * err(plain, slice(0, 256)), f"seed={seed}"
-    assert err(equalized) < err(plain), f"seed={seed}"
+    assert err(grouped, slice(0, 256)) < 0.3 * err(plain, slice(0, 256)), f"seed={seed}"
+    assert err(grouped) < err(plain), f"seed={seed}"
 
 
 def test_refit_table_is_the_least_squares_fit_of_the_output(seed):
@@ -383,22 +391,26 @@ def test_refit_table_is_the_least_squares_fit_of_the_output(seed):
     codes = (w[:, :, None] - cent.float()[:, None, :]).abs().argmin(-1)
     refit = QuantLUT(q.qweight, refit_table(w, codes, cent, x).half(), 3, 128)  # the same tables, unsorted
     assert torch.equal(q.dequantize(), refit.values().gather(1, codes))
+    # with per-weight scales (grouped tables): weight c is scale[c] * table[code], the least-squares fit of w
+    sc = torch.rand(32, 128) + 0.5
+    got = refit_table(w, codes, cent, x, damp=0.0, scale=sc)
+    for r in range(4):
+        a = F.one_hot(codes[r], 8).double() * sc[r].double()[:, None]
+        want = torch.linalg.lstsq(x.double() @ a, x.double() @ w[r].double()).solution
+        assert torch.allclose(got[r], want, rtol=1e-4, atol=1e-7), f"seed={seed} row={r}"
 
 
-def test_squeezellm_block_quantizes_the_equalized_o(seed):
+def test_squeezellm_block_quantizes_grouped_tables(seed):
     cfg, t = CFG, random_block(CFG, torch.float32)
-    fisher = {k: torch.rand(*t[k]["weight"].shape) for k in KINDS}
     inputs = {k: torch.randn(300, n) * torch.rand(n) * 4 for k, n in
               (("qkv", 128), ("o", 128), ("gate_up", 128), ("down", 192))}
-    folded, s = awq.equalize_o(t, cfg)
-    assert not torch.equal(folded["qkv"]["weight"], t["qkv"]["weight"])  # the v rows took 1 / s
-    for calib in ((fisher, None), (fisher, inputs)):
-        qt, _ = quantize_block(t, 3, 64, True, "squeezellm", calib, cfg)
-        for kind in KINDS:  # the equalized o multiplies x / s: its Fisher is F / s^2, its inputs x / s
-            so = s.float() if kind == "o" else 1.0
-            x = None if calib[1] is None else refit_inputs(inputs[kind] / so)
-            want = quantize_lut(folded[kind]["weight"], 3, fisher[kind].sqrt() / so, x)
-            assert torch.equal(qt[kind]["quant"].lut, want.lut) and torch.equal(qt[kind]["quant"].qweight, want.qweight)
+    qt, _ = quantize_block(t, 3, 128, True, "squeezellm", inputs, cfg)
+    for kind in KINDS:  # k-means weighted by the inputs' mean x^2, refit on refit_inputs, groups of 128
+        want = quantize_lut(t[kind]["weight"], 3, inputs[kind].square().mean(0), refit_inputs(inputs[kind]), 128)
+        got = qt[kind]["quant"]
+        assert torch.equal(got.lut, want.lut) and torch.equal(got.qweight, want.qweight)
+        assert got.group_size == 128 and torch.equal(got.scales, want.scales)
+        assert torch.equal(got.offsets, want.offsets)
 
 
 def test_refit_inputs_mask_the_channels_qdec_compensates():
@@ -462,8 +474,9 @@ def test_block_inputs_are_what_the_projections_multiply(tiny_ckpt):
 @pytest.fixture(scope="module", params=["awq", "squeezellm"])
 def method_quant(request, tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param) / "m"
-    return request.param, quantize(str(tiny_ckpt), str(out), bits=3.5, method=request.param, group_size=64,
-                                   calib_tokens=512, seq_len=128)
+    return request.param, quantize(str(tiny_ckpt), str(out), bits=3.5, method=request.param,
+                                   group_size=128 if request.param == "squeezellm" else 64, calib_tokens=512,
+                                   seq_len=128)
 
 
 def test_methods_end_to_end(method_quant, tiny_ckpt):
@@ -472,13 +485,14 @@ def test_methods_end_to_end(method_quant, tiny_ckpt):
     q = m["quant"]
     assert q["method"] == method and q["bits"] == 3.5 and sorted(q["block_bits"]) == [3, 4]
     assert len(q["sensitivity"]["kl"]) == 2 and q["sensitivity"]["tokens"] > 0
-    assert q["layout"] == ("lut-mma-v3" if method == "squeezellm" else "rtn-mma-v3")
+    assert q["layout"] == ("lut-group-mma-v3" if method == "squeezellm" else "rtn-mma-v3")
     assert ("awq_alpha" in q and "awq_clip" in q) == (method == "awq")
     assert ("table_refit" in q) == (method == "squeezellm")
     lm, src = load(path, qdec="off"), load(tiny_ckpt).model
     for blk, bits in zip(lm.model.blocks, q["block_bits"]):
         assert {lin.quant.bits for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)} == {bits}
         assert all(isinstance(lin.quant, QuantLUT) == (method == "squeezellm") for lin in (blk.qkv, blk.down))
+        assert all(lin.quant.group_size == (128 if method == "squeezellm" else 64) for lin in (blk.qkv, blk.down))
     toks = torch.randint(0, src.cfg.vocab_size, (1, 48))
     with torch.no_grad():
         ref = src(toks)
@@ -499,10 +513,19 @@ def test_files_of_other_formats(method_quant, tmp_path):
     (dst / "localllm.json").write_text(json.dumps(m))
     with pytest.raises(LocalLLMError, match="layout 'lut-mma-v9', which this localllm cannot read"):
         load(dst)
+    m["quant"]["layout"], m["format_version"] = "lut-group-mma-v3", 3  # version 3 had no grouped tables
+    (dst / "localllm.json").write_text(json.dumps(m))
+    with pytest.raises(LocalLLMError, match="layout 'lut-group-mma-v3', which this localllm cannot read"):
+        load(dst)
     m["quant"]["layout"], m["format_version"] = "lut-mma-v3", 1  # version 1 had no tables
     (dst / "localllm.json").write_text(json.dumps(m))
     with pytest.raises(LocalLLMError, match="older format"):
         load(dst)
+    if method == "squeezellm":  # per-row tables (format 2 and 3 files) still load: the same files read so
+        m["quant"]["layout"], m["format_version"] = "lut-mma-v3", 3
+        (dst / "localllm.json").write_text(json.dumps(m))
+        lin = load(dst, qdec="off").model.blocks[0].qkv
+        assert isinstance(lin.quant, QuantLUT) and lin.quant.scales is None and lin.quant.group_size is None
 
 
 def test_version_1_files_still_load(tiny_quant, tmp_path):
@@ -532,6 +555,8 @@ def test_quantize_command_methods_and_bits(tiny_ckpt, tmp_path, capsys):
         quantize(str(tiny_ckpt), str(tmp_path / "x"), method="bogus")
     with pytest.raises(LocalLLMError, match="--bits 3.25 is not supported"):
         quantize(str(tiny_ckpt), str(tmp_path / "x"), bits=3.25)
+    with pytest.raises(LocalLLMError, match="squeezellm groups its tables by 128"):
+        quantize(str(tiny_ckpt), str(tmp_path / "x"), method="squeezellm", group_size=64)
 
 
 def test_tuner_bounds_k_chunk_by_the_widest_layer_of_a_kind(tiny_ckpt, tmp_path):
@@ -549,29 +574,3 @@ def test_tuner_bounds_k_chunk_by_the_widest_layer_of_a_kind(tiny_ckpt, tmp_path)
         lm.model.blocks = torch.nn.ModuleList(blocks)
         p = problem_of(lm, sm_count=132, smem=need[4], grid_of=grid_of)
         assert {lay.kind: lay.k_max for lay in p.layers}["down"] == 10
-
-
-def test_fisher_diagonal_is_the_squared_gradient(tiny_ckpt):
-    """With one predicted token per sequence, the per-token Fisher diagonal sum_t (dL/dy_n x_c)^2 is the square of the
-    weight gradient: check it against autograd's weight gradients, sequence by sequence."""
-    from localllm.fisher import fisher_diagonal
-    from localllm.loader import open_checkpoint
-    from localllm.runtime import dense_model
-    ckpt = open_checkpoint(tiny_ckpt)
-    toks = torch.randint(0, ckpt.config.vocab_size, (3, 2))
-    got = fisher_diagonal(ckpt, toks)
-    model = dense_model(ckpt)
-    lins = list(model.linears())
-    for lin in lins:
-        lin.weight.requires_grad_(True)
-    want = [torch.zeros_like(lin.weight) for lin in lins]
-    for seq in toks:
-        for lin in lins:
-            lin.weight.grad = None
-        F.cross_entropy(model(seq[None, :-1])[0], seq[1:], reduction="sum").backward()
-        for acc, lin in zip(want, lins):
-            acc += lin.weight.grad.square()
-    flat = [blk[kind] for blk in got for kind in KINDS]  # the order of model.linears()
-    assert len(flat) == len(want)
-    for f, w in zip(flat, want):
-        assert torch.allclose(f, w, rtol=1e-3, atol=1e-9 * w.max().item()), (f - w).abs().max()

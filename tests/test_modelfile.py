@@ -15,7 +15,7 @@ def test_folder_contents_and_manifest(tiny_quant, tiny_ckpt):
     assert {"localllm.json", *FILES, "tokenizer.json"} <= names
     assert not [n for n in names if n.endswith((".bin", ".pt", ".pkl"))]  # nothing pickled
     m = json.loads((tiny_quant / "localllm.json").read_text())
-    assert m["format_version"] == 3 and m["quant"]["bits"] == 3 and m["quant"]["block_bits"] == [3, 3] and m["quant"]["group_size"] == 64
+    assert m["format_version"] == 4 and m["quant"]["bits"] == 3 and m["quant"]["block_bits"] == [3, 3] and m["quant"]["group_size"] == 64
     assert m["quant"]["head"] == {"bits": 8, "group_size": 128, "method": "rtn"}
     assert m["residual"]["bits"] == 4 and m["calibration"]["tokens"] >= 128
     assert len(m["source"]["sha256"]) == 64 and m["source"]["path"] == str(tiny_ckpt)
