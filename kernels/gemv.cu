@@ -123,7 +123,7 @@ __device__ __forceinline__ void lane_words(const uint32_t* p, uint32_t (&w)[BITS
 }
 
 constexpr int META_BYTES = 48;  // per (tile, group): 16 fp16 scales, 16 uint8 zeros; rows 0, 8, 1, 9, ..., 7, 15
-constexpr int LUT_GROUP_BYTES = 64;  // grouped tables, per (tile, group): 16 fp16 scales, 16 fp16 offsets; rows as above
+constexpr int LUT_GROUP_BYTES = 64;  // grouped tables, per (tile, group): 16 fp16 scales, 16 fp16 offsets, rows so
 
 // A lane's two rows' tables (rows g, g + 8; 2^BITS bytes each, lut_regs registers) from its tile's record.
 template <int BITS>

@@ -78,7 +78,8 @@ class PackedLUT:
     """A QuantLUT as the GPU kernels read it: the codes rearranged at load time so that a lane's four codes of one row
     and mma tile are the nibbles of one byte-permute selector (kernels/lut.cuh, lut_fragments), and one record per
     16-row tile of the rows' 8-bit tables (QuantLUT.grid) and their scales and offsets (lut_record_bytes); grouped
-    tables, then one LUT_GROUP_BYTES record per group: the rows' fp16 group scales, then offsets (rows 0, 8, 1, 9, ...)."""
+    tables, then one LUT_GROUP_BYTES record per group: the rows' fp16 group scales, then offsets (rows 0, 8, 1,
+    9, ...)."""
     qweight: torch.Tensor  # int32 [N/16, K*bits/2]
     lut: torch.Tensor  # uint8 [N/16, lut_record_bytes(bits) (+ G * LUT_GROUP_BYTES)]
     bits: int
