@@ -169,8 +169,7 @@ def bench_gemv_lut(bits_list=(4, 3), group_size: int = 128) -> list[dict]:
             rows.append({"layer": name, "N": N, "K": K, "bits": bits, "us": t * 1e6, "of_copy_bw": lut_bytes / t / bw,
                          "uniform_us": t_uni * 1e6, "uniform_of_copy_bw": nbytes / t_uni / bw})
     print(f"\nNon-uniform (table, grouped by 128) GEMV vs the uniform GEMV (group size {group_size}), batch 1, inside "
-          f"CUDA graphs "
-          f"(measured copy bandwidth {bw / 1e9:.0f} GB/s)")
+          f"CUDA graphs (measured copy bandwidth {bw / 1e9:.0f} GB/s)")
     print(f"{'layer':8} {'N x K':>13} {'bits':>4} {'table us':>9} {'% copy bw':>9} {'uniform us':>10} {'% copy bw':>9}")
     for r in rows:
         print(f"{r['layer']:8} {r['N']:>6}x{r['K']:<6} {r['bits']:>4} {r['us']:9.2f} {100 * r['of_copy_bw']:8.1f}% "

@@ -45,6 +45,12 @@ def _row_blocks(n: int, k: int, multiple: int = 1) -> Iterator[slice]:
         yield slice(r0, min(r0 + step, n))
 
 
+def per_channel(t: Tensor, group_size: int, k: int) -> Tensor:
+    """Per-group values t [n, G] -> [n, k]: each group's value repeated over its channels (the last group may be
+    partial)."""
+    return t.repeat_interleave(group_size, dim=1)[:, :k]
+
+
 def as_int32(words: Tensor) -> Tensor:
     """int64 words in [0, 2^32) -> int32 of the same bit patterns (the top field may set bit 31)."""
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
@@ -213,8 +219,8 @@ class QuantWeight:
         for rows in _row_blocks(n, k, TILE_N):
             tiles = slice(rows.start // TILE_N, -(-rows.stop // TILE_N))
             codes = unpack_codes(self.qweight[tiles], self.bits).float()  # [n, K]
-            scale = self.scales[rows].float().repeat_interleave(gs, dim=1)[:, :k]  # [n, K]
-            zero = self.zeros[rows].float().repeat_interleave(gs, dim=1)[:, :k]  # [n, K]
+            scale = per_channel(self.scales[rows].float(), gs, k)  # [n, K]
+            zero = per_channel(self.zeros[rows].float(), gs, k)  # [n, K]
             out[rows] = ((codes - zero) * scale).to(dtype)
         return out
 
@@ -378,9 +384,7 @@ class QuantLUT:
             codes = unpack_codes(self.qweight[tiles], self.bits).long()  # [n, K]
             w = table[rows].gather(1, codes)
             if self.scales is not None:
-                gs = self.group_size
-                s = self.scales[rows].double().repeat_interleave(gs, dim=1)[:, :k]
-                o = self.offsets[rows].double().repeat_interleave(gs, dim=1)[:, :k]
+                s, o = (per_channel(t[rows].double(), self.group_size, k) for t in (self.scales, self.offsets))
                 w = (o + s * w).float()
             out[rows] = w.to(dtype)
         return out
@@ -568,8 +572,8 @@ def quantize_lut(w: Tensor, bits: int, importance: Tensor | None = None, x: Tens
         target, s = w[rows].float(), None  # what s * table[code] fits, s the weights' group scales
         u = target  # the weights in the tables' unit
         if group_size is not None:
-            s = scales[rows].float().repeat_interleave(group_size, dim=1)[:, :k]
-            target = target - offsets[rows].float().repeat_interleave(group_size, dim=1)[:, :k]
+            s = per_channel(scales[rows].float(), group_size, k)
+            target = target - per_channel(offsets[rows].float(), group_size, k)
             u = target / s
             imp = (torch.ones(k) if imp is None else imp.float()) * s.square()
         cent = lut_centroids(u, bits, imp)
