@@ -511,13 +511,17 @@ def _runs_kmeans(pw: Tensor, pwx: Tensor, pwxx: Tensor, c: int, bins: int) -> Te
     dev = pw.device
     bounds = (torch.arange(b + 1, device=dev) * s).clamp(max=k)
     runs = [t[:, bounds] for t in (pw, pwx, pwxx)]  # prefix sums at the runs' bounds [n, b+1]
-    i, j = torch.triu_indices(b, b, device=dev)  # run ranges i..j
-    cost = torch.full((n, b, b), torch.inf, dtype=torch.float64, device=dev)
-    sw, sx, sxx = (r[:, j + 1] - r[:, i] for r in runs)
-    cost[:, i, j] = (sxx - sx * sx / sw).clamp(min=0)
+    sw, sx, sxx = (r[:, None, 1:] - r[:, :-1, None] for r in runs)  # [n, i, j]: runs i..j (broadcast, not gathered)
+    below = torch.ones(b, b, dtype=torch.bool, device=dev).tril(-1)  # i > j: no such range
+    cost = (sxx - sx * sx / sw).clamp_(min=0).masked_fill_(below, torch.inf)
     best, choice = cost[:, 0], []  # one cluster: runs 0..j
-    for _ in range(1, min(c, b)):
-        best, first = (F.pad(best[:, :-1], (1, 0), value=torch.inf)[:, :, None] + cost).min(1)  # first run of the last
+    for m in range(1, min(c, b)):
+        prev = F.pad(best[:, :-1], (1, 0), value=torch.inf)[:, :, None]
+        if m < min(c, b) - 1:
+            best, first = (prev + cost).min(1)  # first run of the last cluster
+        else:  # the walk back starts at the last run: only its column
+            best, first = (prev + cost[:, :, -1:]).min(1)
+            first = F.pad(first, (b - 1, 0))
         choice.append(first)
     # walk back from the last run: each cluster's first run, its centroid the runs' weighted mean
     cent = torch.empty(n, c, dtype=torch.float64, device=dev)
