@@ -108,6 +108,11 @@ class PackedLUT:
         return cls(out, torch.cat(parts, dim=1).contiguous(), q.bits, q.in_features, q.group_size)
 
     @property
+    def groups(self) -> int:
+        """Group records per tile: grouped tables, the groups of input channels; per-row tables, 0."""
+        return -(-self.in_features // self.group_size) if self.group_size else 0
+
+    @property
     def out_features(self) -> int:
         return self.lut.shape[0] * 16
 
@@ -209,7 +214,7 @@ def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int,
 def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
     """What the kernel reads besides the codes: (records, records per tile, table weight?)."""
     if isinstance(w, PackedLUT):  # one record per tile, or grouped, the number of groups
-        return w.lut, -(-w.in_features // w.group_size) if w.group_size else 1, True
+        return w.lut, w.groups or 1, True
     return w.meta, w.meta.shape[1], False
 
 
@@ -290,10 +295,9 @@ def dequantize(w: Packed | PackedLUT) -> torch.Tensor:
     out = torch.empty(N, K, dtype=torch.float16, device=w.qweight.device)
     threads = N // 16 * (K // 64) * 32
     if isinstance(w, PackedLUT):
-        G = -(-K // w.group_size) if w.group_size else 0
         cuda.kernel("gemv", f"dequant_lut<{w.bits}>", NAMES)(
             (-(-threads // 256),), (256,), (cuda.ptr(w.qweight), cuda.ptr(w.lut), cuda.ptr(out), np.int32(N),
-                                            np.int32(K), np.int32(G), np.int32(w.group_size or 0)),
+                                            np.int32(K), np.int32(w.groups), np.int32(w.group_size or 0)),
             stream=cuda.stream())
         return out
     G = w.meta.shape[1]

@@ -14,7 +14,6 @@ Nothing is pickled. Loading checks version, sizes, hashes and shapes and refuses
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -188,10 +187,8 @@ def load(path: str | Path, verify: bool = True, settings: QdecSettings | None = 
             qweight = take(w, q + "qweight", (N // 16, K * bits // 2), FILES[0])
             groups = (N, math.ceil(K / g)) if grouped else None
             if lut:
-                quant = QuantLUT(qweight, take(w, q + "lut", (N, 2**bits), FILES[0]), bits, K)
-                if grouped:
-                    quant = dataclasses.replace(quant, scales=take(w, q + "scales", groups, FILES[0]),
-                                                offsets=take(w, q + "offsets", groups, FILES[0]), group_size=g)
+                scales, offsets = (take(w, q + n, groups, FILES[0]) if grouped else None for n in ("scales", "offsets"))
+                quant = QuantLUT(qweight, take(w, q + "lut", (N, 2**bits), FILES[0]), bits, K, scales, offsets, g)
             else:
                 quant = QuantWeight(qweight, take(w, q + "scales", groups, FILES[0]),
                                     take(w, q + "zeros", groups, FILES[0]), bits, g, K)
