@@ -31,10 +31,12 @@ def available() -> bool:
     return True
 
 
-def require() -> None:
-    """Raise a one-line LocalLLMError saying what is missing for the GPU kernels."""
+def require(kernels: bool = True) -> None:
+    """Raise a one-line LocalLLMError saying what is missing for the GPU kernels (kernels=False: for torch's CUDA)."""
     if not torch.cuda.is_available():
         raise LocalLLMError("no CUDA GPU is visible; the GPU kernels need an NVIDIA GPU (the CPU path runs without)")
+    if not kernels:
+        return
     try:
         import cupy  # noqa: F401
     except ImportError:

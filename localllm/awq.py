@@ -95,12 +95,12 @@ def clip_search(w: Tensor, x: Tensor, bits: int, group_size: int) -> Tensor:
     g = math.ceil(k / group_size)
     xg = F.pad(x.double(), (0, g * group_size - k)).view(-1, g, group_size).transpose(0, 1)  # [G, T, gs]
     gram = xg.transpose(1, 2) @ xg  # [G, gs, gs]
-    best = torch.ones(n, g)
-    for rows in _row_blocks(n, k, TILE_N):  # bounded float64 temporaries
+    best = torch.ones(n, g, device=w.device)
+    for rows in _row_blocks(n, k, TILE_N, w.device):  # bounded float64 temporaries
         m = rows.stop - rows.start
-        best_err = torch.full((m, g), math.inf, dtype=torch.float64)
+        best_err = torch.full((m, g), math.inf, dtype=torch.float64, device=w.device)
         for r in CLIPS:
-            clip = torch.full((m, g), r)
+            clip = torch.full((m, g), r, device=w.device)
             d = (rtn_dequantized(w[rows], bits, group_size, clip) - w[rows].float()).double()
             d = F.pad(d, (0, g * group_size - k)).view(m, g, group_size).transpose(0, 1)  # [G, m, gs]
             err = ((d @ gram) * d).sum(-1).T  # [m, G]

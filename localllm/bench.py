@@ -726,6 +726,47 @@ def bench_kv_ppl(ctx: int = 4096, max_tokens: int | None = None) -> list[dict]:
 CPU_PARTS = ("kv-ppl",)
 
 
+# `bench quantize`: one block of these shapes (random weights; the vocabulary cut to 32768, which only the embedding
+# lookup sees), name -> (model type, the real model's blocks, Hugging Face config)
+QUANT_SHAPES = {
+    "Qwen2.5-1.5B": ("qwen2", 28, dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                                       num_key_value_heads=2)),
+    "Llama-3-8B": ("llama", 32, dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                     num_key_value_heads=8)),
+}
+
+
+def bench_quantize(bits: int = 4, methods=("rtn", "awq", "squeezellm"), cpu_shapes=("Qwen2.5-1.5B",)) -> list[dict]:
+    """`localllm quantize` on the GPU vs the CPU (all of this machine's cores): seconds per block (quantize, residuals,
+    calibration) of one block of each QUANT_SHAPES model, and the whole model's blocks at that rate."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from . import synthetic
+    from .quantize import quantize
+    rows = []
+    print(f"\nQuantizing, {bits} bits, 4096 calibration tokens: seconds per block (the whole model's blocks at that "
+          f"rate); CPU: {torch.get_num_threads()} threads")
+    print(f"{'model':13} {'method':10} {'GPU s/block':>11} {'GPU min':>7} {'CPU s/block':>11} {'CPU min':>7} "
+          f"{'speedup':>7}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (arch, layers, cfg) in QUANT_SHAPES.items():
+            src = synthetic.checkpoint(Path(tmp) / name, arch, std=0.02, tokenizer_vocab=4096, dtype=torch.float16,
+                                       vocab_size=32768, num_hidden_layers=1, tie_word_embeddings=True, **cfg)
+            for method in methods:
+                sec = {}
+                for dev in ("cuda", "cpu") if name in cpu_shapes else ("cuda",):
+                    out = quantize(str(src), str(Path(tmp) / f"{name}-{method}-{dev}"), bits, method=method,
+                                   head_bits=16, device=dev)
+                    sec[dev] = json.loads((out / "localllm.json").read_text())["quantized_on"]["block_seconds"][0]
+                g, c = sec["cuda"], sec.get("cpu")
+                cpu_cols = f"{c:11.1f} {c * layers / 60:7.1f} {c / g:6.1f}x" if c else f"{'':11} {'':7} {'':7}"
+                print(f"{name:13} {method:10} {g:11.2f} {g * layers / 60:7.1f} {cpu_cols}", flush=True)
+                rows.append({"model": name, "method": method, "gpu_s": g, "cpu_s": c})
+    return rows
+
+
 def main(parts: list[str] | None = None, kv_bits: int = 16) -> None:
     import functools
     parts = parts or ["gemv", "e2e", "demo"]
@@ -733,7 +774,7 @@ def main(parts: list[str] | None = None, kv_bits: int = 16) -> None:
     runs = {"gemv": bench_gemv, "gemv-lut": bench_gemv_lut, "gemv-sweep": gemv_sweep, "e2e": with_kv(bench_e2e),
             "demo": with_kv(bench_demo), "breakdown": with_kv(bench_breakdown), "qdec": bench_qdec,
             "e2e-qdec": with_kv(bench_e2e_qdec), "tune": bench_tune, "prefill": bench_prefill, "kv": bench_kv,
-            "kv-ppl": bench_kv_ppl}
+            "kv-ppl": bench_kv_ppl, "quantize": bench_quantize}
     bad = [p for p in parts if p not in runs]
     if bad:
         raise LocalLLMError(f"unknown benchmark {', '.join(bad)}; choose from {', '.join(runs)}")

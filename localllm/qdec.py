@@ -207,13 +207,13 @@ class ActStats:
     sq_mean = per-channel mean of x^2 (the static importance of paper sec. 3.3).
     """
 
-    def __init__(self, in_features: int, kmax: int = 256):
+    def __init__(self, in_features: int, kmax: int = 256, device: torch.device | str = "cpu"):
         if kmax < 1:
             raise ValueError(f"kmax must be >= 1, got {kmax}")
         self.in_features = in_features
-        self._b0 = torch.zeros((), dtype=torch.float32)
-        self._kth = torch.zeros(min(kmax, CHUNK), dtype=torch.float32)  # [kmax]
-        self._sq_sum = torch.zeros(in_features, dtype=torch.float64)  # float64: many vectors are summed
+        self._b0 = torch.zeros((), dtype=torch.float32, device=device)
+        self._kth = torch.zeros(min(kmax, CHUNK), dtype=torch.float32, device=device)  # [kmax]
+        self._sq_sum = torch.zeros(in_features, dtype=torch.float64, device=device)  # float64: many vectors are summed
         self._count = 0
 
     def update(self, x: Tensor) -> None:
@@ -223,7 +223,8 @@ class ActStats:
         x = x.reshape(-1, self.in_features)
         k_chunks = range(1, self._kth.numel() + 1)
         # Per chunk: k_for_chunk of every tracked k_chunk, each in [1, c].
-        ks = [torch.tensor([k_for_chunk(kc, e - s) for kc in k_chunks]) for s, e in chunk_bounds(self.in_features)]
+        ks = [torch.tensor([k_for_chunk(kc, e - s) for kc in k_chunks], device=x.device)
+              for s, e in chunk_bounds(self.in_features)]
         step = max(1, _BLOCK_ELEMS // self.in_features)  # token blocks bound the float32 copies
         for t0 in range(0, x.shape[0], step):
             xb = x[t0 : t0 + step]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,11 @@ RESIDUAL_BITS = 4
 RESIDUAL_QMAX = 7  # residual codes are clip(round(r / S), -7, 7)
 RESIDUAL_WIDTHS = (2, 4, 8, 16)  # 16: the residual in fp16, no scale (Table 1's FP16 column)
 
-# Row blocks hold about this many elements, bounding temporaries to tens of MB.
+# Row blocks hold about this many elements, bounding temporaries to tens of MB; on a GPU _GPU_BLOCKS times as many:
+# each block's ops are a few kernel launches, and `localllm quantize` on the H100 took 6.4 s for a Qwen2.5-1.5B block
+# with squeezellm at 1x, 1.3 s at 8x, 0.7 s at 32x (bench quantize; the temporaries then reach ~1 GB)
 _BLOCK_ELEMS = 1 << 22
+_GPU_BLOCKS = 16
 # Smallest normal fp16: base scales are clamped to it so fp16 storage keeps 11 bits of
 # precision and the quantization grid still covers the group after rounding.
 _FP16_MIN_NORMAL = 2.0**-14
@@ -38,9 +41,10 @@ _FP16_MIN_NORMAL = 2.0**-14
 _FP16_MIN_SUBNORMAL = 2.0**-24
 
 
-def _row_blocks(n: int, k: int, multiple: int = 1) -> Iterator[slice]:
-    """Slices of rows of an [n, k] matrix, each a multiple of `multiple` rows long (except the last)."""
-    step = max(multiple, _BLOCK_ELEMS // max(k, 1) // multiple * multiple)
+def _row_blocks(n: int, k: int, multiple: int = 1, device: torch.device | None = None) -> Iterator[slice]:
+    """Slices of rows of an [n, k] matrix on `device`, each a multiple of `multiple` rows long (except the last)."""
+    elems = _BLOCK_ELEMS * (_GPU_BLOCKS if device is not None and device.type == "cuda" else 1)
+    step = max(multiple, elems // max(k, 1) // multiple * multiple)
     for r0 in range(0, n, step):
         yield slice(r0, min(r0 + step, n))
 
@@ -193,8 +197,18 @@ def unpack_codes(qweight: Tensor, bits: int) -> Tensor:
     return c.transpose(1, 2).reshape(nt * 16, kt * 64)
 
 
+class _Tensors:
+    """to(device) for the quantized forms below: `localllm quantize` computes them on its device and saves them from
+    the CPU."""
+
+    def to(self, device: torch.device | str):
+        """A copy with every tensor on `device`."""
+        return replace(self, **{f.name: v.to(device) for f in fields(self)
+                                if isinstance(v := getattr(self, f.name), Tensor)})
+
+
 @dataclass
-class QuantWeight:
+class QuantWeight(_Tensors):
     """Group-wise asymmetric RTN weight: W_hat[n, c] = (code - zeros[n, g]) * scales[n, g], g = c // group_size."""
 
     qweight: Tensor  # int32 [N / 16, K * bits / 2], layout mma-v3 (pack_codes)
@@ -216,7 +230,7 @@ class QuantWeight:
         """W_hat as [N, K]; the math is float32, cast to `dtype` at the end."""
         n, k, gs = self.scales.shape[0], self.in_features, self.group_size
         out = torch.empty(n, k, dtype=dtype, device=self.qweight.device)
-        for rows in _row_blocks(n, k, TILE_N):
+        for rows in _row_blocks(n, k, TILE_N, out.device):
             tiles = slice(rows.start // TILE_N, -(-rows.stop // TILE_N))
             codes = unpack_codes(self.qweight[tiles], self.bits).float()  # [n, K]
             scale = per_channel(self.scales[rows].float(), gs, k)  # [n, K]
@@ -277,10 +291,10 @@ def quantize_rtn(w: Tensor, bits: int, group_size: int = 128, clip: Tensor | Non
     _check_rtn_args(w, bits, group_size, clip)
     n, k = w.shape
     g = math.ceil(k / group_size)
-    qweight = torch.empty(n // TILE_N, k * bits // 2, dtype=torch.int32)
-    scales = torch.empty(n, g, dtype=torch.float16)
-    zeros = torch.empty(n, g, dtype=torch.uint8)
-    for rows in _row_blocks(n, k, TILE_N):
+    qweight = torch.empty(n // TILE_N, k * bits // 2, dtype=torch.int32, device=w.device)
+    scales = torch.empty(n, g, dtype=torch.float16, device=w.device)
+    zeros = torch.empty(n, g, dtype=torch.uint8, device=w.device)
+    for rows in _row_blocks(n, k, TILE_N, w.device):
         codes, scale16, zero = _rtn_groups(w[rows], bits, group_size, None if clip is None else clip[rows])
         qweight[rows.start // TILE_N: rows.stop // TILE_N] = pack_codes(codes.flatten(1)[:, :k].to(torch.uint8), bits)
         scales[rows] = scale16
@@ -301,7 +315,7 @@ def rtn_dequantized(w: Tensor, bits: int, group_size: int = 128, clip: Tensor | 
     _check_rtn_args(w, bits, group_size, clip)
     n, k = w.shape
     out = torch.empty(n, k, dtype=torch.float32, device=w.device)
-    for rows in _row_blocks(n, k):
+    for rows in _row_blocks(n, k, device=w.device):
         codes, scale16, zero = _rtn_groups(w[rows], bits, group_size, None if clip is None else clip[rows])
         out[rows] = ((codes - zero[..., None]) * scale16.float()[..., None]).flatten(1)[:, :k]
     return out
@@ -314,7 +328,7 @@ TABLE_GROUP = 128  # grouped tables (QuantLUT.group_size): the group of input ch
 
 
 @dataclass
-class QuantLUT:
+class QuantLUT(_Tensors):
     """Non-uniform weight, one codebook per output channel (SqueezeLLM-style): W_hat[n, c] = table[n, code[n, c]], or
     with groups (group_size set) W_hat[n, c] = offsets[n, g] + scales[n, g] * table[n, code[n, c]], g = c // group_size.
 
@@ -346,11 +360,6 @@ class QuantLUT:
         groups = 0 if self.scales is None else self.scales.numel() * 4
         return self.qweight.numel() * 4 + self.lut.numel() * 2 + groups
 
-    def to(self, device: torch.device | str) -> "QuantLUT":
-        move = lambda t: None if t is None else t.to(device).contiguous()  # noqa: E731
-        return QuantLUT(move(self.qweight), move(self.lut), self.bits, self.in_features, move(self.scales),
-                        move(self.offsets), self.group_size)
-
     def grid(self) -> tuple[Tensor, Tensor, Tensor]:
         """The tables snapped to offset + scale * v: (v uint8 [N, 2^bits] in 0..TABLE_LEVELS, scale float32 [N],
         offset float32 [N]). 2 and 3 bits: offset the row's least entry, scale its range / TABLE_LEVELS (0 for a
@@ -379,7 +388,7 @@ class QuantLUT:
         n, k = self.out_features, self.in_features
         table = self.values() if self.scales is None else self._values64()
         out = torch.empty(n, k, dtype=dtype, device=self.qweight.device)
-        for rows in _row_blocks(n, k, TILE_N):
+        for rows in _row_blocks(n, k, TILE_N, out.device):
             tiles = slice(rows.start // TILE_N, -(-rows.stop // TILE_N))
             codes = unpack_codes(self.qweight[tiles], self.bits).long()  # [n, K]
             w = table[rows].gather(1, codes)
@@ -478,13 +487,13 @@ def lut_centroids(w: Tensor, bits: int, importance: Tensor | None = None, iters:
     this start's 0.7-0.8x (on Gaussian rows 0.94x and 0.92x)."""
     n, k = w.shape
     c = 2**bits
-    imp = torch.ones(n, k) if importance is None else importance.float().expand(n, k)
+    imp = torch.ones(n, k, device=w.device) if importance is None else importance.float().expand(n, k)
     imp = imp.clamp(min=1e-12)  # every weight pulls a little: zero-importance channels still get a nearby value
     srt, order = w.float().sort(dim=1)
     imp = imp.gather(1, order).double()
     x = srt.double()
     pw, pwx, pwxx = (F.pad(t.cumsum(1), (1, 0)) for t in (imp, imp * x, imp * x * x))  # prefix sums [n, K+1]
-    cent = torch.cat([_runs_kmeans(pw[r], pwx[r], pwxx[r], c, bins) for r in _row_blocks(n, 16 * bins * bins)])
+    cent = torch.cat([_runs_kmeans(pw[r], pwx[r], pwxx[r], c, bins) for r in _row_blocks(n, 16 * bins * bins, device=w.device)])
     edges = None
     for _ in range(iters):
         mids = ((cent[:, 1:] + cent[:, :-1]) / 2).float().contiguous()
@@ -543,7 +552,7 @@ def table_groups(w: Tensor, bits: int, group_size: int = TABLE_GROUP) -> tuple[T
     g = math.ceil(k / group_size)  # a partial last group: padded with copies of its last weight
     wg = F.pad(w.float()[None], (0, g * group_size - k), mode="replicate")[0].view(n, g, group_size)
     lo, hi = wg.amin(-1), wg.amax(-1)
-    down, up = (torch.full((n, g), v, dtype=torch.float16) for v in (-math.inf, math.inf))
+    down, up = (torch.full((n, g), v, dtype=torch.float16, device=w.device) for v in (-math.inf, math.inf))
     offset = lo.half()
     offset = torch.where(offset.float() > lo, torch.nextafter(offset, down), offset)
     scale = ((hi - offset.float()) / (2**bits - 1)).half()
@@ -566,12 +575,12 @@ def quantize_lut(w: Tensor, bits: int, importance: Tensor | None = None, x: Tens
     n, k = w.shape
     if group_size is not None and (group_size < TILE_K or group_size % TILE_K):
         raise ValueError(f"table groups must be a multiple of {TILE_K}, got {group_size}")
-    qweight = torch.empty(n // TILE_N, k * bits // 2, dtype=torch.int32)
-    lut = torch.empty(n, 2**bits, dtype=torch.float16)
+    qweight = torch.empty(n // TILE_N, k * bits // 2, dtype=torch.int32, device=w.device)
+    lut = torch.empty(n, 2**bits, dtype=torch.float16, device=w.device)
     scales = offsets = None
     if group_size is not None:
         scales, offsets = table_groups(w, bits, group_size)
-    for rows in _row_blocks(n, k * 4, TILE_N):  # k-means keeps a few [n, K] temporaries
+    for rows in _row_blocks(n, k * 4, TILE_N, w.device):  # k-means keeps a few [n, K] temporaries
         imp = None if importance is None else importance[rows] if importance.ndim == 2 else importance
         target, s = w[rows].float(), None  # what s * table[code] fits, s the weights' group scales
         u = target  # the weights in the tables' unit
@@ -579,7 +588,7 @@ def quantize_lut(w: Tensor, bits: int, importance: Tensor | None = None, x: Tens
             s = per_channel(scales[rows].float(), group_size, k)
             target = target - per_channel(offsets[rows].float(), group_size, k)
             u = target / s
-            imp = (torch.ones(k) if imp is None else imp.float()) * s.square()
+            imp = (torch.ones(k, device=w.device) if imp is None else imp.float()) * s.square()
         cent = lut_centroids(u, bits, imp)
         codes = _nearest(u, cent.float())
         if x is not None:
@@ -602,24 +611,25 @@ def refit_table(w: Tensor, codes: Tensor, cent: Tensor, x: Tensor, damp: float =
     A's ones become the scales."""
     n, k = w.shape
     c = cent.shape[1]
-    out = torch.empty(n, c, dtype=torch.float64)
+    dev = w.device
+    out = torch.empty(n, c, dtype=torch.float64, device=dev)
     x = x.float()
-    for rows in _row_blocks(n, k * c):  # the one-hot codes [K, rows * C]
+    for rows in _row_blocks(n, k * c, device=dev):  # the one-hot codes [K, rows * C]
         m = rows.stop - rows.start
-        hot = torch.zeros(k, m * c)
-        hot[torch.arange(k)[:, None], torch.arange(m) * c + codes[rows].T.long()] = \
+        hot = torch.zeros(k, m * c, device=dev)
+        hot[torch.arange(k, device=dev)[:, None], torch.arange(m, device=dev) * c + codes[rows].T.long()] = \
             1.0 if scale is None else scale[rows].T.float()
         xa = (x @ hot).view(-1, m, c).double()  # [T, m, C]: X A per row
         y = (x @ w[rows].float().T).double()  # [T, m]
         mm = torch.einsum("tmc,tmd->mcd", xa, xa)
         lam = damp * mm.diagonal(dim1=1, dim2=2).mean(1).clamp(min=1e-30)
         rhs = torch.einsum("tmc,tm->mc", xa, y) + lam[:, None] * cent[rows].double()
-        out[rows] = torch.linalg.solve(mm + lam[:, None, None] * torch.eye(c, dtype=torch.float64), rhs)
+        out[rows] = torch.linalg.solve(mm + lam[:, None, None] * torch.eye(c, dtype=torch.float64, device=dev), rhs)
     return out
 
 
 @dataclass
-class QuantResidual:
+class QuantResidual(_Tensors):
     """b-bit symmetric per-output-channel residual: R_hat[n, c] = q[n, c] * scales[n], q in [-qmax, qmax]
     (qmax = 7 at the default 4 bits); at 16 bits R_hat is R in fp16 and the scales are 1.
 
@@ -661,11 +671,11 @@ def residual_scale_search(r: Tensor, grid: int = 100, qmax: int = RESIDUAL_QMAX)
     candidates are ranked exactly as a direct float64 evaluation would rank them.
     """
     n, k = r.shape
-    alphas = torch.linspace(0.2, 1.0, grid, dtype=torch.float32)  # [g]
-    levels = torch.arange(qmax + 1, dtype=torch.float64)  # q = 0..qmax
-    out = torch.empty(n, dtype=torch.float16)
+    alphas = torch.linspace(0.2, 1.0, grid, dtype=torch.float32, device=r.device)  # [g]
+    levels = torch.arange(qmax + 1, dtype=torch.float64, device=r.device)  # q = 0..qmax
+    out = torch.empty(n, dtype=torch.float16, device=r.device)
     # float64 temporaries [n, K] and [n, g, qmax + 2]: rows per block sized by the larger
-    for rows in _row_blocks(n, max(k, grid * (qmax + 2)) * 2):
+    for rows in _row_blocks(n, max(k, grid * (qmax + 2)) * 2, device=r.device):
         a = r[rows].float().abs().sort(dim=1).values  # [n, K] ascending
         cand16 = (alphas * a[:, -1:] / qmax).clamp(min=_FP16_MIN_SUBNORMAL).half()  # [n, g]
         s = cand16.double()
@@ -696,11 +706,12 @@ def quantize_residual(r: Tensor, bits: int = RESIDUAL_BITS) -> QuantResidual:
     if n % max(8, per):
         raise ValueError(f"out_features must be a multiple of {max(8, per)} for residual packing, got {n}")
     if bits == 16:
-        return QuantResidual(r.T.contiguous().half().view(torch.int32), torch.ones(n, dtype=torch.float16), 16)
+        ones = torch.ones(n, dtype=torch.float16, device=r.device)
+        return QuantResidual(r.T.contiguous().half().view(torch.int32), ones, 16)
     qmax = residual_qmax(bits)
     scales = residual_scale_search(r, qmax=qmax)
-    packed = torch.empty(k, n * bits // 32, dtype=torch.int32)
-    for rows in _row_blocks(n, k, multiple=max(8, per)):
+    packed = torch.empty(k, n * bits // 32, dtype=torch.int32, device=r.device)
+    for rows in _row_blocks(n, k, max(8, per), r.device):
         s = scales[rows].float()[:, None]  # [n, 1]
         q = (r[rows].float() / s).round().clamp(-qmax, qmax)  # [n, K]
         packed[:, rows.start // per: rows.stop // per] = pack_words((q + qmax + 1).T, bits)

@@ -21,6 +21,10 @@ The output head (the embeddings, where the source ties them) is quantized to 8 b
 keeps it fp16): half the bytes a decode step reads there, which on an 8B model is a fifth of all it reads; 4 bits cost
 the demo model 14% perplexity, 8 bits nothing measurable.
 
+Where: the blocks are quantized and calibrated on the GPU where torch sees one (device "auto"; torch's CUDA alone, no
+CuPy), else on the CPU; the same computation in the same precision, so the same result up to rounding, 4-60x faster
+(README, `localllm bench quantize`). Each block's tensors move to the device in turn, and what is saved comes back.
+
 SmoothAttention (on unless smooth_attention=False): before a block is quantized, its key scaling factors are measured
 on the calibration keys and folded into the q and k rows of qkv (smooth_attention.py): the same function, keys that
 a 4-bit KV cache (--kv-bits 4) quantizes with less error.
@@ -28,7 +32,9 @@ a 4-bit KV cache (--kv-bits 4) quantizes with less error.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
@@ -41,6 +47,7 @@ from .loader import Checkpoint, open_checkpoint
 from .config import rope_inv_freq
 from .model import KINDS, Linear, QdecSettings, RMSNorm, attention_mask, build_block, rope_tables
 from .progress import progress
+from .runtime import resolve_device
 from .qdec import ActStats, select_exact
 from .smooth_attention import ALPHA as SMOOTH_ALPHA, factors as smooth_factors, fold as smooth_fold, key_max
 from .quant import (BASE_BITS, GROUP_SIZES, HEAD_BITS, HEAD_GROUP, HEAD_WIDTHS, TABLE_GROUP, TILE_K, TILE_N,
@@ -101,6 +108,27 @@ def block_inputs(cfg, i: int, t: dict, h: torch.Tensor, rope: tuple, pos: torch.
     return {kind: torch.cat(v) for kind, v in acc.items()}
 
 
+@contextmanager
+def out_of_memory(device: torch.device, block: int):
+    """Turn a GPU's out-of-memory error while quantizing `block` into the one-line error that names the fix."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        if device.type != "cuda":
+            raise
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        raise LocalLLMError(f"the GPU ({torch.cuda.get_device_name(device)}, {total:.0f} GiB) ran out of memory "
+                            f"quantizing block {block}; quantize on the CPU with --device cpu (slower), or pass fewer "
+                            "--calib-tokens") from None
+
+
+def block_tensors(ckpt: Checkpoint, i: int, device: torch.device) -> dict:
+    """Checkpoint.block_tensors(i) on `device`."""
+    move = lambda v: None if v is None else v.to(device)  # noqa: E731
+    return {k: {n: move(t) for n, t in v.items()} if isinstance(v, dict) else move(v)
+            for k, v in ckpt.block_tensors(i).items()}
+
+
 def quantize_block(t: dict, bits: int, group_size: int, residuals: bool, method: str = "rtn",
                    calib=None, cfg=None) -> tuple[dict, dict]:
     """Dense block tensors (Checkpoint.block_tensors) -> (build_block's arguments for the quantized block, what the
@@ -157,26 +185,27 @@ def parse_bits(bits) -> int | float:
                         f"{', '.join(map(str, sorted((*BASE_BITS, *MIXED_BITS))))}")
 
 
-def kl_sensitivity(ckpt: Checkpoint, toks: torch.Tensor, quantize_one: Callable[[int, dict, torch.Tensor], dict]
-                   ) -> list[float]:
+def kl_sensitivity(ckpt: Checkpoint, toks: torch.Tensor, quantize_one: Callable[[int, dict, torch.Tensor], dict],
+                   device: torch.device = torch.device("cpu")) -> list[float]:
     """Per block i: the mean per-token KL divergence of the final next-token distribution of the source model from
     that of the source model with only block i quantized (quantize_one(i, block tensors, block input) -> build_block's
     arguments), on the calibration tokens [n_seq, T] (ZeroQ's sensitivity; the QDEC paper's 3.5-bit allocation).
-    Only one block is dense in memory at a time; the source blocks run L(L+1)/2 times."""
+    Only one block is dense in memory at a time; the source blocks run L(L+1)/2 times, on `device`."""
     cfg = ckpt.config
     settings = QdecSettings()
-    pos = torch.arange(toks.shape[1])
-    rope, mask = rope_tables(rope_inv_freq(cfg), pos), attention_mask(pos, None)
-    norm = RMSNorm(ckpt.final_norm(), cfg.rms_norm_eps)
+    pos = torch.arange(toks.shape[1], device=device)
+    rope, mask = rope_tables(rope_inv_freq(cfg).to(device), pos), attention_mask(pos, None)
+    norm = RMSNorm(ckpt.final_norm().to(device), cfg.rms_norm_eps)
     head = ckpt.lm_head()
-    head = ckpt.embed() if head is None else head
-    dense = lambda i, h: run_block(build_block(cfg, i, ckpt.block_tensors(i), settings), h, rope, pos, mask)  # noqa
+    head = (ckpt.embed() if head is None else head).to(device)
+    dense = lambda i, h: run_block(build_block(cfg, i, block_tensors(ckpt, i, device), settings), h, rope, pos,  # noqa
+                                   mask)
 
     def log_probs(h):
         with torch.no_grad():
             return [F.log_softmax(F.linear(norm(hb), head), dim=-1) for hb in h.split(1)]
 
-    h = ckpt.embed()[toks]
+    h = ckpt.embed()[toks].to(device)
     inputs = []
     for i in progress(range(cfg.num_layers), desc="sensitivity: source model", unit="block"):
         inputs.append(h)
@@ -184,8 +213,8 @@ def kl_sensitivity(ckpt: Checkpoint, toks: torch.Tensor, quantize_one: Callable[
     ref = log_probs(h)
     kls = []
     for i in progress(range(cfg.num_layers), desc="sensitivity: KL per quantized block", unit="block"):
-        h = run_block(build_block(cfg, i, quantize_one(i, ckpt.block_tensors(i), inputs[i]), settings), inputs[i],
-                      rope, pos, mask)
+        h = run_block(build_block(cfg, i, quantize_one(i, block_tensors(ckpt, i, device), inputs[i]), settings),
+                      inputs[i], rope, pos, mask)
         for j in range(i + 1, cfg.num_layers):
             h = dense(j, h)
         kl = sum(F.kl_div(q, p, log_target=True, reduction="sum").item() for p, q in zip(ref, log_probs(h)))
@@ -205,8 +234,13 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
              calib_text: str | None = None, calib_tokens: int = 4096, seq_len: int = 512, kmax: int = 256,
              gguf_file: str | None = None, ckpt: Checkpoint | None = None, method: str = "rtn",
              sensitivity_tokens: int = SENSITIVITY_TOKENS, smooth_attention: bool = True,
-             head_bits: int = HEAD_BITS) -> Path:
+             head_bits: int = HEAD_BITS, device: str | torch.device = "cpu") -> Path:
+    """The model folder `out` from the checkpoint `src` (see the module doc). device: where the blocks are quantized
+    and calibrated, "cpu", "cuda" (torch's CUDA alone; the GPU kernels are not needed) or "auto"; the result is the
+    same up to rounding, and the output head is quantized on the CPU (RTN: cheap, and an 8B model's head in float32
+    is 2 GB)."""
     bits = parse_bits(bits)
+    dev = resolve_device(device, kernels=False)
     if head_bits not in HEAD_WIDTHS:
         raise LocalLLMError(f"--head-bits {head_bits} is not supported; use {' or '.join(map(str, HEAD_WIDTHS))}")
     if method not in METHODS:
@@ -227,10 +261,11 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         if K % TILE_K or N % TILE_N:
             raise LocalLLMError(f"{kind} projection is {N}x{K}: localllm needs in_features % {TILE_K} == 0 and "
                                 f"out_features % {TILE_N} == 0 (the GPU kernels' tiles)")
+    start = time.perf_counter()
     toks, calib = calibration_tokens(ckpt.tokenizer, text, text_name, calib_tokens, seq_len)
     fingerprint = ckpt.fingerprint()
-    pos = torch.arange(toks.shape[1])
-    rope = rope_tables(rope_inv_freq(cfg), pos)
+    pos = torch.arange(toks.shape[1], device=dev)
+    rope = rope_tables(rope_inv_freq(cfg).to(dev), pos)
     mask = attention_mask(pos, None)
 
     def calib_of(i, t, h):  # what the method needs of block i besides its weights (h: the block's input)
@@ -242,7 +277,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         n_seq = max(1, min(toks.shape[0], sensitivity_tokens // toks.shape[1]))
         sens = toks[:n_seq]
         kls = kl_sensitivity(ckpt, sens, lambda i, t, h: quantize_block(
-            t, int(bits), group_size, False, method, calib_of(i, t, h), cfg)[0])
+            t, int(bits), group_size, False, method, calib_of(i, t, h), cfg)[0], dev)
         block_bits = mixed_bits(kls, bits)
         quant["sensitivity"] = {"metric": "kl", "tokens": sens.numel(), "kl": kls}
     else:
@@ -257,26 +292,30 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
                                f"same with their {REFIT_K_CHUNK} largest |x| per 1024 channels zeroed"
 
     embed = ckpt.embed()
-    h = embed[toks]  # [n_seq, seq_len, D]: calibration hidden states, pushed through block by block
+    h = embed[toks].to(dev)  # [n_seq, seq_len, D]: calibration hidden states, pushed through block by block
     settings = QdecSettings()
     tensors = ({}, {}, {})
     found = []
-    for i in progress(range(cfg.num_layers), desc=f"quantizing blocks ({method})", unit="block"):
-        t = ckpt.block_tensors(i)
-        if smooth_attention:  # on this block's calibration keys, before anything else sees its weights
-            lam = smooth_factors(key_max(cfg, t, h, *rope), cfg.head_dim)
-            t = smooth_fold(t, cfg, lam)
-            tensors[0][f"blocks.{i}.k_smooth"] = lam
-        qt, info = quantize_block(t, block_bits[i], group_size, residuals, method, calib_of(i, t, h), cfg)
-        found.append(info)
-        for kind in KINDS:
-            qt[kind]["stats"] = ActStats(modelfile.linear_shape(cfg, kind)[1], kmax)
-        blk = build_block(cfg, i, qt, settings)
-        # the statistics are of what the weights multiply (after AWQ's folding: the GEMV's actual input)
-        h = run_block(blk, h, rope, pos, mask, lambda lin, x: lin.stats.update(x))
-        for acc, part in zip(tensors, modelfile.block_state(i, blk)):
-            acc.update(part)
-        del blk, qt
+    block_s = []  # each block's quantize and calibration time
+    for i in progress(range(cfg.num_layers), desc=f"quantizing blocks ({method}, {dev.type})", unit="block"):
+        t0 = time.perf_counter()
+        with out_of_memory(dev, i):
+            t = block_tensors(ckpt, i, dev)
+            if smooth_attention:  # on this block's calibration keys, before anything else sees its weights
+                lam = smooth_factors(key_max(cfg, t, h, *rope), cfg.head_dim)
+                t = smooth_fold(t, cfg, lam)
+                tensors[0][f"blocks.{i}.k_smooth"] = lam.cpu()
+            qt, info = quantize_block(t, block_bits[i], group_size, residuals, method, calib_of(i, t, h), cfg)
+            found.append(info)
+            for kind in KINDS:
+                qt[kind]["stats"] = ActStats(modelfile.linear_shape(cfg, kind)[1], kmax, dev)
+            blk = build_block(cfg, i, qt, settings)
+            # the statistics are of what the weights multiply (after AWQ's folding: the GEMV's actual input)
+            h = run_block(blk, h, rope, pos, mask, lambda lin, x: lin.stats.update(x))
+            for acc, part in zip(tensors, modelfile.block_state(i, blk)):
+                acc.update({name: v.cpu() for name, v in part.items()})
+            del blk, qt, t
+        block_s.append(round(time.perf_counter() - t0, 3))
     if method == "awq":
         quant["awq_alpha"] = found
         quant["awq_clip"] = f"per row and group, the range shrunk by {1 - awq.CLIPS[-1]:.0%} at most where that " \
@@ -298,6 +337,8 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         "quant": quant,
         "residual": {"bits": 4, "layout": modelfile.RESIDUAL_LAYOUT} if residuals else None,
         "calibration": {**calib, "kmax": kmax, "model_state": "quantized, QDEC off"},
+        "quantized_on": {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                         "block_seconds": block_s, "seconds": round(time.perf_counter() - start, 3)},
         "smooth_attention": {"alpha": SMOOTH_ALPHA, "tensors": "blocks.N.k_smooth",
                              "folded": "q rows of qkv times the factor, k rows divided by it"}
         if smooth_attention else None,

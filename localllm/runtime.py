@@ -283,14 +283,15 @@ class LocalModel:
             yield from (b.attn_norm, b.mlp_norm)
 
 
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """"auto": the GPU when the CUDA kernels can run (GPU + CuPy), else the CPU."""
+def resolve_device(device: str | torch.device = "auto", kernels: bool = True) -> torch.device:
+    """"auto": the GPU when the CUDA kernels can run (GPU + CuPy), else the CPU. kernels=False: what needs torch's
+    CUDA alone (quantizing), which asks for a GPU only."""
     from .kernels import cuda
     if device == "auto":
-        return torch.device("cuda" if cuda.available() else "cpu")
+        return torch.device("cuda" if (cuda.available() if kernels else torch.cuda.is_available()) else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda":
-        cuda.require()
+        cuda.require(kernels)
     elif dev.type != "cpu":
         raise LocalLLMError(f"device '{device}' is not supported; use auto, cpu or cuda")
     return dev

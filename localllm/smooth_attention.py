@@ -24,7 +24,7 @@ def key_max(cfg, t: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     """max |k| per key channel [kv_heads * head_dim] of the block with tensors t (Checkpoint.block_tensors) on the
     calibration hidden states h [n_seq, T, hidden], after RoPE (cos/sin [T, head_dim / 2])."""
     norm, w, b = RMSNorm(t["attn_norm"], cfg.rms_norm_eps), t["qkv"]["weight"], t["qkv"].get("bias")
-    m = torch.zeros(cfg.kv_size)
+    m = torch.zeros(cfg.kv_size, device=h.device)
     with torch.no_grad():
         for hb in h.split(4):
             qkv = F.linear(norm(hb), w, b).flatten(0, 1)  # [n * T, q + k + v]: row r at position r % T
@@ -42,8 +42,8 @@ def factors(kmax: torch.Tensor, head_dim: int, alpha: float = ALPHA) -> torch.Te
 
 def fold(t: dict, cfg, lam: torch.Tensor) -> dict:
     """Block tensors with the q rows of qkv (and bias) times lambda of their kv head and the k rows divided by it."""
-    rows = torch.cat([lam.view(cfg.num_kv_heads, 1, -1).expand(-1, cfg.num_heads // cfg.num_kv_heads, -1).reshape(-1),
-                      1 / lam, torch.ones(cfg.kv_size, dtype=lam.dtype)]).to(t["qkv"]["weight"].dtype)
+    q = lam.view(cfg.num_kv_heads, 1, -1).expand(-1, cfg.num_heads // cfg.num_kv_heads, -1).reshape(-1)
+    rows = torch.cat([q, 1 / lam, torch.ones_like(lam)]).to(t["qkv"]["weight"].dtype)
     qkv = {**t["qkv"], "weight": t["qkv"]["weight"] * rows[:, None]}
     if qkv.get("bias") is not None:
         qkv["bias"] = qkv["bias"] * rows

@@ -12,7 +12,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 # optional arguments: which benchmarks (localllm.bench: gemv, gemv-lut, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune,
-# prefill, kv, kv-ppl; --kv-bits 8|4 for the decoders of e2e, demo, breakdown, e2e-qdec);
+# prefill, kv, kv-ppl, quantize; --kv-bits 8|4 for the decoders of e2e, demo, breakdown, e2e-qdec);
 # GPU_TESTS=0 skips the tests; TESTS="tests/test_gpu_qdec.py ..." runs those files only
 tests_rc=0
 # without textual (not on the device unless its wheels are carried) the chat UI's tests cannot be collected: leave

@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import torch
 from localllm.cli import main
 
 
@@ -44,7 +45,11 @@ def test_quantize_then_generate(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "m2"
     assert main(["quantize", str(tiny_ckpt), "-o", str(out), "--bits", "2", "--group-size", "64",
                  "--calib-tokens", "512"]) == 0
-    assert json.loads((out / "localllm.json").read_text())["quant"]["bits"] == 2
+    manifest = json.loads((out / "localllm.json").read_text())
+    assert manifest["quant"]["bits"] == 2
+    # --device auto: the GPU where torch sees one
+    assert manifest["quantized_on"]["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    assert len(manifest["quantized_on"]["block_seconds"]) == 2
     assert main(["generate", str(out), "hi", "--max-new-tokens", "3", "--qdec", "off"]) == 0
 
 
@@ -75,7 +80,6 @@ def test_chat_starts_the_app_with_the_options(tiny_quant, monkeypatch):
 
 
 def test_chat_errors_before_the_app_are_one_line(capsys, tmp_path):
-    import torch
     assert main(["chat", "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
     assert main(["chat", "--save-dir", str(tmp_path / "no-such-folder")]) == 2
@@ -84,4 +88,6 @@ def test_chat_errors_before_the_app_are_one_line(capsys, tmp_path):
     assert capsys.readouterr().err.startswith("localllm: error: no such file or folder")
     if not torch.cuda.is_available():
         assert main(["chat", "--device", "cuda"]) == 2
+        assert capsys.readouterr().err.startswith("localllm: error: no CUDA GPU is visible")
+        assert main(["quantize", str(tmp_path / "no-model"), "-o", str(tmp_path / "q"), "--device", "cuda"]) == 2
         assert capsys.readouterr().err.startswith("localllm: error: no CUDA GPU is visible")
