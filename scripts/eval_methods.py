@@ -1,6 +1,7 @@
-"""Perplexity table of quantized models (rtn / awq / squeezellm, 3 / 3.5 / 4 bits) without and with QDEC, on the CPU.
+"""Perplexity table of quantized models (rtn / awq / squeezellm, 3 / 3.5 / 4 bits) without and with QDEC, on the CPU
+(or --device cuda: the GPU's fp16 path and its QDEC kernel, token by token where QDEC is on).
 
-    python scripts/eval_methods.py MODEL_DIR... [--tokens 4096] [--ctx 512]
+    python scripts/eval_methods.py MODEL_DIR... [--tokens 4096] [--ctx 512] [--settings off,k8] [--device cuda]
 
 Each cell: perplexity / mean KL divergence per token from the source checkpoint each model was quantized from (the
 source is loaded once per model; --no-kl skips it). Columns: QDEC off; approx k_chunk 8 on every layer; approx k_chunk 8
@@ -25,23 +26,26 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--no-kl", action="store_true", help="perplexity only")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="columns, of " + ", ".join(SETTINGS))
+    p.add_argument("--device", default="cpu")
     a = p.parse_args()
+    settings = {n: SETTINGS[n] for n in a.settings.split(",")}
     from localllm.evaluate import Reference, losses, paired_change, read_text, source_path, tokenize
     from localllm.modelfile import quant_label
     from localllm.runtime import load
     def header() -> None:
-        print(f"| model | {' | '.join(SETTINGS)} |")
-        print("|---|" + "---|" * len(SETTINGS))
+        print(f"| model | {' | '.join(settings)} |")
+        print("|---|" + "---|" * len(settings))
 
     header()
     scored, labels = [], []  # per model: {setting: per-token losses}
     for m in a.models:
-        lm = load(m, qdec="off")
+        lm = load(m, qdec="off", device=a.device)
         ids = tokenize(lm, read_text(None)[0], a.tokens)
         src = source_path(lm)
-        ref = None if a.no_kl or not src else Reference(load(src, qdec="off"), lm)
+        ref = None if a.no_kl or not src else Reference(load(src, qdec="off", device=a.device), lm)
         cells, scored_m = [], {}
-        for name, s in SETTINGS.items():
+        for name, s in settings.items():
             if s != "off" and not lm.has_residuals:
                 cells.append("")
                 continue
@@ -57,7 +61,7 @@ def main() -> None:
         header()
         for label, sm in zip(labels[1:], scored[1:]):
             cells = []
-            for name in SETTINGS:
+            for name in settings:
                 if name not in sm or name not in scored[0] or len(sm[name]) != len(scored[0][name]):
                     cells.append("")
                     continue
