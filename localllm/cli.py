@@ -82,6 +82,9 @@ def cmd_info(a) -> None:
         print(f"calibration  {c['tokens']} tokens of {c['text']}, k_chunk up to {c['kmax']}")
     else:
         print("calibration  none")
+    if d.get("quantized_on"):
+        q = d["quantized_on"]
+        print(f"quantized on {q['device']} in {q['seconds'] / 60:.1f} min")
     print(f"source       {d['source'].get('hub_id') or d['source']['path']}"
           + (f"  sha256 {d['source']['sha256'][:16]}" if d['source'].get('sha256') else ""))
     print(f"tuning       {', '.join(d['tuning_profiles']) or 'no profiles (run `localllm tune`)'}")

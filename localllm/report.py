@@ -154,7 +154,7 @@ def variant(ckpt, sha: str, name: str, bits: int, group_size: int, src: str) -> 
     print(f"localllm: quantizing {name} to {bits} bits for the report (cached in {out})", file=sys.stderr)
     seq_len = min(512, ckpt.config.max_position_embeddings)
     return quantize(src, str(out), bits=bits, group_size=group_size, seq_len=seq_len, ckpt=ckpt,
-                    head_bits=VARIANT_HEAD_BITS)
+                    head_bits=VARIANT_HEAD_BITS, device="auto")
 
 
 def machine(gpu: bool) -> dict:

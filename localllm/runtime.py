@@ -408,6 +408,7 @@ def describe(lm: LocalModel) -> dict:
         "head": (m["quant"].get("head") or None) if m else None,  # None: fp16 (or tied to the embeddings)
         "residuals": m.get("residual"),
         "calibration": m.get("calibration"),
+        "quantized_on": m.get("quantized_on"),  # where and how long (files from before session 39 lack it)
         "source": m.get("source", {"path": lm.path}),
         "model_id": m.get("model_id"),
         **lm.sizes(),

@@ -39,6 +39,7 @@ def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):
     assert main(["info", str(tiny_quant)]) == 0
     out = capsys.readouterr().out
     assert "pinned host" in out and "GPU memory" in out and "no profiles" in out and "output head 8-bit" in out
+    assert f"quantized on {d['quantized_on']['device']} in " in out
 
 
 def test_quantize_then_generate(tiny_ckpt, tmp_path, capsys):
