@@ -748,22 +748,23 @@ def bench_quantize(bits: int = 4, methods=("rtn", "awq", "squeezellm"), cpu_shap
     rows = []
     print(f"\nQuantizing, {bits} bits, 4096 calibration tokens: seconds per block (the whole model's blocks at that "
           f"rate); CPU: {torch.get_num_threads()} threads")
-    print(f"{'model':13} {'method':10} {'GPU s/block':>11} {'GPU min':>7} {'CPU s/block':>11} {'CPU min':>7} "
-          f"{'speedup':>7}")
+    print(f"{'model':13} {'method':10} {'GPU s/block':>11} {'GPU min':>7} {'GPU GiB':>7} {'CPU s/block':>11} "
+          f"{'CPU min':>7} {'speedup':>7}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, (arch, layers, cfg) in QUANT_SHAPES.items():
             src = synthetic.checkpoint(Path(tmp) / name, arch, std=0.02, tokenizer_vocab=4096, dtype=torch.float16,
                                        vocab_size=32768, num_hidden_layers=1, tie_word_embeddings=True, **cfg)
             for method in methods:
-                sec = {}
+                on = {}
                 for dev in ("cuda", "cpu") if name in cpu_shapes else ("cuda",):
                     out = quantize(str(src), str(Path(tmp) / f"{name}-{method}-{dev}"), bits, method=method,
                                    head_bits=16, device=dev)
-                    sec[dev] = json.loads((out / "localllm.json").read_text())["quantized_on"]["block_seconds"][0]
-                g, c = sec["cuda"], sec.get("cpu")
+                    on[dev] = json.loads((out / "localllm.json").read_text())["quantized_on"]
+                g, c = on["cuda"]["block_seconds"][0], on["cpu"]["block_seconds"][0] if "cpu" in on else None
+                gib = on["cuda"]["peak_gpu_bytes"] / 2**30  # the whole run's peak: a block and its calibration
                 cpu_cols = f"{c:11.1f} {c * layers / 60:7.1f} {c / g:6.1f}x" if c else f"{'':11} {'':7} {'':7}"
-                print(f"{name:13} {method:10} {g:11.2f} {g * layers / 60:7.1f} {cpu_cols}", flush=True)
-                rows.append({"model": name, "method": method, "gpu_s": g, "cpu_s": c})
+                print(f"{name:13} {method:10} {g:11.2f} {g * layers / 60:7.1f} {gib:7.1f} {cpu_cols}", flush=True)
+                rows.append({"model": name, "method": method, "gpu_s": g, "cpu_s": c, "peak_gpu_gib": gib})
     return rows
 
 

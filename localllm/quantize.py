@@ -262,6 +262,8 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
             raise LocalLLMError(f"{kind} projection is {N}x{K}: localllm needs in_features % {TILE_K} == 0 and "
                                 f"out_features % {TILE_N} == 0 (the GPU kernels' tiles)")
     start = time.perf_counter()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     toks, calib = calibration_tokens(ckpt.tokenizer, text, text_name, calib_tokens, seq_len)
     fingerprint = ckpt.fingerprint()
     pos = torch.arange(toks.shape[1], device=dev)
@@ -338,7 +340,8 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         "residual": {"bits": 4, "layout": modelfile.RESIDUAL_LAYOUT} if residuals else None,
         "calibration": {**calib, "kmax": kmax, "model_state": "quantized, QDEC off"},
         "quantized_on": {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                         "block_seconds": block_s, "seconds": round(time.perf_counter() - start, 3)},
+                         "block_seconds": block_s, "seconds": round(time.perf_counter() - start, 3),
+                         "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None},
         "smooth_attention": {"alpha": SMOOTH_ALPHA, "tensors": "blocks.N.k_smooth",
                              "folded": "q rows of qkv times the factor, k rows divided by it"}
         if smooth_attention else None,

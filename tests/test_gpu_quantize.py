@@ -25,6 +25,7 @@ def test_quantize_on_gpu_matches_cpu(tiny_ckpt, tmp_path, method, bits):
     assert mc["quantized_on"]["device"] == "cpu"
     assert mg["quantized_on"]["device"] == torch.cuda.get_device_name()
     assert len(mg["quantized_on"]["block_seconds"]) == mg["config"]["num_layers"]
+    assert mg["quantized_on"]["peak_gpu_bytes"] > 0 and mc["quantized_on"]["peak_gpu_bytes"] is None
     if method == "awq":  # the searches pick the same scales
         assert mg["quant"]["awq_alpha"] == mc["quant"]["awq_alpha"]
     if isinstance(bits, float):
