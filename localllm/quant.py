@@ -493,7 +493,8 @@ def lut_centroids(w: Tensor, bits: int, importance: Tensor | None = None, iters:
     imp = imp.gather(1, order).double()
     x = srt.double()
     pw, pwx, pwxx = (F.pad(t.cumsum(1), (1, 0)) for t in (imp, imp * x, imp * x * x))  # prefix sums [n, K+1]
-    cent = torch.cat([_runs_kmeans(pw[r], pwx[r], pwxx[r], c, bins) for r in _row_blocks(n, 16 * bins * bins, device=w.device)])
+    blocks = _row_blocks(n, 16 * bins * bins, device=w.device)  # the DP's [rows, bins, bins] temporaries
+    cent = torch.cat([_runs_kmeans(pw[r], pwx[r], pwxx[r], c, bins) for r in blocks])
     edges = None
     for _ in range(iters):
         mids = ((cent[:, 1:] + cent[:, :-1]) / 2).float().contiguous()
