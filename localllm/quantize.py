@@ -109,8 +109,8 @@ def block_inputs(cfg, i: int, t: dict, h: torch.Tensor, rope: tuple, pos: torch.
 
 
 @contextmanager
-def out_of_memory(device: torch.device, block: int):
-    """Turn a GPU's out-of-memory error while quantizing `block` into the one-line error that names the fix."""
+def out_of_memory(device: torch.device, what: str):
+    """Turn a GPU's out-of-memory error while doing `what` into the one-line error that names the fix."""
     try:
         yield
     except torch.OutOfMemoryError:
@@ -118,8 +118,8 @@ def out_of_memory(device: torch.device, block: int):
             raise
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
         raise LocalLLMError(f"the GPU ({torch.cuda.get_device_name(device)}, {total:.0f} GiB) ran out of memory "
-                            f"quantizing block {block}; quantize on the CPU with --device cpu (slower), or pass fewer "
-                            "--calib-tokens") from None
+                            f"{what}; quantize on the CPU with --device cpu (slower), or pass fewer --calib-tokens"
+                            ) from None
 
 
 def block_tensors(ckpt: Checkpoint, i: int, device: torch.device) -> dict:
@@ -278,8 +278,9 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     if isinstance(bits, float):
         n_seq = max(1, min(toks.shape[0], sensitivity_tokens // toks.shape[1]))
         sens = toks[:n_seq]
-        kls = kl_sensitivity(ckpt, sens, lambda i, t, h: quantize_block(
-            t, int(bits), group_size, False, method, calib_of(i, t, h), cfg)[0], dev)
+        with out_of_memory(dev, "measuring each block's KL sensitivity"):
+            kls = kl_sensitivity(ckpt, sens, lambda i, t, h: quantize_block(
+                t, int(bits), group_size, False, method, calib_of(i, t, h), cfg)[0], dev)
         block_bits = mixed_bits(kls, bits)
         quant["sensitivity"] = {"metric": "kl", "tokens": sens.numel(), "kl": kls}
     else:
@@ -301,7 +302,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     block_s = []  # each block's quantize and calibration time
     for i in progress(range(cfg.num_layers), desc=f"quantizing blocks ({method}, {dev.type})", unit="block"):
         t0 = time.perf_counter()
-        with out_of_memory(dev, i):
+        with out_of_memory(dev, f"quantizing block {i}"):
             t = block_tensors(ckpt, i, dev)
             if smooth_attention:  # on this block's calibration keys, before anything else sees its weights
                 lam = smooth_factors(key_max(cfg, t, h, *rope), cfg.head_dim)

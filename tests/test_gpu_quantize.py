@@ -66,4 +66,6 @@ def test_quantize_on_gpu_names_the_fix_when_memory_runs_out(tiny_ckpt, tmp_path,
     monkeypatch.setattr(qmod, "quantize_block", oom)
     with pytest.raises(LocalLLMError, match="ran out of memory quantizing block 0.*--device cpu"):
         quantize(str(tiny_ckpt), str(tmp_path / "q"), bits=4, calib_tokens=512, seq_len=128, device="cuda")
+    with pytest.raises(LocalLLMError, match="ran out of memory measuring each block's KL sensitivity.*--device cpu"):
+        quantize(str(tiny_ckpt), str(tmp_path / "q"), bits=3.5, calib_tokens=512, seq_len=128, device="cuda")
     assert not (tmp_path / "q").exists()

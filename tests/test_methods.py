@@ -13,8 +13,8 @@ from localllm.errors import LocalLLMError
 from localllm.model import KINDS, QdecSettings, attention_mask, build_block, rope_tables
 from localllm.quant import (TABLE_LEVELS, QuantLUT, lut_centroids, pack_codes, quantize_lut, quantize_rtn,
                             refit_table, rtn_dequantized, table_groups, unpack_codes)
-from localllm.quantize import (REFIT_K_CHUNK, REFIT_TOKENS, block_inputs, kl_sensitivity, mixed_bits, quantize,
-                               quantize_block, refit_inputs)
+from localllm.quantize import (REFIT_K_CHUNK, REFIT_TOKENS, block_inputs, kl_sensitivity, mixed_bits, out_of_memory,
+                               quantize, quantize_block, refit_inputs)
 from localllm.runtime import load
 
 
@@ -574,3 +574,18 @@ def test_tuner_bounds_k_chunk_by_the_widest_layer_of_a_kind(tiny_ckpt, tmp_path)
         lm.model.blocks = torch.nn.ModuleList(blocks)
         p = problem_of(lm, sm_count=132, smem=need[4], grid_of=grid_of)
         assert {lay.kind: lay.k_max for lay in p.layers}["down"] == 10
+
+
+def test_a_gpu_out_of_memory_names_the_fix(monkeypatch):
+    """On a GPU an out-of-memory error while quantizing becomes one line that names --device cpu (the GPU tests force
+    it inside quantize); on the CPU it passes through as it is."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Some GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=6 * 2**30))
+    with pytest.raises(LocalLLMError, match=r"^the GPU \(Some GPU, 6 GiB\) ran out of memory quantizing block 3; "
+                                            r"quantize on the CPU with --device cpu"):
+        with out_of_memory(torch.device("cuda"), "quantizing block 3"):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(torch.OutOfMemoryError):
+        with out_of_memory(torch.device("cpu"), "quantizing block 3"):
+            raise torch.OutOfMemoryError("out of memory")
