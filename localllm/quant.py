@@ -30,8 +30,9 @@ RESIDUAL_QMAX = 7  # residual codes are clip(round(r / S), -7, 7)
 RESIDUAL_WIDTHS = (2, 4, 8, 16)  # 16: the residual in fp16, no scale (Table 1's FP16 column)
 
 # Row blocks hold about this many elements, bounding temporaries to tens of MB; on a GPU _GPU_BLOCKS times as many:
-# each block's ops are a few kernel launches, and `localllm quantize` on the H100 took 6.4 s for a Qwen2.5-1.5B block
-# with squeezellm at 1x, 1.3 s at 8x, 0.7 s at 32x (bench quantize; the temporaries then reach ~1 GB)
+# each block's ops are a few kernel launches, and `localllm quantize` on the H100 took 6.4 s for a random-weight
+# Qwen2.5-1.5B block with squeezellm at 1x, 1.3 s at 8x, 0.7 s at 32x. At 16x `bench quantize` measured 0.8-1.0 s and
+# a peak of 4.5 GiB for the whole run (8B block: 5.0 GiB)
 _BLOCK_ELEMS = 1 << 22
 _GPU_BLOCKS = 16
 # Smallest normal fp16: base scales are clamped to it so fp16 storage keeps 11 bits of
