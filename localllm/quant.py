@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -198,18 +198,8 @@ def unpack_codes(qweight: Tensor, bits: int) -> Tensor:
     return c.transpose(1, 2).reshape(nt * 16, kt * 64)
 
 
-class _Tensors:
-    """to(device) for the quantized forms below: `localllm quantize` computes them on its device and saves them from
-    the CPU."""
-
-    def to(self, device: torch.device | str):
-        """A copy with every tensor on `device`."""
-        return replace(self, **{f.name: v.to(device) for f in fields(self)
-                                if isinstance(v := getattr(self, f.name), Tensor)})
-
-
 @dataclass
-class QuantWeight(_Tensors):
+class QuantWeight:
     """Group-wise asymmetric RTN weight: W_hat[n, c] = (code - zeros[n, g]) * scales[n, g], g = c // group_size."""
 
     qweight: Tensor  # int32 [N / 16, K * bits / 2], layout mma-v3 (pack_codes)
@@ -329,7 +319,7 @@ TABLE_GROUP = 128  # grouped tables (QuantLUT.group_size): the group of input ch
 
 
 @dataclass
-class QuantLUT(_Tensors):
+class QuantLUT:
     """Non-uniform weight, one codebook per output channel (SqueezeLLM-style): W_hat[n, c] = table[n, code[n, c]], or
     with groups (group_size set) W_hat[n, c] = offsets[n, g] + scales[n, g] * table[n, code[n, c]], g = c // group_size.
 
@@ -631,7 +621,7 @@ def refit_table(w: Tensor, codes: Tensor, cent: Tensor, x: Tensor, damp: float =
 
 
 @dataclass
-class QuantResidual(_Tensors):
+class QuantResidual:
     """b-bit symmetric per-output-channel residual: R_hat[n, c] = q[n, c] * scales[n], q in [-qmax, qmax]
     (qmax = 7 at the default 4 bits); at 16 bits R_hat is R in fp16 and the scales are 1.
 

@@ -6,7 +6,6 @@ import zlib
 from pathlib import Path
 
 import pytest
-import torch
 
 # Fresh random weights every run; a failing run prints the seed, and LOCALLLM_TEST_SEED=<seed> draws the same models
 # again.
