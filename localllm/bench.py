@@ -736,9 +736,11 @@ QUANT_SHAPES = {
 }
 
 
-def bench_quantize(bits: int = 4, methods=("rtn", "awq", "squeezellm"), cpu_shapes=("Qwen2.5-1.5B",)) -> list[dict]:
+def bench_quantize(bits: int = 4, methods=("rtn", "awq", "squeezellm"), cpu_shapes=("Qwen2.5-1.5B",),
+                   cap_gib: float = 5.0) -> list[dict]:
     """`localllm quantize` on the GPU vs the CPU (all of this machine's cores): seconds per block (quantize, residuals,
-    calibration) of one block of each QUANT_SHAPES model, and the whole model's blocks at that rate."""
+    calibration) of one block of each QUANT_SHAPES model, and the whole model's blocks at that rate; then the 8B block
+    on the GPU with torch's memory capped at cap_gib (the row blocks it settles on)."""
     import json
     import tempfile
     from pathlib import Path
@@ -765,6 +767,30 @@ def bench_quantize(bits: int = 4, methods=("rtn", "awq", "squeezellm"), cpu_shap
                 cpu_cols = f"{c:11.1f} {c * layers / 60:7.1f} {c / g:6.1f}x" if c else f"{'':11} {'':7} {'':7}"
                 print(f"{name:13} {method:10} {g:11.2f} {g * layers / 60:7.1f} {gib:7.1f} {cpu_cols}", flush=True)
                 rows.append({"model": name, "method": method, "gpu_s": g, "cpu_s": c, "peak_gpu_gib": gib})
+        # a small GPU: torch may allocate cap_gib at most, so the row blocks shrink where a block does not fit
+        name = "Llama-3-8B"
+        total = torch.cuda.get_device_properties(0).total_memory
+        print(f"\n{name}, torch's allocations capped at {cap_gib:g} GiB (a laptop GPU): row blocks reached, seconds per "
+              f"block, peak")
+        print(f"{'method':10} {'row blocks':>10} {'GPU s/block':>11} {'GPU min':>7} {'GPU GiB':>7}")
+        torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total)
+        try:
+            for method in methods:
+                torch.cuda.empty_cache()
+                try:
+                    out = quantize(str(Path(tmp) / name), str(Path(tmp) / f"{name}-{method}-cap"), bits,
+                                   method=method, head_bits=16, device="cuda")
+                except LocalLLMError as e:
+                    print(f"{method:10} {e}", flush=True)
+                    continue
+                on = json.loads((out / "localllm.json").read_text())["quantized_on"]
+                g, layers = on["block_seconds"][0], QUANT_SHAPES[name][1]
+                print(f"{method:10} {str(on['gpu_row_blocks']) + 'x':>10} {g:11.2f} {g * layers / 60:7.1f} "
+                      f"{on['peak_gpu_bytes'] / 2**30:7.1f}", flush=True)
+                rows.append({"model": name, "method": method, "cap_gib": cap_gib, "gpu_s": g,
+                             "row_blocks": on["gpu_row_blocks"], "peak_gpu_gib": on["peak_gpu_bytes"] / 2**30})
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
     return rows
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +30,27 @@ RESIDUAL_BITS = 4
 RESIDUAL_QMAX = 7  # residual codes are clip(round(r / S), -7, 7)
 RESIDUAL_WIDTHS = (2, 4, 8, 16)  # 16: the residual in fp16, no scale (Table 1's FP16 column)
 
-# Row blocks hold about this many elements, bounding temporaries to tens of MB; on a GPU _GPU_BLOCKS times as many:
-# each block's ops are a few kernel launches, and `localllm quantize` on the H100 took 6.4 s for a random-weight
-# Qwen2.5-1.5B block with squeezellm at 1x, 1.3 s at 8x, 0.7 s at 32x. At 16x `bench quantize` measured 0.8-1.0 s and
-# a peak of 4.5 GiB for the whole run (8B block: 5.0 GiB)
+# Row blocks hold about this many elements, bounding temporaries to tens of MB; on a GPU GPU_BLOCKS times as many
+# (gpu_row_blocks_at): each block's ops are a few kernel launches, and `localllm quantize` on the H100 took 6.4 s for
+# a random-weight Qwen2.5-1.5B block with squeezellm at 1x, 1.3 s at 8x and 0.7 s at 32x. At 16x `bench quantize`
+# measured 0.8-1.0 s and a peak of 4.5 GiB for the whole run (8B block: 5.0 GiB); quantize halves the factor where a
+# GPU runs out of memory (quantize.GpuMemoryFit)
 _BLOCK_ELEMS = 1 << 22
-_GPU_BLOCKS = 16
+GPU_BLOCKS = 16
+_gpu_blocks = GPU_BLOCKS
+
+
+@contextmanager
+def gpu_row_blocks_at(factor: int):
+    """Within this block, a GPU's row blocks are `factor` times the CPU's."""
+    global _gpu_blocks
+    old, _gpu_blocks = _gpu_blocks, factor
+    try:
+        yield
+    finally:
+        _gpu_blocks = old
+
+
 # Smallest normal fp16: base scales are clamped to it so fp16 storage keeps 11 bits of
 # precision and the quantization grid still covers the group after rounding.
 _FP16_MIN_NORMAL = 2.0**-14
@@ -44,7 +60,7 @@ _FP16_MIN_SUBNORMAL = 2.0**-24
 
 def _row_blocks(n: int, k: int, multiple: int = 1, device: torch.device | None = None) -> Iterator[slice]:
     """Slices of rows of an [n, k] matrix on `device`, each a multiple of `multiple` rows long (except the last)."""
-    elems = _BLOCK_ELEMS * (_GPU_BLOCKS if device is not None and device.type == "cuda" else 1)
+    elems = _BLOCK_ELEMS * (_gpu_blocks if device is not None and device.type == "cuda" else 1)
     step = max(multiple, elems // max(k, 1) // multiple * multiple)
     for r0 in range(0, n, step):
         yield slice(r0, min(r0 + step, n))

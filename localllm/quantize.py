@@ -24,6 +24,7 @@ the demo model 14% perplexity, 8 bits nothing measurable.
 Where: the blocks are quantized and calibrated on the GPU where torch sees one (device "auto"; torch's CUDA alone, no
 CuPy), else on the CPU; the same computation in the same precision, so the same result up to rounding, 4-60x faster
 (README, `localllm bench quantize`). Each block's tensors move to the device in turn, and what is saved comes back.
+A block that runs out of GPU memory is quantized again with smaller row blocks (GpuMemoryFit).
 
 SmoothAttention (on unless smooth_attention=False): before a block is quantized, its key scaling factors are measured
 on the calibration keys and folded into the q and k rows of qkv (smooth_attention.py): the same function, keys that
@@ -31,15 +32,18 @@ a 4-bit KV cache (--kv-bits 4) quantizes with less error.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
+import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from tqdm.auto import tqdm
 
 from . import awq, modelfile
 from .errors import LocalLLMError
@@ -50,8 +54,8 @@ from .progress import progress
 from .runtime import resolve_device
 from .qdec import ActStats, select_exact
 from .smooth_attention import ALPHA as SMOOTH_ALPHA, factors as smooth_factors, fold as smooth_fold, key_max
-from .quant import (BASE_BITS, GROUP_SIZES, HEAD_BITS, HEAD_GROUP, HEAD_WIDTHS, TABLE_GROUP, TILE_K, TILE_N,
-                    quantize_lut, quantize_residual, quantize_rtn)
+from .quant import (BASE_BITS, GPU_BLOCKS, GROUP_SIZES, HEAD_BITS, HEAD_GROUP, HEAD_WIDTHS, TABLE_GROUP, TILE_K,
+                    TILE_N, gpu_row_blocks_at, quantize_lut, quantize_residual, quantize_rtn)
 
 DEFAULT_CALIB = "calibration.txt"  # shipped in localllm/data
 METHODS = ("rtn", "awq", "squeezellm")
@@ -108,18 +112,37 @@ def block_inputs(cfg, i: int, t: dict, h: torch.Tensor, rope: tuple, pos: torch.
     return {kind: torch.cat(v) for kind, v in acc.items()}
 
 
-@contextmanager
-def out_of_memory(device: torch.device, what: str):
-    """Turn a GPU's out-of-memory error while doing `what` into the one-line error that names the fix."""
-    try:
-        yield
-    except torch.OutOfMemoryError:
-        if device.type != "cuda":
-            raise
-        total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        raise LocalLLMError(f"the GPU ({torch.cuda.get_device_name(device)}, {total:.0f} GiB) ran out of memory "
-                            f"{what}; quantize on the CPU with --device cpu (slower), or pass fewer --calib-tokens"
-                            ) from None
+class GpuMemoryFit:
+    """Runs quantize's steps on `device` with the largest GPU row blocks (quant.gpu_row_blocks_at) that fit: where a
+    step runs out of GPU memory, it runs again with row blocks half as large, and later steps keep that size; where
+    the CPU's size does not fit either, the one-line error that names the fix. On the CPU, steps just run."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.factor = device, GPU_BLOCKS
+
+    def __call__(self, what: str, step: Callable[[], object]):
+        while True:
+            try:
+                with gpu_row_blocks_at(self.factor):
+                    return step()
+            except torch.OutOfMemoryError:
+                if self.device.type != "cuda":
+                    raise
+                if self.factor == 1:
+                    raise gpu_memory_error(self.device, what) from None
+                self.factor //= 2
+            # out of the handler, the failed step's tensors are garbage: give their memory back before trying again
+            gc.collect()
+            torch.cuda.empty_cache()
+            tqdm.write(f"localllm: the GPU ran out of memory {what}; trying again with smaller row blocks "
+                       f"({self.factor}x the CPU's)", file=sys.stderr)
+
+
+def gpu_memory_error(device: torch.device, what: str) -> LocalLLMError:
+    """The one-line error for a GPU that ran out of memory doing `what` with the smallest row blocks."""
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return LocalLLMError(f"the GPU ({torch.cuda.get_device_name(device)}, {total:.0f} GiB) ran out of memory {what}; "
+                         f"quantize on the CPU with --device cpu (slower), or pass fewer --calib-tokens")
 
 
 def block_tensors(ckpt: Checkpoint, i: int, device: torch.device) -> dict:
@@ -262,6 +285,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
             raise LocalLLMError(f"{kind} projection is {N}x{K}: localllm needs in_features % {TILE_K} == 0 and "
                                 f"out_features % {TILE_N} == 0 (the GPU kernels' tiles)")
     start = time.perf_counter()
+    fit = GpuMemoryFit(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     toks, calib = calibration_tokens(ckpt.tokenizer, text, text_name, calib_tokens, seq_len)
@@ -278,9 +302,8 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     if isinstance(bits, float):
         n_seq = max(1, min(toks.shape[0], sensitivity_tokens // toks.shape[1]))
         sens = toks[:n_seq]
-        with out_of_memory(dev, "measuring each block's KL sensitivity"):
-            kls = kl_sensitivity(ckpt, sens, lambda i, t, h: quantize_block(
-                t, int(bits), group_size, False, method, calib_of(i, t, h), cfg)[0], dev)
+        kls = fit("measuring each block's KL sensitivity", lambda: kl_sensitivity(ckpt, sens, lambda i, t, h: (
+            quantize_block(t, int(bits), group_size, False, method, calib_of(i, t, h), cfg)[0]), dev))
         block_bits = mixed_bits(kls, bits)
         quant["sensitivity"] = {"metric": "kl", "tokens": sens.numel(), "kl": kls}
     else:
@@ -302,22 +325,28 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     block_s = []  # each block's quantize and calibration time
     for i in progress(range(cfg.num_layers), desc=f"quantizing blocks ({method}, {dev.type})", unit="block"):
         t0 = time.perf_counter()
-        with out_of_memory(dev, f"quantizing block {i}"):
+
+        def one_block():  # -> (the next block's input, what is saved of this one, what the method found)
             t = block_tensors(ckpt, i, dev)
+            saved = ({}, {}, {})
             if smooth_attention:  # on this block's calibration keys, before anything else sees its weights
                 lam = smooth_factors(key_max(cfg, t, h, *rope), cfg.head_dim)
                 t = smooth_fold(t, cfg, lam)
-                tensors[0][f"blocks.{i}.k_smooth"] = lam.cpu()
+                saved[0][f"blocks.{i}.k_smooth"] = lam.cpu()
             qt, info = quantize_block(t, block_bits[i], group_size, residuals, method, calib_of(i, t, h), cfg)
-            found.append(info)
             for kind in KINDS:
                 qt[kind]["stats"] = ActStats(modelfile.linear_shape(cfg, kind)[1], kmax, dev)
             blk = build_block(cfg, i, qt, settings)
             # the statistics are of what the weights multiply (after AWQ's folding: the GEMV's actual input)
-            h = run_block(blk, h, rope, pos, mask, lambda lin, x: lin.stats.update(x))
-            for acc, part in zip(tensors, modelfile.block_state(i, blk)):
+            out = run_block(blk, h, rope, pos, mask, lambda lin, x: lin.stats.update(x))
+            for acc, part in zip(saved, modelfile.block_state(i, blk)):
                 acc.update({name: v.cpu() for name, v in part.items()})
-            del blk, qt, t
+            return out, saved, info
+
+        h, saved, info = fit(f"quantizing block {i}", one_block)
+        found.append(info)
+        for acc, part in zip(tensors, saved):
+            acc.update(part)
         block_s.append(round(time.perf_counter() - t0, 3))
     if method == "awq":
         quant["awq_alpha"] = found
@@ -342,7 +371,8 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         "calibration": {**calib, "kmax": kmax, "model_state": "quantized, QDEC off"},
         "quantized_on": {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                          "block_seconds": block_s, "seconds": round(time.perf_counter() - start, 3),
-                         "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None},
+                         "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+                         "gpu_row_blocks": fit.factor if dev.type == "cuda" else None},
         "smooth_attention": {"alpha": SMOOTH_ALPHA, "tensors": "blocks.N.k_smooth",
                              "folded": "q rows of qkv times the factor, k rows divided by it"}
         if smooth_attention else None,

@@ -69,3 +69,31 @@ def test_quantize_on_gpu_names_the_fix_when_memory_runs_out(tiny_ckpt, tmp_path,
     with pytest.raises(LocalLLMError, match="ran out of memory measuring each block's KL sensitivity.*--device cpu"):
         quantize(str(tiny_ckpt), str(tmp_path / "q"), bits=3.5, calib_tokens=512, seq_len=128, device="cuda")
     assert not (tmp_path / "q").exists()
+
+
+def test_quantize_on_gpu_halves_the_row_blocks_where_memory_runs_out(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """A block that runs out of GPU memory is quantized again with smaller row blocks, and so are the later ones: the
+    same model as without the retries, up to rounding."""
+    from localllm import quant
+    from localllm import quantize as qmod
+    real, tries = qmod.quantize_block, []
+
+    def tight(*a, **k):  # as if the GPU fit row blocks of 2x the CPU's at most
+        tries.append(quant._gpu_blocks)
+        if quant._gpu_blocks > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(*a, **k)
+    kw = dict(bits=4, method="awq", calib_tokens=1024, seq_len=128, device="cuda")
+    plain = quantize(str(tiny_ckpt), str(tmp_path / "plain"), **kw)
+    monkeypatch.setattr(qmod, "quantize_block", tight)
+    small = quantize(str(tiny_ckpt), str(tmp_path / "small"), **kw)
+    layers = manifest(small)["config"]["num_layers"]
+    assert tries == [16, 8, 4, 2] + [2] * (layers - 1)
+    assert manifest(small)["quantized_on"]["gpu_row_blocks"] == 2
+    assert manifest(plain)["quantized_on"]["gpu_row_blocks"] == 16
+    assert "trying again with smaller row blocks (2x the CPU's)" in capsys.readouterr().err
+    source, a, b = load(str(tiny_ckpt)), load(plain, qdec="off"), load(small, qdec="off")
+    toks = torch.randint(0, a.model.cfg.vocab_size, (2, 48))
+    with torch.no_grad():
+        ref, ya, yb = (m.model(toks) for m in (source, a, b))
+    assert ((yb - ya).norm() / (ya - ref).norm()).item() < 0.1

@@ -13,7 +13,7 @@ from localllm.errors import LocalLLMError
 from localllm.model import KINDS, QdecSettings, attention_mask, build_block, rope_tables
 from localllm.quant import (TABLE_LEVELS, QuantLUT, lut_centroids, pack_codes, quantize_lut, quantize_rtn,
                             refit_table, rtn_dequantized, table_groups, unpack_codes)
-from localllm.quantize import (REFIT_K_CHUNK, REFIT_TOKENS, block_inputs, kl_sensitivity, mixed_bits, out_of_memory,
+from localllm.quantize import (REFIT_K_CHUNK, REFIT_TOKENS, GpuMemoryFit, block_inputs, kl_sensitivity, mixed_bits,
                                quantize, quantize_block, refit_inputs)
 from localllm.runtime import load
 
@@ -576,16 +576,30 @@ def test_tuner_bounds_k_chunk_by_the_widest_layer_of_a_kind(tiny_ckpt, tmp_path)
         assert {lay.kind: lay.k_max for lay in p.layers}["down"] == 10
 
 
-def test_a_gpu_out_of_memory_names_the_fix(monkeypatch):
-    """On a GPU an out-of-memory error while quantizing becomes one line that names --device cpu (the GPU tests force
-    it inside quantize); on the CPU it passes through as it is."""
+def test_a_gpu_out_of_memory_halves_the_row_blocks_then_names_the_fix(monkeypatch, capsys):
+    """On a GPU a step that runs out of memory runs again with row blocks half as large, down to the CPU's size, and
+    later steps keep the smaller size; then the error is one line that names --device cpu (the GPU tests force it
+    inside quantize). On the CPU the error passes through as it is."""
     from types import SimpleNamespace
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Some GPU")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=6 * 2**30))
-    with pytest.raises(LocalLLMError, match=r"^the GPU \(Some GPU, 6 GiB\) ran out of memory quantizing block 3; "
-                                            r"quantize on the CPU with --device cpu"):
-        with out_of_memory(torch.device("cuda"), "quantizing block 3"):
+    fit, seen = GpuMemoryFit(torch.device("cuda")), []
+
+    def step(fits_at):
+        # the row blocks a step sees, in units of the CPU's (4096 rows of 1024 channels)
+        seen.append(next(quant._row_blocks(1 << 20, 1024, device=torch.device("cuda"))).stop // 4096)
+        if seen[-1] > fits_at:
             raise torch.OutOfMemoryError("CUDA out of memory")
+        return "done"
+    assert fit("quantizing block 3", lambda: step(4)) == "done"
+    assert seen == [16, 8, 4] and fit.factor == 4
+    assert "ran out of memory quantizing block 3; trying again with smaller row blocks (4x" in capsys.readouterr().err
+    seen.clear()
+    assert fit("quantizing block 4", lambda: step(4)) == "done" and seen == [4]
+    with pytest.raises(LocalLLMError, match=r"^the GPU \(Some GPU, 6 GiB\) ran out of memory quantizing block 5; "
+                                            r"quantize on the CPU with --device cpu"):
+        fit("quantizing block 5", lambda: step(0))
+    assert seen[1:] == [4, 2, 1]
+    assert next(quant._row_blocks(1 << 20, 1024, device=torch.device("cuda"))).stop == 16 * 4096  # restored after
     with pytest.raises(torch.OutOfMemoryError):
-        with out_of_memory(torch.device("cpu"), "quantizing block 3"):
-            raise torch.OutOfMemoryError("out of memory")
+        GpuMemoryFit(torch.device("cpu"))("quantizing block 3", lambda: step(0))
