@@ -54,47 +54,68 @@ def weight_mean(w: Tensor, group_size: int) -> Tensor:
     how much of its group's range a channel's weights use (the weight statistic of duo scales)."""
     n, k = w.shape
     g = math.ceil(k / group_size)
-    a = F.pad(w.double().abs(), (0, g * group_size - k)).view(n, g, group_size)
-    return (a / a.amax(-1, keepdim=True).clamp(min=1e-30)).view(n, -1)[:, :k].mean(0)
+    total = torch.zeros(k, dtype=torch.float64, device=w.device)
+    for rows in _row_blocks(n, 2 * k, device=w.device):  # bounded float64 temporaries
+        a = F.pad(w[rows].double().abs(), (0, g * group_size - k)).view(-1, g, group_size)
+        total += (a / a.amax(-1, keepdim=True).clamp(min=1e-30)).view(len(a), -1)[:, :k].sum(0)
+    return total / n
 
 
 def search(w: Tensor, x: Tensor, quantize: Callable[[Tensor], Tensor], mean_abs: Tensor | None = None,
-           w_mean: Tensor | None = None, out: Callable[[Tensor], Tensor] | None = None
-           ) -> tuple[Tensor, float, bool]:
-    """The scales s [K] (float64) minimizing ||out(x W^T) - out((x / s) Q(W s)^T)||^2 over ALPHAS, plain and (given
-    w_mean) duo, their alpha and whether they are duo scales.
+           w_mean: Tensor | None = None, down: Tensor | None = None) -> tuple[Tensor, float, bool]:
+    """The scales s [K] (float64) minimizing the mean square of x W^T - (x / s) Q(W s)^T over ALPHAS, plain and (given
+    w_mean) duo, their alpha and whether they are duo scales; with down, of what that error becomes at the MLP's
+    output instead: W is gate_up ([gate; up]) and the outputs pass through SwiGLU and down [D, N / 2], unquantized.
 
-    w [N, K]; x [T, K] calibration inputs; quantize: W -> W_hat (the base quantizer, dequantized); mean_abs [K]:
-    the per-channel mean |x| the scales come from (default: x's; o passes its GQA-tied one); w_mean [K]: weight_mean
-    (o: tied too); out: what the error is measured on (default: the layer's output; gate_up: the MLP's)."""
+    w [N, K]; x [T, K] calibration inputs; quantize: W -> W_hat (the base quantizer, dequantized, row by row); mean_abs
+    [K]: the per-channel mean |x| the scales come from (default: x's; o passes its GQA-tied one); w_mean [K]:
+    weight_mean (o: tied too). The error is summed over row blocks of W, so float64 temporaries stay bounded."""
     x = x.float()
     if x.shape[0] > SEARCH_TOKENS:
         x = x[torch.linspace(0, x.shape[0] - 1, SEARCH_TOKENS).long()]
     mean_abs = x.abs().mean(0) if mean_abs is None else mean_abs
-    out = out or (lambda y: y)
-    w, x64 = w.double(), x.double()
-    ref = out(x64 @ w.T)
+    x64 = x.double()
+    n, k = w.shape
+    if down is None:
+        blocks = [(r,) for r in _row_blocks(n, 8 * k, TILE_N, w.device)]
+    else:  # gate rows r with their up rows: SwiGLU pairs them
+        inter = n // 2
+        blocks = [(r, slice(inter + r.start, inter + r.stop)) for r in _row_blocks(inter, 16 * k, TILE_N, w.device)]
+        swiglu = lambda y: F.silu(y[:, :y.shape[1] // 2]) * y[:, y.shape[1] // 2:]  # noqa: E731
+        ref = [swiglu(x64 @ torch.cat([w[r] for r in b]).double().T) for b in blocks]
     best = (float("inf"), None, 0.0, False)
     for duo in (False, True) if w_mean is not None else (False,):
         for alpha in ALPHAS:
             s = scales_of(mean_abs, alpha, w_mean if duo else None)
-            # (x / s) Q(W s)^T = x (Q(W s) / s)^T
-            w_hat = quantize((w * s).float()).double() / s
-            err = (out(x64 @ w_hat.T) - ref).square().mean().item()
+            err = 0.0 if down is None else torch.zeros(x.shape[0], down.shape[0], dtype=torch.float64,
+                                                       device=w.device)
+            for i, b in enumerate(blocks):
+                wb = torch.cat([w[r] for r in b]).double()
+                # (x / s) Q(W s)^T = x (Q(W s) / s)^T
+                w_hat = quantize((wb * s).float()).double() / s
+                if down is None:
+                    err += (x64 @ (w_hat - wb).T).square().sum().item()
+                else:
+                    err += (swiglu(x64 @ w_hat.T) - ref[i]) @ down[:, b[0]].double().T
+            err = err / (x.shape[0] * n) if down is None else err.square().mean().item()
             if err < best[0]:
                 best = (err, s, alpha, duo)
     return best[1], best[2], best[3]
 
 
-def clip_search(w: Tensor, x: Tensor, bits: int, group_size: int) -> Tensor:
+def clip_search(w: Tensor, x: Tensor, bits: int, group_size: int, s: Tensor | None = None) -> Tensor:
     """Per row and group of w [N, K], the shrink of RTN's range in CLIPS that minimizes the group's share of the
-    output error on the inputs x [T, K], sum_t (x_t,g . (Q(w)_g - w_g))^2 = d_g^T H_g d_g with H_g = X_g^T X_g
-    (each group alone, as AWQ: the cross-group terms are left out) -> clip [N, G] float32 for quantize_rtn. A
-    shrink wins only if strictly better, so a group whose weights have no outliers keeps its whole range."""
+    output error on the inputs x [T, K] (x / s, given AWQ's scales s), sum_t (x_t,g . (Q(w)_g - w_g))^2 = d_g^T H_g
+    d_g with H_g = X_g^T X_g (each group alone, as AWQ: the cross-group terms are left out) -> clip [N, G] float32
+    for quantize_rtn. A shrink wins only if strictly better, so a group whose weights have no outliers keeps its
+    whole range."""
     n, k = w.shape
     g = math.ceil(k / group_size)
-    xg = F.pad(x.double(), (0, g * group_size - k)).view(-1, g, group_size).transpose(0, 1)  # [G, T, gs]
-    gram = xg.transpose(1, 2) @ xg  # [G, gs, gs]
+    gram = torch.zeros(g, group_size, group_size, dtype=torch.float64, device=w.device)
+    for rows in _row_blocks(x.shape[0], 2 * k, device=w.device):  # tokens, in float64
+        xr = x[rows].double() if s is None else x[rows].double() / s
+        xg = F.pad(xr, (0, g * group_size - k)).view(-1, g, group_size).transpose(0, 1)  # [G, T, gs]
+        gram += xg.transpose(1, 2) @ xg  # [G, gs, gs]
     best = torch.ones(n, g, device=w.device)
     for rows in _row_blocks(n, k, TILE_N, w.device):  # bounded float64 temporaries
         m = rows.stop - rows.start
@@ -118,38 +139,40 @@ def tied(v: Tensor, cfg: ModelConfig) -> Tensor:
     return m.expand(-1, group, -1).reshape(-1)
 
 
-def fold(t: dict, cfg: ModelConfig, s: dict[str, Tensor]) -> dict:
+def fold(t: dict, cfg: ModelConfig, s: dict[str, Tensor], dtype: torch.dtype = torch.float32) -> dict:
     """Block tensors (Checkpoint.block_tensors' form) with the scales s[kind] [K] folded in: W[:, c] * s[c], and
-    1 / s into the producer of the input (see the module doc). Computed in float64; returns new tensors."""
-    d = lambda v: None if v is None else v.double().clone()  # noqa: E731 (the folds below work in place)
-    out = {"attn_norm": d(t["attn_norm"]), "mlp_norm": d(t["mlp_norm"]),
-           **{k: {"weight": d(t[k]["weight"]), "bias": d(t[k].get("bias"))} for k in ("qkv", "o", "gate_up", "down")}}
+    1 / s into the producer of the input (see the module doc). Each tensor computed in float64 and rounded once to
+    dtype; returns new tensors."""
+    d = lambda v: None if v is None else v.to(torch.float64, copy=True)  # noqa: E731 (changed in place below)
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    sv = sd = None
     if "o" in s:
         so = s["o"].double()
         group = cfg.num_heads // cfg.num_kv_heads
         sv = so.view(cfg.num_kv_heads, group, cfg.head_dim)[:, 0].reshape(-1)  # tied: one value per v channel
         if not torch.equal(sv.view(cfg.num_kv_heads, 1, -1).expand(-1, group, -1).reshape(-1), so):
             raise ValueError("o's scales must be tied across the q heads of a kv group (GQA)")
-        out["o"]["weight"] = out["o"]["weight"] * so
-        out["qkv"]["weight"][q + kv:] /= sv[:, None]
-        if out["qkv"]["bias"] is not None:
-            out["qkv"]["bias"][q + kv:] /= sv
     if "down" in s:
         sd = s["down"].double()
-        out["down"]["weight"] = out["down"]["weight"] * sd
-        out["gate_up"]["weight"][inter:] /= sd[:, None]
-    for kind, norm in (("qkv", "attn_norm"), ("gate_up", "mlp_norm")):
-        if kind in s:
-            out[kind]["weight"] = out[kind]["weight"] * s[kind].double()
-            out[norm] = out[norm] / s[kind].double()
-    return out
 
+    def weight(kind, producer_rows=None, by=None):  # W * s[kind]; rows producer_rows of W / by (the consumer's s)
+        w = d(t[kind]["weight"])
+        if by is not None:
+            w[producer_rows] /= by[:, None]
+        return (w * s[kind].double() if kind in s else w).to(dtype)
 
-def _float32(t: dict) -> dict:
-    f = lambda v: None if v is None else v.float()  # noqa: E731
-    return {k: ({"weight": f(v["weight"]), "bias": f(v["bias"])} if isinstance(v, dict) else f(v))
-            for k, v in t.items()}
+    def bias(kind):  # a bias is of the outputs: only the v rows' scale (o's) reaches one
+        b = d(t[kind].get("bias"))
+        if b is not None and kind == "qkv" and sv is not None:
+            b[q + kv:] /= sv
+        return None if b is None else b.to(dtype)
+
+    norm = lambda name, kind: d(t[name]) / s[kind].double() if kind in s else d(t[name])  # noqa: E731
+    return {"attn_norm": norm("attn_norm", "qkv").to(dtype), "mlp_norm": norm("mlp_norm", "gate_up").to(dtype),
+            "qkv": {"weight": weight("qkv", slice(q + kv, None), sv), "bias": bias("qkv")},
+            "o": {"weight": weight("o"), "bias": bias("o")},
+            "gate_up": {"weight": weight("gate_up", slice(inter, None), sd), "bias": bias("gate_up")},
+            "down": {"weight": weight("down"), "bias": bias("down")}}
 
 
 def awq_block(t: dict, cfg: ModelConfig, inputs: dict[str, Tensor], bits: int, group_size: int
@@ -159,20 +182,16 @@ def awq_block(t: dict, cfg: ModelConfig, inputs: dict[str, Tensor], bits: int, g
     unchanged) -> (folded float32 tensors, {"alpha", "duo"} per kind, clip [N, G] per kind for quantize_rtn)."""
     quantize = lambda w: rtn_dequantized(w, bits, group_size)  # noqa: E731
     s, alphas, cur = {}, {}, t
-    inter = cfg.intermediate_size
     for kind in ("o", "qkv", "down", "gate_up"):  # the producer's weights are searched after their fold
         w = cur[kind]["weight"]
         mean, w_mean = None, weight_mean(w, group_size)  # mean None: search takes its inputs' mean |x|
         if kind == "o":  # tied across each GQA group
             mean, w_mean = tied(inputs[kind].float().abs().mean(0), cfg), tied(w_mean, cfg)
-        out = None
-        if kind == "gate_up":  # the error that reaches the MLP's output, through SwiGLU and the (unquantized) down
-            wd = cur["down"]["weight"].double()
-            out = lambda y: (F.silu(y[:, :inter]) * y[:, inter:]) @ wd.T  # noqa: E731
-        s[kind], a, duo = search(w, inputs[kind], quantize, mean, w_mean, out)
+        # gate_up: the error that reaches the MLP's output, through SwiGLU and the (unquantized) down
+        down = cur["down"]["weight"] if kind == "gate_up" else None
+        s[kind], a, duo = search(w, inputs[kind], quantize, mean, w_mean, down)
         alphas[kind] = {"alpha": a, "duo": duo}
         cur = fold(t, cfg, s)
-    cur = _float32(cur)
     # the folded weights multiply x / s
-    clips = {kind: clip_search(cur[kind]["weight"], inputs[kind].double() / s[kind], bits, group_size) for kind in s}
+    clips = {kind: clip_search(cur[kind]["weight"], inputs[kind], bits, group_size, s[kind]) for kind in s}
     return cur, alphas, clips

@@ -79,7 +79,7 @@ def test_awq_fold_computes_the_same_function(seed):
          "o": awq.scales_of(awq.tied(x_o.abs().mean(0), CFG), 0.5),
          "gate_up": awq.scales_of(torch.rand(CFG.hidden_size) * 5, 0.4),
          "down": awq.scales_of(torch.rand(CFG.intermediate_size) + 0.01, 0.9)}
-    folded = awq.fold(t, CFG, s)
+    folded = awq.fold(t, CFG, s, torch.float64)
     assert not torch.equal(folded["qkv"]["weight"], t["qkv"]["weight"])
     want, got = ref_block(t, CFG, h), ref_block(folded, CFG, h)
     assert (got - want).abs().max() < 1e-10 * want.abs().max(), f"seed={seed}"
@@ -88,7 +88,7 @@ def test_awq_fold_computes_the_same_function(seed):
         awq.fold(t, CFG, {"o": torch.rand(CFG.q_size) + 0.5})
 
 
-def test_awq_search_beats_rtn_on_outlier_channels(seed):
+def test_awq_search_beats_rtn_on_outlier_channels(seed, monkeypatch):
     torch.manual_seed(seed % 2**31)
     w = torch.randn(64, 256) * 0.02
     x = torch.randn(2048, 256)
@@ -103,27 +103,35 @@ def test_awq_search_beats_rtn_on_outlier_channels(seed):
     # with duo scales on offer the search picks whichever measures less, and it measures no more than without them
     s2, _, _ = awq.search(w, x, q, w_mean=awq.weight_mean(w, 64))
     assert err((q((w * s2).float()).double() / s2).float()) <= err((q((w * s).float()).double() / s).float())
+    monkeypatch.setattr(quant, "_BLOCK_ELEMS", 16 * 8 * 256)  # the error summed over blocks of 16 rows: the same pick
+    assert awq.search(w, x, q)[1:] == (alpha, duo)
 
 
-def test_awq_search_with_duo_scales_and_an_output_map_takes_the_grids_least_error(seed):
+def test_awq_search_with_duo_scales_and_the_mlp_output_takes_the_grids_least_error(seed, monkeypatch):
     torch.manual_seed(seed % 2**31)
-    w = torch.randn(48, 128) * 0.02
+    w = torch.randn(64, 128) * 0.02  # gate_up: 32 gate rows, then their 32 up rows
     w[:, 5] *= 6  # a channel whose weights set its groups' ranges
     x = torch.randn(300, 128) * (torch.rand(128) * 4 + 0.1)
+    down = torch.randn(40, 32) * 0.05
     q = lambda v: rtn_dequantized(v, 3, 64)  # noqa: E731
     wm = awq.weight_mean(w, 64)
     assert wm.shape == (128,) and (wm > 0).all() and (wm <= 1).all() and wm[5] > 0.5 > wm.median()
-    out = lambda y: F.silu(y[:, :24]) * y[:, 24:]  # noqa: E731  (gate_up's SwiGLU)
-    s, alpha, duo = awq.search(w, x, q, w_mean=wm, out=out)
+    s, alpha, duo = awq.search(w, x, q, w_mean=wm, down=down)
     x64, w64 = x.double(), w.double()
+    mlp = lambda y: (F.silu(y[:, :32]) * y[:, 32:]) @ down.double().T  # noqa: E731
     errs = {}
     for d in (False, True):
         for a in awq.ALPHAS:
             sc = awq.scales_of(x.abs().mean(0), a, wm if d else None)
             w_hat = q((w64 * sc).float()).double() / sc
-            errs[d, a] = (out(x64 @ w_hat.T) - out(x64 @ w64.T)).square().mean().item()
+            errs[d, a] = (mlp(x64 @ w_hat.T) - mlp(x64 @ w64.T)).square().mean().item()
     assert min(errs, key=errs.get) == (duo, alpha), f"seed={seed}"
     assert torch.equal(s, awq.scales_of(x.abs().mean(0), alpha, wm if duo else None))
+    # row blocks (16 gate rows with their up rows, a GPU's size on the CPU's scale) sum to the same errors
+    monkeypatch.setattr(quant, "_BLOCK_ELEMS", 16 * 16 * 128)
+    assert awq.search(w, x, q, w_mean=wm, down=down)[1:] == (alpha, duo)
+    monkeypatch.setattr(quant, "_BLOCK_ELEMS", 16 * 2 * 128)  # weight_mean in blocks of 16 rows
+    assert torch.allclose(awq.weight_mean(w, 64), wm, rtol=1e-12)
 
 
 def test_awq_block_quantizes_the_folded_weights(seed):
