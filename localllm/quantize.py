@@ -42,7 +42,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from tqdm.auto import tqdm
 
 from . import awq, modelfile
