@@ -69,12 +69,13 @@ def search(w: Tensor, x: Tensor, quantize: Callable[[Tensor], Tensor], mean_abs:
 
     w [N, K]; x [T, K] calibration inputs; quantize: W -> W_hat (the base quantizer, dequantized, row by row); mean_abs
     [K]: the per-channel mean |x| the scales come from (default: x's; o passes its GQA-tied one); w_mean [K]:
-    weight_mean (o: tied too). The error is summed over row blocks of W, so float64 temporaries stay bounded."""
+    weight_mean (o: tied too). The error is summed over row blocks of W, so temporaries stay bounded. The products
+    are float32 products of x with W_hat - W (exact in float64, then rounded): float64 ones cost consumer GPUs 64x the
+    time, and the error's rounding (~1e-6 of it) only reorders candidates that tie to that precision."""
     x = x.float()
     if x.shape[0] > SEARCH_TOKENS:
         x = x[torch.linspace(0, x.shape[0] - 1, SEARCH_TOKENS).long()]
     mean_abs = x.abs().mean(0) if mean_abs is None else mean_abs
-    x64 = x.double()
     n, k = w.shape
     if down is None:
         blocks = [(r,) for r in _row_blocks(n, 8 * k, TILE_N, w.device)]
@@ -82,22 +83,22 @@ def search(w: Tensor, x: Tensor, quantize: Callable[[Tensor], Tensor], mean_abs:
         inter = n // 2
         blocks = [(r, slice(inter + r.start, inter + r.stop)) for r in _row_blocks(inter, 16 * k, TILE_N, w.device)]
         swiglu = lambda y: F.silu(y[:, :y.shape[1] // 2]) * y[:, y.shape[1] // 2:]  # noqa: E731
-        ref = [swiglu(x64 @ torch.cat([w[r] for r in b]).double().T) for b in blocks]
+        ref = [x @ torch.cat([w[r] for r in b]).float().T for b in blocks]  # the source's outputs
     best = (float("inf"), None, 0.0, False)
     for duo in (False, True) if w_mean is not None else (False,):
         for alpha in ALPHAS:
             s = scales_of(mean_abs, alpha, w_mean if duo else None)
-            err = 0.0 if down is None else torch.zeros(x.shape[0], down.shape[0], dtype=torch.float64,
-                                                       device=w.device)
+            err = 0.0 if down is None else torch.zeros(x.shape[0], down.shape[0], device=w.device)
             for i, b in enumerate(blocks):
                 wb = torch.cat([w[r] for r in b]).double()
                 # (x / s) Q(W s)^T = x (Q(W s) / s)^T
-                w_hat = quantize((wb * s).float()).double() / s
+                dy = x @ (quantize((wb * s).float()).double() / s - wb).float().T
                 if down is None:
-                    err += (x64 @ (w_hat - wb).T).square().sum().item()
+                    err += dy.double().square().sum().item()
                 else:
-                    err += (swiglu(x64 @ w_hat.T) - ref[i]) @ down[:, b[0]].double().T
-            err = err / (x.shape[0] * n) if down is None else err.square().mean().item()
+                    y = ref[i].double()
+                    err += (swiglu(y + dy) - swiglu(y)).float() @ down[:, b[0]].float().T
+            err = err / (x.shape[0] * n) if down is None else err.double().square().mean().item()
             if err < best[0]:
                 best = (err, s, alpha, duo)
     return best[1], best[2], best[3]

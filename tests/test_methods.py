@@ -104,7 +104,9 @@ def test_awq_search_beats_rtn_on_outlier_channels(seed, monkeypatch):
     s2, _, _ = awq.search(w, x, q, w_mean=awq.weight_mean(w, 64))
     assert err((q((w * s2).float()).double() / s2).float()) <= err((q((w * s).float()).double() / s).float())
     monkeypatch.setattr(quant, "_BLOCK_ELEMS", 16 * 8 * 256)  # the error summed over blocks of 16 rows: the same pick
-    assert awq.search(w, x, q)[1:] == (alpha, duo)
+    s3, _, _ = awq.search(w, x, q)  # (up to ties at the products' float32 precision)
+    e, e3 = (err((q((w * v).float()).double() / v).float()) for v in (s, s3))
+    assert abs(e3 - e) <= 1e-5 * e, f"seed={seed}"
 
 
 def test_awq_search_with_duo_scales_and_the_mlp_output_takes_the_grids_least_error(seed, monkeypatch):
@@ -125,11 +127,13 @@ def test_awq_search_with_duo_scales_and_the_mlp_output_takes_the_grids_least_err
             sc = awq.scales_of(x.abs().mean(0), a, wm if d else None)
             w_hat = q((w64 * sc).float()).double() / sc
             errs[d, a] = (mlp(x64 @ w_hat.T) - mlp(x64 @ w64.T)).square().mean().item()
-    assert min(errs, key=errs.get) == (duo, alpha), f"seed={seed}"
+    # the grid's least error, up to the search's float32 products (~1e-6 of the error)
+    assert errs[duo, alpha] <= min(errs.values()) * (1 + 1e-5), f"seed={seed}"
     assert torch.equal(s, awq.scales_of(x.abs().mean(0), alpha, wm if duo else None))
     # row blocks (16 gate rows with their up rows, a GPU's size on the CPU's scale) sum to the same errors
     monkeypatch.setattr(quant, "_BLOCK_ELEMS", 16 * 16 * 128)
-    assert awq.search(w, x, q, w_mean=wm, down=down)[1:] == (alpha, duo)
+    _, a2, d2 = awq.search(w, x, q, w_mean=wm, down=down)
+    assert errs[d2, a2] <= min(errs.values()) * (1 + 1e-5), f"seed={seed}"
     monkeypatch.setattr(quant, "_BLOCK_ELEMS", 16 * 2 * 128)  # weight_mean in blocks of 16 rows
     assert torch.allclose(awq.weight_mean(w, 64), wm, rtol=1e-12)
 
