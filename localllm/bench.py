@@ -753,15 +753,17 @@ def bench_quantize(bits: int = 4, methods=("rtn", "awq", "squeezellm"), cpu_shap
     print(f"{'model':13} {'method':10} {'GPU s/block':>11} {'GPU min':>7} {'GPU GiB':>7} {'CPU s/block':>11} "
           f"{'CPU min':>7} {'speedup':>7}")
     with tempfile.TemporaryDirectory() as tmp:
+        def quantized_on(name: str, method: str, dev: str, tag: str) -> dict:  # name's block quantized: its record
+            out = quantize(str(Path(tmp) / name), str(Path(tmp) / f"{name}-{method}-{tag}"), bits, method=method,
+                           head_bits=16, device=dev)
+            return json.loads((out / "localllm.json").read_text())["quantized_on"]
+
         for name, (arch, layers, cfg) in QUANT_SHAPES.items():
-            src = synthetic.checkpoint(Path(tmp) / name, arch, std=0.02, tokenizer_vocab=4096, dtype=torch.float16,
-                                       vocab_size=32768, num_hidden_layers=1, tie_word_embeddings=True, **cfg)
+            synthetic.checkpoint(Path(tmp) / name, arch, std=0.02, tokenizer_vocab=4096, dtype=torch.float16,
+                                 vocab_size=32768, num_hidden_layers=1, tie_word_embeddings=True, **cfg)
             for method in methods:
-                on = {}
-                for dev in ("cuda", "cpu") if name in cpu_shapes else ("cuda",):
-                    out = quantize(str(src), str(Path(tmp) / f"{name}-{method}-{dev}"), bits, method=method,
-                                   head_bits=16, device=dev)
-                    on[dev] = json.loads((out / "localllm.json").read_text())["quantized_on"]
+                on = {dev: quantized_on(name, method, dev, dev)
+                      for dev in (("cuda", "cpu") if name in cpu_shapes else ("cuda",))}
                 g, c = on["cuda"]["block_seconds"][0], on["cpu"]["block_seconds"][0] if "cpu" in on else None
                 gib = on["cuda"]["peak_gpu_bytes"] / 2**30  # the whole run's peak: a block and its calibration
                 cpu_cols = f"{c:11.1f} {c * layers / 60:7.1f} {c / g:6.1f}x" if c else f"{'':11} {'':7} {'':7}"
@@ -778,12 +780,10 @@ def bench_quantize(bits: int = 4, methods=("rtn", "awq", "squeezellm"), cpu_shap
             for method in methods:
                 torch.cuda.empty_cache()
                 try:
-                    out = quantize(str(Path(tmp) / name), str(Path(tmp) / f"{name}-{method}-cap"), bits,
-                                   method=method, head_bits=16, device="cuda")
+                    on = quantized_on(name, method, "cuda", "cap")
                 except LocalLLMError as e:
                     print(f"{method:10} {e}", flush=True)
                     continue
-                on = json.loads((out / "localllm.json").read_text())["quantized_on"]
                 g, layers = on["block_seconds"][0], QUANT_SHAPES[name][1]
                 print(f"{method:10} {str(on['gpu_row_blocks']) + 'x':>10} {g:11.2f} {g * layers / 60:7.1f} "
                       f"{on['peak_gpu_bytes'] / 2**30:7.1f}", flush=True)
