@@ -493,7 +493,9 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 if (threadIdx.x == 0 && tile == t_begin && p == lo) QDEC_MARK(15);  // empty unless QDEC_MARKS
                 __syncwarp();  // ... every lane's, and every lane has read the slot computed last
                 issue();  // the pair DEPTH - 1 ahead, into that slot
+#ifndef GEMV_LOADS_ONLY  // scripts/gemv_bound.py: the stream without its math
                 compute(p);
+#endif
             }
             const int buf = tile & 1;  // double-buffered: one barrier per tile
             if (t == 0) {
