@@ -18,7 +18,7 @@ from localllm.kernels import gemv as gemv_mod
 
 DEPTHS = (2, 3, 4, 5, 6)
 GS = 1  # gemv.cu's GSHIFT of group size 128, what bench gemv times
-EXTRA = tuple(f"gemv<{b},16,{d},{GS},0,false>" for b in (3, 4) for d in DEPTHS if d != 3)  # depth 3 is compiled
+EXTRA = [(b, d) for b in (3, 4) for d in DEPTHS if d != 3]  # (bits, depth) beyond the tree's: depth 3 is compiled
 loads_only = False
 
 
@@ -27,7 +27,7 @@ def _module(name, device, names, loads):
     import cupy
     code = cuda.source(name)
     if name == "gemv":  # the extra ring depths, instantiated after the tree's own
-        code += "".join(f"INST({b}, 16, {d}, {GS}, 0)\n" for b in (3, 4) for d in DEPTHS if d != 3)
+        code += "".join(f"INST({b}, 16, {d}, {GS}, 0)\n" for b, d in EXTRA)
     with cupy.cuda.Device(device):
         mod = cupy.RawModule(code=code, name_expressions=list(names),
                              options=(*cuda.options(device), *(("-DGEMV_LOADS_ONLY",) if loads else ())))
@@ -36,7 +36,7 @@ def _module(name, device, names, loads):
 
 
 cuda.module = lambda name, device, names: _module(name, device, names, loads_only)
-gemv_mod.NAMES = gemv_mod.NAMES + EXTRA
+gemv_mod.NAMES = gemv_mod.NAMES + tuple(f"gemv<{b},16,{d},{GS},0,false>" for b, d in EXTRA)
 
 
 def main(rounds: int, shapes: list[str]) -> None:
