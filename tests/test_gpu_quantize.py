@@ -55,17 +55,18 @@ def test_quantize_on_gpu_matches_cpu(tiny_ckpt, tmp_path, method, bits):
             assert same > (0.99 if i == 0 else 0.9), (i, kind, same)
             # a code or a clip that tips at a near tie moves its group's residual by about a step, and may move its
             # row's residual scale: awq 4's gate_up residuals in block 0 differed by 5.1% with its weights passing the
-            # check above (H100); seed 2203111298 (H200), block 1 o: one of 64 rows by 154% (its scale 0.54x), 26%
-            # in all; block 1 down: 80% of its rows within 10%. So count the rows that agree
+            # check above (H100). Seed 2203111298 (H200, a build with AWQ row gains, not kept): block 1 o, one of 64
+            # rows by 154% (its scale 0.54x), 26% in all; block 1 down, 80% of its rows within 10%. So count rows
             rc, rg = lc.residual.dequantize(), lg.residual.dequantize()
             close = ((rg - rc).norm(dim=1) <= 0.1 * rc.norm(dim=1)).float().mean().item()
             assert close >= (0.95 if i == 0 else 0.7), (i, kind, close)
-            # b0 is the largest |x| seen, one value: seed 2203111298 (H200), 5% apart in block 1
+            # b0 is the largest |x| seen, one value: seed 2203111298 (H200, row gains), 5% apart in block 1
             assert lg.stats.b0 == pytest.approx(lc.stats.b0, rel=2e-2 if i == 0 else 0.1), (i, kind)
             # the input statistics per channel: in block 0 all but the few channels that pass through weights that
             # tipped (awq 4, seed 2203111298, H100: one channel 2% apart). A later block's inputs come through the
             # earlier blocks' tipped codes, and its attention passes the change on to every channel (the same seed,
-            # H200: block 1 o's channels 0-10% apart; H100: two of down's 10% and 13%), so there the whole vector
+            # H200 with row gains: block 1 o's channels 0-10% apart; H100: two of down's 10% and 13%), so there the
+            # whole vector
             dc, dg = lc.stats.sq_mean, lg.stats.sq_mean
             dev = (dg - dc).abs() / (dc.abs() + 1e-6)
             if i == 0:
