@@ -87,7 +87,9 @@ def test_full_compensation_recovers_the_source(tiny_quant, tiny_ckpt):
         off = (lm.model(toks) - ref).norm() / ref.norm()
         lm.set_qdec({"mode": "exact", "k_chunk": 1024})
         full = (lm.model(toks) - ref).norm() / ref.norm()
-        lm.set_qdec({"mode": "exact", "k_chunk": 16})
+        # k_chunk 128 (8 of the tiny model's 64 channels) sits ~0.7x off (0.55-0.82 over 160 draws); k_chunk 16, one
+        # channel, sat at 0.85-1.03x and came out above off on some draws (seed 3558516542 in CI: 0.622 vs 0.615)
+        lm.set_qdec({"mode": "exact", "k_chunk": 128})
         some = (lm.model(toks) - ref).norm() / ref.norm()
     assert full < 0.25 * off and full < some < off, (off, some, full)
 
