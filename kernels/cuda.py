@@ -58,19 +58,30 @@ def options(device: int) -> tuple[str, ...]:
         ("-lineinfo",) if os.environ.get("LOCALLLM_LINEINFO") == "1" else ())
 
 
+# Measurement builds (scripts/gemv_bound.py, scripts/qdec_timeline.py): per module name, extra NVRTC options and code
+# appended to its source, e.g. ("-DQDEC_MARKS",) or more template instantiations. Empty in the product.
+BUILD: dict[str, tuple[tuple[str, ...], str]] = {}
+
+
 @functools.cache
-def module(name: str, device: int, names: tuple[str, ...]):
-    """Compile kernels/<name>.cu for `device`; `names` are the template instantiations to export."""
+def module(name: str, device: int, names: tuple[str, ...], extra_options: tuple[str, ...] = (), extra_code: str = ""):
+    """Compile kernels/<name>.cu (+ extra_code) for `device`; `names` are the template instantiations to export."""
     require()
     import cupy
     with cupy.cuda.Device(device):
-        mod = cupy.RawModule(code=source(name), options=options(device), name_expressions=list(names))
+        mod = cupy.RawModule(code=source(name) + extra_code, options=options(device) + extra_options,
+                             name_expressions=list(names))
         mod.compile()
         return mod
 
 
+def loaded(name: str, names: tuple[str, ...]):
+    """kernels/<name>.cu's module for the current device, as BUILD says to build it."""
+    return module(name, torch.cuda.current_device(), names, *BUILD.get(name, ((), "")))
+
+
 def kernel(name: str, expr: str, names: tuple[str, ...]):
-    return module(name, torch.cuda.current_device(), names).get_function(expr)
+    return loaded(name, names).get_function(expr)
 
 
 @functools.cache

@@ -8,7 +8,6 @@ python scripts/qdec_timeline.py [layer] [bits] chain   e.g.  o 3 chain
 the plain GEMV as `bench gemv` times it: 8 calls on distinct weight copies back to back in one CUDA graph (early
 launches), each call's phases after the previous call's last block ended (kernels/NOTES.md, session 25)
 """
-import functools
 import os
 import sys
 
@@ -20,21 +19,7 @@ from localllm.kernels.gemv import NAMES, gemv, grid_of
 from localllm.bench import LLAMA3_8B, gemv_sets, random_packed
 from localllm.quant import QuantResidual
 
-_plain = cuda.module
-
-
-@functools.cache
-def _marked(name, device, names):  # the same module, compiled with the phase stamps
-    import cupy
-    if name != "gemv":
-        return _plain(name, device, names)
-    mod = cupy.RawModule(code=cuda.source("gemv"), name_expressions=list(names),
-                         options=(*cuda.options(device), "-DQDEC_MARKS", *os.environ.get("QDEC_FLAGS", "").split()))
-    mod.compile()
-    return mod
-
-
-cuda.module = _marked
+cuda.BUILD["gemv"] = (("-DQDEC_MARKS", *os.environ.get("QDEC_FLAGS", "").split()), "")  # the phase stamps
 layer = sys.argv[1] if len(sys.argv) > 1 else "qkv"
 bits = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 chain_mode = sys.argv[3:4] == ["chain"]
@@ -62,7 +47,7 @@ FETCH_ONLY = (3, 4, 5, 10, 11, 12, 13, 14)
 def stamps(name: str):
     """The marked module's device array `name`: qdec_marks [slot, block, mark] (uint64) or qdec_mark_calls [block]."""
     import cupy
-    ptr = cuda.module("gemv", torch.cuda.current_device(), NAMES).get_global(name)
+    ptr = cuda.loaded("gemv", NAMES).get_global(name)
     return cupy.ndarray((8, 1024, 16) if name == "qdec_marks" else (1024,),
                         dtype=cupy.uint64 if name == "qdec_marks" else cupy.uint32, memptr=ptr)
 
