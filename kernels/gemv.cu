@@ -159,7 +159,7 @@ __device__ __forceinline__ void lut_scales(const unsigned char* rec, int g, floa
 // sums). x_first:
 // x is ready when this one starts (it launched so, or without programmatic launch): stage x before requesting the
 // first weights, whose HBM misses would delay x's L2 hits (kernels.gemv.gemv says where).
-template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT>
+template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT, int Q>
 __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     gemv(const uint8_t* __restrict__ qw, const uint8_t* __restrict__ meta, const __half* __restrict__ x,
          const __half* __restrict__ res, __half* __restrict__ y, int N, int K, int G, uint32_t magic,
@@ -167,13 +167,16 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
          const __half* __restrict__ rs, float* __restrict__ part, unsigned long long* __restrict__ state,
          int* __restrict__ sel_out, int k_chunk, int n_tb, float b0, float b15, float inv_hi,
          float inv_lo) {
-    // A ring slot holds a pair of steps (128 channels): their weights, then the pair's meta: the tile's tables (LUT),
-    // (and grouped, the pair's group record after them), the one record of the pair's group (group size >= 128), or
-    // the two steps' records (64). TREC: the bytes of one (tile, group) record in meta, or of a tile's tables.
+    // A ring slot holds Q pairs of steps (128 channels each) of one tile: their weights, then their meta: the tile's
+    // tables (LUT), (and grouped, the pair's group record after them), the records of the pairs' groups (group size
+    // >= 128), or two per pair (64). TREC: the bytes of one (tile, group) record in meta, or of a tile's tables.
+    // Q = 2 (2-4 bit uniform weights where a warp's share of a tile is two pairs, gemv.py's two_pairs): one copy
+    // issue, wait and cursor step per 256 channels instead of 128 (H200, K = 4096: kernels/NOTES.md, session 44).
     constexpr int STEP_BYTES = 128 * BITS, PAIR_BYTES = 2 * STEP_BYTES;
     constexpr int TREC = LUT ? lut_record_bytes(BITS) : META_BYTES;
     constexpr int GREC = LUT && GSHIFT ? LUT_GROUP_BYTES : 0;
-    constexpr int SLOT = PAIR_BYTES + (LUT ? TREC + GREC : 2 * META_BYTES);
+    constexpr int SLOT = Q * PAIR_BYTES + (LUT ? TREC + GREC : 2 * Q * META_BYTES);
+    static_assert(Q == 1 || (Q == 2 && !LUT && BITS <= 4), "two pairs per slot: 2-4 bit uniform weights");
     static_assert(!LUT || GSHIFT < 2, "grouped tables: group size 128 (a pair)");
     static_assert(TREC + GREC <= 512, "a slot's meta is one 16-byte copy per lane");
     extern __shared__ __align__(16) unsigned char smem[];
@@ -191,7 +194,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     const int t_begin = fetcher ? 0 : (int)((long long)sb * T / ns);
     const int t_end = fetcher ? 0 : (int)((long long)(sb + 1) * T / ns);
     const int lo = warp * P / WARPS, hi = (warp + 1) * P / WARPS;  // this warp's pairs of every tile
-    const int items = (t_end - t_begin) * (hi - lo);
+    const int items = (t_end - t_begin) * (hi - lo) / Q;  // slots
     // QDEC's shared memory, after the rings: the block's fp32 results and its outputs' residual scales (fp16), the
     // selection's scratch, buckets, and the selection itself
     const int tpb = (T + ns - 1) / ns;  // most tiles of a block
@@ -220,20 +223,40 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
         if (u == 0) scr->hsum = 0;
     }
 
-    // The issue cursor: this lane's 16 bytes of the next pair to load (src), of the meta records of its tile (mtile),
-    // and of the ring slot they go to (in_slot, a shared-memory address); in_pair is the pair within the tile. Every
-    // pair brings its meta along (the second read of a record comes from L2). No branches: a warp past its last pair
-    // keeps going through the motions with its copies switched off.
+    // The issue cursor: this lane's 16 bytes of the next slot to load (src), of the meta records of its tile (mtile),
+    // and of the ring slot they go to (in_slot, a shared-memory address); in_pair is the slot's pair within the tile.
+    // Every slot brings its meta along (the second read of a record comes from L2). No branches: a warp past its last
+    // slot keeps going through the motions with its copies switched off.
     const uint32_t ring0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + lane * 16;
     const uint32_t ring_last = ring0 + (DEPTH - 1) * SLOT;
     const uint8_t* src = qw + ((size_t)t_begin * S + 2 * lo) * STEP_BYTES + lane * 16;
     const size_t tstride = GREC ? TREC + (size_t)G * GREC : (size_t)G * TREC;  // meta bytes per tile
     const uint8_t* mtile = meta + (size_t)t_begin * tstride + lane * 16;
-    // at a tile's end: from the start of this warp's last pair to the next tile's first (past the other warps' steps)
+    // at a tile's end: from the start of this warp's last slot to the next tile's first (past the other warps' steps)
     const long long wrap_step = (long long)(S - 2 * (hi - lo) + 2) * STEP_BYTES;
     int in_pair = lo, issued = 0;
     uint32_t in_slot = ring0;
+    // Two pairs per slot: a slot is the warp's whole share of a tile (gemv.py's two_pairs), so each issue copies the
+    // next tile's from the same offsets: no cursor within the tile.
+    const uint8_t* mrec = mtile + (GSHIFT ? (lo >> (GSHIFT > 0 ? GSHIFT - 1 : 0)) : 2 * lo) * META_BYTES;
     auto issue = [&]() {
+        if constexpr (Q == 2) {
+            const bool live = issued++ < items;
+#pragma unroll
+            for (int j = 0; j < (Q * PAIR_BYTES + 511) / 512; j++)
+                if constexpr (QW > 0)
+                    cp_async16(in_slot + 512 * j, src + 512 * j, live && 16 * lane + 512 * j < Q * PAIR_BYTES);
+                else
+                    cp_async16_stream(in_slot + 512 * j, src + 512 * j, live && 16 * lane + 512 * j < Q * PAIR_BYTES);
+            // two records (group size 128), four (64), or the one of their group (>= 256)
+            cp_async16(in_slot + Q * PAIR_BYTES, mrec,
+                       live && lane < (GSHIFT == 0 ? 4 : GSHIFT == 1 ? 2 : 1) * META_BYTES / 16);
+            cp_async_commit();
+            src += (size_t)S * STEP_BYTES;
+            mrec += tstride;
+            in_slot = in_slot == ring_last ? ring0 : in_slot + SLOT;
+            return;
+        }
         const bool live = issued++ < items, two = 2 * in_pair + 1 < S;
         const int wbytes = two ? PAIR_BYTES : STEP_BYTES;
 #pragma unroll
@@ -256,7 +279,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
         in_slot = in_slot == ring_last ? ring0 : in_slot + SLOT;
     };
 
-    // The first DEPTH - 1 pairs go out before the block stages x, or (x_first) right after the staging's last loads:
+    // The first DEPTH - 1 slots go out before the block stages x, or (x_first) right after the staging's last loads:
     // H100, 132 blocks staging 28 / 56 KB of x from L2 took 2.2 / 2.8 us behind 27 KB of weights each, 0.8 / 1.0 us
     // ahead of them.
     if (streamer && !x_first)
@@ -399,9 +422,8 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
         acc0 = fmaf(sc.x, fmaf(-(float)(zp & 0xFFu), st.x, v0 - st.y), acc0);
         acc1 = fmaf(sc.y, fmaf(-(float)(zp >> 8), st.x, v1 - st.z), acc1);
     };
-    auto compute = [&](int p) {
-        const unsigned char* slot = ring + c_off;
-        c_off = c_off + SLOT == DEPTH * SLOT ? 0 : c_off + SLOT;
+    // pair p: its weights at slot, its meta at rec (the tile's tables, its group's record, or its steps' two records)
+    auto compute = [&](int p, const unsigned char* slot, const unsigned char* rec) {
         const bool two = 2 * p + 1 < S;
         float c[4][4] = {};  // four independent accumulators: the mma instructions pipeline
         // step h of the pair: c += its weights (A fragments a) times its 64 channels of x, on the tensor cores
@@ -414,7 +436,6 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             mma16816(c[3], a[3], b23.z, b23.w);
         };
         if constexpr (LUT) {  // every element looked up in its row's table: the mma sums are sum (1024 + v) x
-            const unsigned char* rec = slot + PAIR_BYTES;
             uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()];
             lut_tables<BITS>(rec, g, tg, tg8);
 #pragma unroll
@@ -447,13 +468,22 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 decode<BITS>(w, magic, a);
                 mma_step(h, a);
                 if (GSHIFT == 0) {  // group size 64: a record and x statistics per step
-                    apply(c, slot + PAIR_BYTES + h * META_BYTES, xstat[2 * p + h]);
+                    apply(c, rec + h * META_BYTES, xstat[2 * p + h]);
 #pragma unroll
                     for (int m = 0; m < 4; m++) c[m][0] = c[m][1] = c[m][2] = c[m][3] = 0.0f;
                 }
             }
-            if (GSHIFT) apply(c, slot + PAIR_BYTES, xstat[p]);  // the pair is within one group
+            if (GSHIFT) apply(c, rec, xstat[p]);  // the pair is within one group
         }
+    };
+    // the Q pairs of the next slot from p0 in turn (not unrolled: two pairs' bodies at once spill under the cap)
+    auto compute_slot = [&](int p0) {
+        const unsigned char* slot = ring + c_off;
+        c_off = c_off + SLOT == DEPTH * SLOT ? 0 : c_off + SLOT;
+#pragma unroll 1
+        for (int j = 0; j < Q; j++)
+            compute(p0 + j, slot + j * PAIR_BYTES,
+                    slot + Q * PAIR_BYTES + (GSHIFT == 0 ? 2 * j : GSHIFT == 1 ? j : 0) * (LUT ? 0 : META_BYTES));
     };
     uint32_t* flags = reinterpret_cast<uint32_t*>(state + 1);
     const int C = (K + QDEC_CHUNK - 1) / QDEC_CHUNK, n_seg = (N + QDEC_SEG - 1) / QDEC_SEG;
@@ -488,13 +518,13 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     if (streamer) {
         for (int tile = t_begin; tile < t_end; tile++) {
             acc0 = acc1 = 0.0f;
-            for (int p = lo; p < hi; p++) {
-                cp_async_wait<DEPTH - 2>();  // this pair's copies have landed (DEPTH - 2 younger ones may not have)
+            for (int p = lo; p < hi; p += Q) {
+                cp_async_wait<DEPTH - 2>();  // this slot's copies have landed (DEPTH - 2 younger ones may not have)
                 if (threadIdx.x == 0 && tile == t_begin && p == lo) QDEC_MARK(15);  // empty unless QDEC_MARKS
                 __syncwarp();  // ... every lane's, and every lane has read the slot computed last
-                issue();  // the pair DEPTH - 1 ahead, into that slot
+                issue();  // the slot DEPTH - 1 ahead, into that one
 #ifndef GEMV_LOADS_ONLY  // scripts/gemv_bound.py: the stream without its math
-                compute(p);
+                compute_slot(p);
 #endif
             }
             const int buf = tile & 1;  // double-buffered: one barrier per tile
@@ -620,20 +650,27 @@ template __global__ void dequant_lut<2>(const uint32_t*, const uint8_t*, __half*
 template __global__ void dequant_lut<3>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 
-// (warps per block, ring depth) variants, chosen by gemv.py; QDEC (QW = 4) with the first
-#define INST(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false)
-#define INST_L(B, W, D, GS, QW, L) template __global__ void gemv<B, W, D, GS, QW, L>(const uint8_t*, const uint8_t*, \
-    const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, int, int, int, const uint32_t*, \
-    const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
-#define INST_GS(B, W, D, QW) INST(B, W, D, 0, QW) INST(B, W, D, 1, QW) INST(B, W, D, 2, QW) INST(B, W, D, 3, QW)
-#define INST_BITS(W, D, QW) INST_GS(2, W, D, QW) INST_GS(3, W, D, QW) INST_GS(4, W, D, QW)
-INST_BITS(16, 3, 0)
-INST_BITS(8, 5, 0)
-INST_BITS(16, 3, 4)
+// (warps per block, ring depth, pairs per slot) variants, chosen by gemv.py: with and without QDEC (QW = 4) the first
+// two (decode's; two pairs per slot at group sizes 64 and 128), the sweep's third
+#define INST(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false, 1)
+#define INST2(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false, 2)
+#define INST_L(B, W, D, GS, QW, L, Q) template __global__ void gemv<B, W, D, GS, QW, L, Q>( \
+    const uint8_t*, const uint8_t*, const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, \
+    int, int, int, const uint32_t*, const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
+#define INST_GS(B, W, D, QW, I) I(B, W, D, 0, QW) I(B, W, D, 1, QW) I(B, W, D, 2, QW) I(B, W, D, 3, QW)
+#define INST_BITS(W, D, QW, I) INST_GS(2, W, D, QW, I) INST_GS(3, W, D, QW, I) INST_GS(4, W, D, QW, I)
+#define INST_BITS2(W, D, QW) INST2(2, W, D, 0, QW) INST2(2, W, D, 1, QW) INST2(3, W, D, 0, QW) INST2(3, W, D, 1, QW) \
+    INST2(4, W, D, 0, QW) INST2(4, W, D, 1, QW)
+INST_BITS(16, 3, 0, INST)
+INST_BITS2(16, 2, 0)
+INST_BITS(8, 5, 0, INST)
+INST_BITS(16, 3, 4, INST)
+INST_BITS2(16, 2, 4)
 // 8 bits (the output head, quant.HEAD_BITS): gemv.py's HEAD_VARIANT, whose rings fit 99 KB of shared memory (sm_89)
-INST_GS(8, 16, 2, 0)
+INST_GS(8, 16, 2, 0, INST)
 // table weights: gemv.py's TABLE_VARIANT, with and without QDEC, per row (GS 0) and grouped by 128 (GS 1)
-#define INST_LUT(GS, QW) INST_L(2, 16, 2, GS, QW, true) INST_L(3, 16, 2, GS, QW, true) INST_L(4, 16, 2, GS, QW, true)
+#define INST_LUT(GS, QW) INST_L(2, 16, 2, GS, QW, true, 1) INST_L(3, 16, 2, GS, QW, true, 1) \
+    INST_L(4, 16, 2, GS, QW, true, 1)
 INST_LUT(0, 0)
 INST_LUT(0, 4)
 INST_LUT(1, 0)

@@ -16,22 +16,25 @@ META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
 LUT_GROUP_BYTES = 64  # grouped tables, per (tile, group) after the tile's tables: 16 fp16 scales, 16 fp16 offsets
 TABLE_GS = (0, GROUP_SIZES.index(TABLE_GROUP))  # gemv.cu's GSHIFT of tables: per row, grouped
 
-# (warps per block, ring depth in pairs of steps per warp): the compiled variants of gemv.cu. The first, at one block
-# per SM, is what decode runs (with and without QDEC); the sweep (`localllm bench gemv-sweep`) also times the others.
-# On the H100 (kernels/NOTES.md, pairs), depth 3 beat 2 and 4 on o and gate_up (W4 80 and 96% of copy bandwidth vs 71
-# and 93% at 4) and lost to 4 on qkv (77 vs 86%); table weights, whose slots also hold a tile's tables, want 2.
-VARIANTS = ((16, 3), (8, 5))
-TABLE_VARIANT = (16, 2)
+# (warps per block, ring depth in slots per warp, pairs of steps per slot): the compiled variants of gemv.cu. The first
+# two, at one block per SM, are what decode runs (with and without QDEC): two pairs per slot where a warp's share of a
+# tile is two pairs (two_pairs: K = 4096, as in every 7-8B model's qkv, o and gate_up), else one; the sweep
+# (`localllm bench gemv-sweep`) also times the third. On the H100 (kernels/NOTES.md), depth 3 pairs beat 2 and 4 on o
+# and gate_up (W4 80 and 96% of copy bandwidth vs 71 and 93% at 4) and lost to 4 on qkv (77 vs 86%); two slots of two
+# pairs keep as many in flight. Table weights, whose slots also hold a tile's tables, want 2 slots of one pair.
+VARIANTS = ((16, 3, 1), (16, 2, 2), (8, 5, 1))
+TABLE_VARIANT = (16, 2, 1)
 # 8-bit weights (the output head, quant.HEAD_BITS): a pair is 2 KB, so depth 2 keeps 64 KB in flight per SM and the
 # rings within the 99 KB of shared memory of sm_89 (RTX 40-series)
-HEAD_VARIANT = (16, 2)
-NAMES = tuple(f"gemv<{b},{w},{d},{gs},0,false>" for b in (2, 3, 4) for w, d in VARIANTS
-              for gs in range(len(GROUP_SIZES))) \
-    + tuple(f"gemv<{b},{w},{d},{gs},{qdec.QW},false>" for b in (2, 3, 4) for w, d in VARIANTS[:1]
+HEAD_VARIANT = (16, 2, 1)
+NAMES = tuple(f"gemv<{b},{w},{d},{gs},0,false,{q}>" for b in (2, 3, 4) for w, d, q in VARIANTS
+              for gs in range(len(GROUP_SIZES)) if q == 1 or GROUP_SIZES[gs] <= 128) \
+    + tuple(f"gemv<{b},{w},{d},{gs},{qdec.QW},false,{q}>" for b in (2, 3, 4) for w, d, q in VARIANTS[:2]
+            for gs in range(len(GROUP_SIZES)) if q == 1 or GROUP_SIZES[gs] <= 128) \
+    + tuple(f"gemv<{b},{w},{d},{gs},{qw},true,{q}>" for b in (2, 3, 4) for w, d, q in (TABLE_VARIANT,)
+            for gs in TABLE_GS for qw in (0, qdec.QW)) \
+    + tuple(f"gemv<{HEAD_BITS},{w},{d},{gs},0,false,{q}>" for w, d, q in (HEAD_VARIANT,)
             for gs in range(len(GROUP_SIZES))) \
-    + tuple(f"gemv<{b},{w},{d},{gs},{qw},true>" for b in (2, 3, 4) for w, d in (TABLE_VARIANT,) for gs in TABLE_GS
-            for qw in (0, qdec.QW)) \
-    + tuple(f"gemv<{HEAD_BITS},{w},{d},{gs},0,false>" for w, d in (HEAD_VARIANT,) for gs in range(len(GROUP_SIZES))) \
     + tuple(f"dequant<{b}>" for b in PACK_BITS) + tuple(f"dequant_lut<{b}>" for b in (2, 3, 4))
 
 
@@ -196,19 +199,27 @@ HOLD_BYTES = int(os.environ.get("LOCALLLM_HOLD_BYTES", 16 << 20))
 TWO_BLOCK_TILES = 8
 
 
-def slot_meta_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> int:
-    """Bytes of the meta a ring slot holds beside a pair's weights (gemv.cu, SLOT): for table weights a tile's tables
-    (lut_record_bytes) and, grouped, the pair's group record; else room for two META_BYTES records."""
+def slot_meta_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, pairs: int = 1) -> int:
+    """Bytes of the meta a ring slot holds beside its weights (gemv.cu, SLOT): for table weights a tile's tables
+    (lut_record_bytes) and, grouped, the pair's group record; else room for two META_BYTES records per pair."""
     if isinstance(w, (PackedLUT, QuantLUT)):
         return lut_record_bytes(w.bits) + (LUT_GROUP_BYTES if w.group_size else 0)
-    return 2 * META_BYTES
+    return 2 * pairs * META_BYTES
 
 
-def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int, int]:
-    """The (warps, depth) variant decode runs for w (QDEC needs it)."""
+def two_pairs(K: int, warps: int, group_size: int | None) -> bool:
+    """Whether gemv.cu has slots of two pairs of steps for K: a warp's share of a tile is then exactly two pairs (one
+    slot a tile, no cursor within it), at group size 64 or 128 (larger ones spill under the 64-register cap)."""
+    return K == 256 * warps and group_size in (64, 128)
+
+
+def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int, int, int]:
+    """The (warps, depth, pairs per slot) variant decode runs for w (QDEC needs it)."""
     if isinstance(w, (PackedLUT, QuantLUT)):
         return TABLE_VARIANT
-    return HEAD_VARIANT if w.bits == HEAD_BITS else VARIANTS[0]
+    if w.bits == HEAD_BITS:
+        return HEAD_VARIANT
+    return VARIANTS[1] if two_pairs(w.in_features, VARIANTS[1][0], w.group_size) else VARIANTS[0]
 
 
 def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
@@ -243,13 +254,14 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         x = x.clone()  # the kernel reads x 16 bytes at a time
     if out is None:
         out = torch.empty(N, dtype=torch.float16, device=x.device)
-    warps, depth = variant or decode_variant(w)
+    warps, depth, pairs = variant = variant or decode_variant(w)
     qw = qdec.QW if comp is not None and comp.k_chunk > 0 else 0
-    assert not lut or (warps, depth) == TABLE_VARIANT, "table weights: TABLE_VARIANT only"
-    assert w.bits != HEAD_BITS or ((warps, depth) == HEAD_VARIANT and not qw), "8 bits: HEAD_VARIANT, no QDEC"
+    assert not lut or variant == TABLE_VARIANT, "table weights: TABLE_VARIANT only"
+    assert w.bits != HEAD_BITS or (variant == HEAD_VARIANT and not qw), "8 bits: HEAD_VARIANT, no QDEC"
+    assert pairs == 1 or (not lut and two_pairs(K, warps, w.group_size)), "two pairs per slot: K = 256 x warps"
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
-    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()}>", NAMES)
-    smem = shared_bytes(w, warps, depth)
+    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs}>", NAMES)
+    smem = shared_bytes(w, *variant)
     if blocks_per_sm is None:
         dev = x.device.index or 0
         many = not (qw or lut or w.bits == HEAD_BITS) and N // 16 >= TWO_BLOCK_TILES * cuda.sm_count(dev)
@@ -262,7 +274,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     x_first = (held or qw > 0) and blocks_per_sm == 1
     null = np.uint64(0)
     if qw:
-        assert (warps, depth) == decode_variant(w) and comp.grid == grid, "QDEC state numbered for another grid"
+        assert variant == decode_variant(w) and comp.grid == grid, "QDEC state numbered for another grid"
         smem += qdec.shared_bytes(K, N, comp.k_chunk, grid, comp.n_tb)
         extra = comp.args(K, N)
     else:
@@ -277,11 +289,11 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     return out
 
 
-def shared_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, warps: int, depth: int) -> int:
+def shared_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, warps: int, depth: int, pairs: int = 1) -> int:
     """Dynamic shared memory of the GEMV without QDEC: x as B fragments, its sums per step or pair (float4), each
-    warp's ring of slots (a pair of steps: weights, then a tile's tables or two records)."""
+    warp's ring of slots (pairs of steps: weights, then a tile's tables or the records)."""
     K = w.in_features
-    return K * 2 + K // 64 * 16 + warps * depth * (256 * w.bits + slot_meta_bytes(w))
+    return K * 2 + K // 64 * 16 + warps * depth * (pairs * 256 * w.bits + slot_meta_bytes(w, pairs))
 
 
 def grid_of(N: int, device: torch.device, blocks_per_sm: int = 1) -> int:

@@ -99,21 +99,26 @@ def gemv_sets(N: int, K: int, bits: int, group_size: int) -> tuple[list, int]:
 
 
 def gemv_sweep(group_size: int = 128, blocks_per_sm=(1, 2)) -> None:
-    """Time each compiled (warps, depth) variant of the GEMV at several grid sizes on the 8B shapes, W4 and W3."""
-    from .kernels.gemv import VARIANTS, gemv
+    """Time each compiled (warps, depth, pairs per slot) variant of the GEMV at several grid sizes on the 8B shapes,
+    W4 and W3 (-: the variant does not fit the shape)."""
+    from .kernels.gemv import VARIANTS, gemv, two_pairs
     bw = copy_bandwidth()
     cols = [(v, b) for v in VARIANTS for b in blocks_per_sm]
-    print(f"\nGEMV variants, % of copy bandwidth ({bw / 1e9:.0f} GB/s); columns: (warps, ring depth)/blocks per SM")
-    print(f"{'layer':8} {'bits':>4} " + " ".join(f"{f'{v[0]},{v[1]}/{b}':>8}" for v, b in cols))
+    print(f"\nGEMV variants, % of copy bandwidth ({bw / 1e9:.0f} GB/s); columns: (warps, ring depth, pairs per slot)/"
+          "blocks per SM")
+    print(f"{'layer':8} {'bits':>4} " + " ".join(f"{f'{v[0]},{v[1]},{v[2]}/{b}':>9}" for v, b in cols))
     for name, (N, K) in LLAMA3_8B.items():
         x = torch.randn(K, device="cuda").half()
         for bits in (4, 3):
             sets, nbytes = gemv_sets(N, K, bits, group_size)
             cells = []
             for v, b in cols:
+                if v[2] == 2 and not two_pairs(K, v[0], group_size):
+                    cells.append(f"{'-':>9}")
+                    continue
                 t = time_graph([lambda s=s, v=v, b=b: gemv(x, s[0], out=s[1], variant=v, blocks_per_sm=b)
                                 for s in sets])
-                cells.append(f"{100 * nbytes / t / bw:7.1f}%")
+                cells.append(f"{100 * nbytes / t / bw:8.1f}%")
             print(f"{name:8} {bits:>4} " + " ".join(cells))
             del sets
 

@@ -58,7 +58,7 @@ def build(loads_only: bool) -> None:
                           + f"#define READ_UNROLL {READ_UNROLL}\n" + READ)
 
 
-gemv_mod.NAMES = gemv_mod.NAMES + tuple(f"gemv<{b},16,{d},{GS},0,false>" for b, d in EXTRA)
+gemv_mod.NAMES = gemv_mod.NAMES + tuple(f"gemv<{b},16,{d},{GS},0,false,1>" for b, d in EXTRA)
 
 
 def read_percent(nbytes: int, bw: float) -> dict[str, tuple[float, str]]:
@@ -101,7 +101,7 @@ def main(rounds: int, shapes: list[str]) -> None:
                     build(loads_only)
                     key = (f"{name} W{bits}", "loads only" if loads_only else "GEMV")
                     for d in DEPTHS:
-                        t = bench.time_graph([lambda s=s, d=d: gemv_mod.gemv(x, s[0], out=s[1], variant=(16, d))
+                        t = bench.time_graph([lambda s=s, d=d: gemv_mod.gemv(x, s[0], out=s[1], variant=(16, d, 1))
                                               for s in sets])
                         rows.setdefault(key, {}).setdefault(d, []).append(f"{100 * nbytes / t / bw:.1f}")
                     print(f"round {r + 1}: {key[0]} {key[1]}: " + " ".join(rows[key][d][-1] for d in DEPTHS),

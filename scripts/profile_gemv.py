@@ -1,6 +1,6 @@
 """Run one GEMV configuration a few times, for Nsight Compute (ncu) to profile.
 
-usage: python scripts/profile_gemv.py [layer] [bits] [warps,depth] [blocks per SM] [qdec k_chunk]
+usage: python scripts/profile_gemv.py [layer] [bits] [warps,depth,pairs per slot] [blocks per SM] [qdec k_chunk]
        (defaults: gate_up 4, the first variant, 1 block per SM, no QDEC; bits "4t": table weights, 4 bits)
 """
 import sys

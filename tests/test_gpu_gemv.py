@@ -41,15 +41,16 @@ def test_gemv_large_groups(N, K, gs):
     test_gemv_matches_float64_reference(3, N, K, gs)
 
 
-@pytest.mark.parametrize("N,K", [(4096, 4096), (1728, 576)])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (1728, 576), (4096, 14336)])
 def test_gemv_sweep_variants(N, K):
-    """The variants `bench gemv-sweep` times besides decode's compute the same function."""
-    from localllm.kernels.gemv import VARIANTS, Packed, gemv
+    """Every variant that fits the shape (`bench gemv-sweep` times them all) computes the same function, at one
+    block per SM and at two."""
+    from localllm.kernels.gemv import VARIANTS, Packed, gemv, two_pairs
     q = random_quant(N, K, 3, 128)
     x = torch.randn(K, device="cuda").half()
     ref = q.dequantize(torch.float64) @ x.double()
-    for v in VARIANTS[1:]:
-        got = gemv(x, Packed.from_quant(q), variant=v, blocks_per_sm=2)
+    for v, b in [(v, b) for v in VARIANTS if v[2] == 1 or two_pairs(K, v[0], 128) for b in (1, 2)]:
+        got = gemv(x, Packed.from_quant(q), variant=v, blocks_per_sm=b)
         assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-3, v
 
 

@@ -258,7 +258,7 @@ def test_largest_k_from_shared_memory():
     assert largest_k(lambda k: 0, 49152, 256) == 256
     # the QDEC GEMV's own shared memory: the bound is the last k that fits
     for N, K in SHAPES.values():
-        w = SimpleNamespace(in_features=K, out_features=N, bits=3)
+        w = SimpleNamespace(in_features=K, out_features=N, bits=3, group_size=128)
         grid = min(N // 16, 132)
         need = lambda k: qdec.shared_bytes_total(w, k, grid)  # noqa: E731
         limit = need(100) + 5
