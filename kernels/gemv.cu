@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     // A ring slot holds Q pairs of steps (128 channels each) of one tile: their weights, then their meta: the tile's
     // tables (LUT), (and grouped, the pair's group record after them), the records of the pairs' groups (group size
     // >= 128), or two per pair (64). TREC: the bytes of one (tile, group) record in meta, or of a tile's tables.
-    // Q = 2 (2-4 bit uniform weights where a warp's share of a tile is two pairs, gemv.py's two_pairs): one copy
+    // Q = 2 (2-4 bit uniform weights where a warp's share of a tile is two pairs, gemv.py's fits): one copy
     // issue, wait and cursor step per 256 channels instead of 128 (H200, K = 4096: kernels/NOTES.md, session 44).
     constexpr int STEP_BYTES = 128 * BITS, PAIR_BYTES = 2 * STEP_BYTES;
     constexpr int TREC = LUT ? lut_record_bytes(BITS) : META_BYTES;
@@ -236,46 +236,37 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     const long long wrap_step = (long long)(S - 2 * (hi - lo) + 2) * STEP_BYTES;
     int in_pair = lo, issued = 0;
     uint32_t in_slot = ring0;
-    // Two pairs per slot: a slot is the warp's whole share of a tile (gemv.py's two_pairs), so each issue copies the
+    // the byte offset of pair p's first record in its tile's meta (uniform weights)
+    auto rec_off = [&](int p) { return (GSHIFT ? p >> (GSHIFT > 0 ? GSHIFT - 1 : 0) : 2 * p) * META_BYTES; };
+    // Two pairs per slot: a slot is the warp's whole share of a tile (gemv.py's fits), so each issue copies the
     // next tile's from the same offsets: no cursor within the tile.
-    const uint8_t* mrec = mtile + (GSHIFT ? (lo >> (GSHIFT > 0 ? GSHIFT - 1 : 0)) : 2 * lo) * META_BYTES;
+    const uint8_t* mrec = mtile + rec_off(lo);
     auto issue = [&]() {
-        if constexpr (Q == 2) {
-            const bool live = issued++ < items;
+        const bool live = issued++ < items, two = Q == 2 || 2 * in_pair + 1 < S;
+        const int wbytes = Q == 2 ? Q * PAIR_BYTES : two ? PAIR_BYTES : STEP_BYTES;
 #pragma unroll
-            for (int j = 0; j < (Q * PAIR_BYTES + 511) / 512; j++)
-                if constexpr (QW > 0)
-                    cp_async16(in_slot + 512 * j, src + 512 * j, live && 16 * lane + 512 * j < Q * PAIR_BYTES);
-                else
-                    cp_async16_stream(in_slot + 512 * j, src + 512 * j, live && 16 * lane + 512 * j < Q * PAIR_BYTES);
-            // two records (group size 128), four (64), or the one of their group (>= 256)
+        for (int j = 0; j < (Q * PAIR_BYTES + 511) / 512; j++)
+            if constexpr (QW > 0)  // the streaming hint made the 8B QDEC decode 1.5-2% slower (H100, session 36)
+                cp_async16(in_slot + 512 * j, src + 512 * j, live && 16 * lane + 512 * j < wbytes);
+            else
+                cp_async16_stream(in_slot + 512 * j, src + 512 * j, live && 16 * lane + 512 * j < wbytes);
+        if constexpr (Q == 2) {  // two records (group size 128), four (64), or the one of their group (>= 256)
             cp_async16(in_slot + Q * PAIR_BYTES, mrec,
                        live && lane < (GSHIFT == 0 ? 4 : GSHIFT == 1 ? 2 : 1) * META_BYTES / 16);
             cp_async_commit();
             src += (size_t)S * STEP_BYTES;
             mrec += tstride;
-            in_slot = in_slot == ring_last ? ring0 : in_slot + SLOT;
-            return;
+        } else {
+            // lanes past the tables (grouped tables) copy the pair's group record, which follows the tile's tables
+            const int roff = LUT ? (GREC && lane >= TREC / 16 ? in_pair * GREC : 0) : rec_off(in_pair);
+            const int rlanes = LUT ? (TREC + GREC) / 16 : GSHIFT || !two ? META_BYTES / 16 : 2 * META_BYTES / 16;
+            cp_async16(in_slot + PAIR_BYTES, mtile + roff, live && lane < rlanes);
+            cp_async_commit();
+            const bool wrap = ++in_pair == hi;
+            in_pair = wrap ? lo : in_pair;
+            src += wrap ? wrap_step : PAIR_BYTES;
+            mtile += wrap ? tstride : 0;
         }
-        const bool live = issued++ < items, two = 2 * in_pair + 1 < S;
-        const int wbytes = two ? PAIR_BYTES : STEP_BYTES;
-#pragma unroll
-        for (int j = 0; j < (PAIR_BYTES + 511) / 512; j++)
-            if constexpr (QW > 0)  // the streaming hint made the 8B QDEC decode 1.5-2% slower (H100, session 36)
-                cp_async16(in_slot + 512 * j, src + 512 * j, live && 16 * lane + 512 * j < wbytes);
-            else
-                cp_async16_stream(in_slot + 512 * j, src + 512 * j, live && 16 * lane + 512 * j < wbytes);
-        // lanes past the tables (grouped tables) copy the pair's group record, which follows the tile's tables
-        const int roff = LUT ? (GREC && lane >= TREC / 16 ? in_pair * GREC : 0)
-                       : GSHIFT ? (in_pair >> (GSHIFT > 0 ? GSHIFT - 1 : 0)) * META_BYTES
-                                : in_pair * 2 * META_BYTES;
-        const int rlanes = LUT ? (TREC + GREC) / 16 : GSHIFT || !two ? META_BYTES / 16 : 2 * META_BYTES / 16;
-        cp_async16(in_slot + PAIR_BYTES, mtile + roff, live && lane < rlanes);
-        cp_async_commit();
-        const bool wrap = ++in_pair == hi;
-        in_pair = wrap ? lo : in_pair;
-        src += wrap ? wrap_step : PAIR_BYTES;
-        mtile += wrap ? tstride : 0;
         in_slot = in_slot == ring_last ? ring0 : in_slot + SLOT;
     };
 
@@ -483,7 +474,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
 #pragma unroll 1
         for (int j = 0; j < Q; j++)
             compute(p0 + j, slot + j * PAIR_BYTES,
-                    slot + Q * PAIR_BYTES + (GSHIFT == 0 ? 2 * j : GSHIFT == 1 ? j : 0) * (LUT ? 0 : META_BYTES));
+                    slot + Q * PAIR_BYTES + (LUT ? 0 : rec_off(p0 + j) - rec_off(p0)));
     };
     uint32_t* flags = reinterpret_cast<uint32_t*>(state + 1);
     const int C = (K + QDEC_CHUNK - 1) / QDEC_CHUNK, n_seg = (N + QDEC_SEG - 1) / QDEC_SEG;

@@ -18,7 +18,7 @@ TABLE_GS = (0, GROUP_SIZES.index(TABLE_GROUP))  # gemv.cu's GSHIFT of tables: pe
 
 # (warps per block, ring depth in slots per warp, pairs of steps per slot): the compiled variants of gemv.cu. The first
 # two, at one block per SM, are what decode runs (with and without QDEC): two pairs per slot where a warp's share of a
-# tile is two pairs (two_pairs: K = 4096, as in every 7-8B model's qkv, o and gate_up), else one; the sweep
+# tile is two pairs (fits: K = 4096, as in every 7-8B model's qkv, o and gate_up), else one; the sweep
 # (`localllm bench gemv-sweep`) also times the third. On the H100 (kernels/NOTES.md), depth 3 pairs beat 2 and 4 on o
 # and gate_up (W4 80 and 96% of copy bandwidth vs 71 and 93% at 4) and lost to 4 on qkv (77 vs 86%); two slots of two
 # pairs keep as many in flight. Table weights, whose slots also hold a tile's tables, want 2 slots of one pair.
@@ -207,10 +207,12 @@ def slot_meta_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, pairs: int =
     return 2 * pairs * META_BYTES
 
 
-def two_pairs(K: int, warps: int, group_size: int | None) -> bool:
-    """Whether gemv.cu has slots of two pairs of steps for K: a warp's share of a tile is then exactly two pairs (one
-    slot a tile, no cursor within it), at group size 64 or 128 (larger ones spill under the 64-register cap)."""
-    return K == 256 * warps and group_size in (64, 128)
+def fits(variant: tuple[int, int, int], K: int, group_size: int | None) -> bool:
+    """Whether gemv.cu runs `variant` for K at group_size: slots of one pair always; of two pairs where a warp's
+    share of a tile is exactly two pairs (one slot a tile, no cursor within it), at group size 64 or 128 (larger ones
+    spill under the 64-register cap, and are not compiled)."""
+    warps, _, pairs = variant
+    return pairs == 1 or (K == 256 * warps and group_size in (64, 128))
 
 
 def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int, int, int]:
@@ -219,7 +221,7 @@ def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int,
         return TABLE_VARIANT
     if w.bits == HEAD_BITS:
         return HEAD_VARIANT
-    return VARIANTS[1] if two_pairs(w.in_features, VARIANTS[1][0], w.group_size) else VARIANTS[0]
+    return VARIANTS[1] if fits(VARIANTS[1], w.in_features, w.group_size) else VARIANTS[0]
 
 
 def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
@@ -258,7 +260,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     qw = qdec.QW if comp is not None and comp.k_chunk > 0 else 0
     assert not lut or variant == TABLE_VARIANT, "table weights: TABLE_VARIANT only"
     assert w.bits != HEAD_BITS or (variant == HEAD_VARIANT and not qw), "8 bits: HEAD_VARIANT, no QDEC"
-    assert pairs == 1 or (not lut and two_pairs(K, warps, w.group_size)), "two pairs per slot: K = 256 x warps"
+    assert fits(variant, K, w.group_size), "two pairs per slot: K = 256 x warps, group size 64 or 128"
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs}>", NAMES)
     smem = shared_bytes(w, *variant)

@@ -101,7 +101,7 @@ def gemv_sets(N: int, K: int, bits: int, group_size: int) -> tuple[list, int]:
 def gemv_sweep(group_size: int = 128, blocks_per_sm=(1, 2)) -> None:
     """Time each compiled (warps, depth, pairs per slot) variant of the GEMV at several grid sizes on the 8B shapes,
     W4 and W3 (-: the variant does not fit the shape)."""
-    from .kernels.gemv import VARIANTS, gemv, two_pairs
+    from .kernels.gemv import VARIANTS, fits, gemv
     bw = copy_bandwidth()
     cols = [(v, b) for v in VARIANTS for b in blocks_per_sm]
     print(f"\nGEMV variants, % of copy bandwidth ({bw / 1e9:.0f} GB/s); columns: (warps, ring depth, pairs per slot)/"
@@ -113,7 +113,7 @@ def gemv_sweep(group_size: int = 128, blocks_per_sm=(1, 2)) -> None:
             sets, nbytes = gemv_sets(N, K, bits, group_size)
             cells = []
             for v, b in cols:
-                if v[2] == 2 and not two_pairs(K, v[0], group_size):
+                if not fits(v, K, group_size):
                     cells.append(f"{'-':>9}")
                     continue
                 t = time_graph([lambda s=s, v=v, b=b: gemv(x, s[0], out=s[1], variant=v, blocks_per_sm=b)

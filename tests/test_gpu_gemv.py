@@ -45,11 +45,11 @@ def test_gemv_large_groups(N, K, gs):
 def test_gemv_sweep_variants(N, K):
     """Every variant that fits the shape (`bench gemv-sweep` times them all) computes the same function, at one
     block per SM and at two."""
-    from localllm.kernels.gemv import VARIANTS, Packed, gemv, two_pairs
+    from localllm.kernels.gemv import VARIANTS, Packed, fits, gemv
     q = random_quant(N, K, 3, 128)
     x = torch.randn(K, device="cuda").half()
     ref = q.dequantize(torch.float64) @ x.double()
-    for v, b in [(v, b) for v in VARIANTS if v[2] == 1 or two_pairs(K, v[0], 128) for b in (1, 2)]:
+    for v, b in [(v, b) for v in VARIANTS if fits(v, K, 128) for b in (1, 2)]:
         got = gemv(x, Packed.from_quant(q), variant=v, blocks_per_sm=b)
         assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-3, v
 
