@@ -62,9 +62,9 @@ def weight_mean(w: Tensor, group_size: int) -> Tensor:
 
 
 def search(w: Tensor, x: Tensor, quantize: Callable[[Tensor], Tensor], mean_abs: Tensor | None = None,
-           w_mean: Tensor | None = None, down: Tensor | None = None) -> tuple[Tensor, float, bool]:
+           w_mean: Tensor | None = None, down: Tensor | None = None) -> tuple[Tensor, float, bool, float]:
     """The scales s [K] (float64) minimizing the mean square of x W^T - (x / s) Q(W s)^T over ALPHAS, plain and (given
-    w_mean) duo, their alpha and whether they are duo scales; with down, of what that error becomes at the MLP's
+    w_mean) duo, their alpha, whether they are duo scales, and their error over plain RTN's (alpha 0); with down, of what that error becomes at the MLP's
     output instead: W is gate_up ([gate; up]) and the outputs pass through SwiGLU and down [D, N / 2], unquantized.
 
     w [N, K]; x [T, K] calibration inputs; quantize: W -> W_hat (the base quantizer, dequantized, row by row); mean_abs
@@ -101,7 +101,9 @@ def search(w: Tensor, x: Tensor, quantize: Callable[[Tensor], Tensor], mean_abs:
             err = err / (x.shape[0] * n) if down is None else err.double().square().mean().item()
             if err < best[0]:
                 best = (err, s, alpha, duo)
-    return best[1], best[2], best[3]
+            if alpha == 0 and not duo:
+                plain = err
+    return best[1], best[2], best[3], best[0] / plain if plain > 0 else 1.0
 
 
 def clip_search(w: Tensor, x: Tensor, bits: int, group_size: int, s: Tensor | None = None) -> Tensor:
@@ -180,7 +182,7 @@ def awq_block(t: dict, cfg: ModelConfig, inputs: dict[str, Tensor], bits: int, g
               ) -> tuple[dict, dict[str, dict], dict[str, Tensor]]:
     """Search and fold one block's scales, then search its clipping: t (block tensors), inputs[kind] [T, K] the
     calibration inputs of each projection in the source block (folding leaves the block's function, so these,
-    unchanged) -> (folded float32 tensors, {"alpha", "duo"} per kind, clip [N, G] per kind for quantize_rtn)."""
+    unchanged) -> (folded float32 tensors, {"alpha", "duo", "error_vs_rtn"} per kind, clip [N, G] per kind for quantize_rtn)."""
     quantize = lambda w: rtn_dequantized(w, bits, group_size)  # noqa: E731
     s, alphas, cur = {}, {}, t
     for kind in ("o", "qkv", "down", "gate_up"):  # the producer's weights are searched after their fold
@@ -190,8 +192,8 @@ def awq_block(t: dict, cfg: ModelConfig, inputs: dict[str, Tensor], bits: int, g
             mean, w_mean = tied(inputs[kind].float().abs().mean(0), cfg), tied(w_mean, cfg)
         # gate_up: the error that reaches the MLP's output, through SwiGLU and the (unquantized) down
         down = cur["down"]["weight"] if kind == "gate_up" else None
-        s[kind], a, duo = search(w, inputs[kind], quantize, mean, w_mean, down)
-        alphas[kind] = {"alpha": a, "duo": duo}
+        s[kind], a, duo, gain = search(w, inputs[kind], quantize, mean, w_mean, down)
+        alphas[kind] = {"alpha": a, "duo": duo, "error_vs_rtn": round(gain, 4)}
         cur = fold(t, cfg, s)
     # the folded weights multiply x / s
     clips = {kind: clip_search(cur[kind]["weight"], inputs[kind], bits, group_size, s[kind]) for kind in s}

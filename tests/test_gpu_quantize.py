@@ -27,14 +27,20 @@ def test_quantize_on_gpu_matches_cpu(tiny_ckpt, tmp_path, method, bits):
     assert len(mg["quantized_on"]["block_seconds"]) == mg["config"]["num_layers"]
     assert mg["quantized_on"]["peak_gpu_bytes"] > 0 and mc["quantized_on"]["peak_gpu_bytes"] is None
     # AWQ's searches pick the same scales in block 0, whose inputs both devices see alike up to rounding. A later
-    # block's inputs come through the earlier blocks' codes, and a near tie may tip a pick (seed 1692688593, H200:
-    # block 1 down, duo vs plain scales); its weights, and those of the producer its scales fold into, then differ.
+    # block's inputs come through the earlier blocks' codes, and where the error is nearly flat in alpha a pick may
+    # tip (seed 1692688593, H200: block 1 down, duo vs plain scales; seed 946627377: three of block 1's four): its
+    # weights, and those of the producer its scales fold into, then differ. Every pick, tipped or not, must be as
+    # good: its error over RTN's the same on both devices.
     tipped = set()
     if method == "awq":
         ac, ag = mc["quant"]["awq_alpha"], mg["quant"]["awq_alpha"]
-        assert ag[0] == ac[0]
-        tipped = {(i, kind) for i in range(1, len(ac)) for kind in ac[i] if ag[i][kind] != ac[i][kind]}
-        assert len(tipped) <= 2 * (len(ac) - 1), tipped  # most of the later picks still agree
+        pick = lambda p: (p["alpha"], p["duo"])  # noqa: E731
+        for i in range(len(ac)):
+            for kind in ac[i]:
+                assert i > 0 or pick(ag[i][kind]) == pick(ac[i][kind]), kind
+                assert ag[i][kind]["error_vs_rtn"] == pytest.approx(ac[i][kind]["error_vs_rtn"], abs=0.02), (i, kind)
+        tipped = {(i, kind) for i in range(1, len(ac)) for kind in ac[i]
+                  if pick(ag[i][kind]) != pick(ac[i][kind])}
         tipped |= {(i, {"o": "qkv", "down": "gate_up"}[kind]) for i, kind in tipped if kind in ("o", "down")}
     if isinstance(bits, float):
         kc, kg = (torch.tensor(m["quant"]["sensitivity"]["kl"]) for m in (mc, mg))

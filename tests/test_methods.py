@@ -94,17 +94,19 @@ def test_awq_search_beats_rtn_on_outlier_channels(seed, monkeypatch):
     x = torch.randn(2048, 256)
     x[:, :4] *= 30  # a few salient input channels
     q = lambda v: rtn_dequantized(v, 3, 64)  # noqa: E731
-    s, alpha, duo = awq.search(w, x, q)
+    s, alpha, duo, gain = awq.search(w, x, q)
     err = lambda w_hat: ((x @ (w_hat - w).T) ** 2).mean().item()  # noqa: E731
     assert alpha > 0 and not duo, f"seed={seed}"
     assert err((q((w * s).float()).double() / s).float()) < 0.7 * err(q(w)), f"seed={seed}"
+    # the error it reports over RTN's is that ratio
+    assert gain == pytest.approx(err((q((w * s).float()).double() / s).float()) / err(q(w)), rel=1e-4), f"seed={seed}"
     # alpha = 0 is RTN: s = 1
     assert torch.equal(awq.scales_of(torch.rand(7), 0.0), torch.ones(7, dtype=torch.float64))
     # with duo scales on offer the search picks whichever measures less, and it measures no more than without them
-    s2, _, _ = awq.search(w, x, q, w_mean=awq.weight_mean(w, 64))
+    s2, _, _, _ = awq.search(w, x, q, w_mean=awq.weight_mean(w, 64))
     assert err((q((w * s2).float()).double() / s2).float()) <= err((q((w * s).float()).double() / s).float())
     monkeypatch.setattr(quant, "_BLOCK_ELEMS", 16 * 8 * 256)  # the error summed over blocks of 16 rows: the same pick
-    s3, _, _ = awq.search(w, x, q)  # (up to ties at the products' float32 precision)
+    s3, _, _, _ = awq.search(w, x, q)  # (up to ties at the products' float32 precision)
     e, e3 = (err((q((w * v).float()).double() / v).float()) for v in (s, s3))
     assert abs(e3 - e) <= 1e-5 * e, f"seed={seed}"
 
@@ -118,7 +120,7 @@ def test_awq_search_with_duo_scales_and_the_mlp_output_takes_the_grids_least_err
     q = lambda v: rtn_dequantized(v, 3, 64)  # noqa: E731
     wm = awq.weight_mean(w, 64)
     assert wm.shape == (128,) and (wm > 0).all() and (wm <= 1).all() and wm[5] > 0.5 > wm.median()
-    s, alpha, duo = awq.search(w, x, q, w_mean=wm, down=down)
+    s, alpha, duo, gain = awq.search(w, x, q, w_mean=wm, down=down)
     x64, w64 = x.double(), w.double()
     mlp = lambda y: (F.silu(y[:, :32]) * y[:, 32:]) @ down.double().T  # noqa: E731
     errs = {}
@@ -129,10 +131,11 @@ def test_awq_search_with_duo_scales_and_the_mlp_output_takes_the_grids_least_err
             errs[d, a] = (mlp(x64 @ w_hat.T) - mlp(x64 @ w64.T)).square().mean().item()
     # the grid's least error, up to the search's float32 products (~1e-6 of the error)
     assert errs[duo, alpha] <= min(errs.values()) * (1 + 1e-5), f"seed={seed}"
+    assert gain == pytest.approx(errs[duo, alpha] / errs[False, 0.0], rel=1e-4), f"seed={seed}"  # over RTN's
     assert torch.equal(s, awq.scales_of(x.abs().mean(0), alpha, wm if duo else None))
     # row blocks (16 gate rows with their up rows, a GPU's size on the CPU's scale) sum to the same errors
     monkeypatch.setattr(quant, "_BLOCK_ELEMS", 16 * 16 * 128)
-    _, a2, d2 = awq.search(w, x, q, w_mean=wm, down=down)
+    _, a2, d2, _ = awq.search(w, x, q, w_mean=wm, down=down)
     assert errs[d2, a2] <= min(errs.values()) * (1 + 1e-5), f"seed={seed}"
     monkeypatch.setattr(quant, "_BLOCK_ELEMS", 16 * 2 * 128)  # weight_mean in blocks of 16 rows
     assert torch.allclose(awq.weight_mean(w, 64), wm, rtol=1e-12)
@@ -499,6 +502,8 @@ def test_methods_end_to_end(method_quant, tiny_ckpt):
     assert len(q["sensitivity"]["kl"]) == 2 and q["sensitivity"]["tokens"] > 0
     assert q["layout"] == ("lut-group-mma-v3" if method == "squeezellm" else "rtn-mma-v3")
     assert ("awq_alpha" in q and "awq_clip" in q) == (method == "awq")
+    if method == "awq":  # alpha 0 is RTN, so no pick measures worse than RTN
+        assert all(0 < p["error_vs_rtn"] <= 1 for blk in q["awq_alpha"] for p in blk.values())
     assert ("table_refit" in q) == (method == "squeezellm")
     lm, src = load(path, qdec="off"), load(tiny_ckpt).model
     for blk, bits in zip(lm.model.blocks, q["block_bits"]):
