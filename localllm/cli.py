@@ -71,6 +71,11 @@ def cmd_info(a) -> None:
     print(f"             {d['architecture']}, {d['parameters'] / 1e6:.1f}M parameters")
     h = d["head"]
     print(f"bits         {d['quantization']}; output head " + (f"{h['bits']}-bit, group {h['group_size']}" if h else "fp16"))
+    if d["awq"]:  # what AWQ's scales bought over RTN, on the calibration inputs
+        err = [f"{k} {v['mean_error_vs_rtn']:.3f}" for k, v in d["awq"].items() if v["mean_error_vs_rtn"] is not None]
+        kept = sum(v["rtn_blocks"] for v in d["awq"].values())
+        print("awq          " + (f"output error over RTN's, mean over blocks: {', '.join(err)}; " if err else "")
+              + f"{kept} of {sum(v['blocks'] for v in d['awq'].values())} projections kept RTN (alpha 0)")
     print(f"GPU memory   {mb(d['gpu_bytes'])} (weights, without KV cache)")
     print(f"pinned host  {mb(d['pinned_host_bytes'])} (QDEC residuals) + {mb(d['pinned_embed_bytes'])} (embeddings, on a "
           "GPU)")

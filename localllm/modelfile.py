@@ -138,6 +138,21 @@ def quant_label(q: dict) -> str:
     return name + (f", group {q['group_size']}" if q.get("group_size") else "")
 
 
+def awq_summary(q: dict) -> dict | None:
+    """AWQ's picks of the manifest per projection kind: how many blocks kept RTN (alpha 0, plain scales) and the mean
+    output error over RTN's (None in files from before it was recorded); None for other methods."""
+    picks = q.get("awq_alpha")
+    if not picks:
+        return None
+    out = {}
+    for kind in picks[0]:
+        ps = [blk[kind] for blk in picks]
+        err = [p["error_vs_rtn"] for p in ps if "error_vs_rtn" in p]
+        out[kind] = {"rtn_blocks": sum(p["alpha"] == 0 and not p["duo"] for p in ps), "blocks": len(ps),
+                     "mean_error_vs_rtn": sum(err) / len(err) if len(err) == len(ps) else None}
+    return out
+
+
 def _load_checked(path: Path, name: str, meta: dict, verify: bool) -> dict:
     f = path / name
     if not f.exists():

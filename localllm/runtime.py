@@ -404,6 +404,7 @@ def describe(lm: LocalModel) -> dict:
         "parameters": n_params,
         "bits": m["quant"]["bits"] if m else 16,
         "quantization": modelfile.quant_label(m["quant"]) if m else "16 (not quantized)",
+        "awq": modelfile.awq_summary(m["quant"]) if m else None,
         "group_size": m["quant"]["group_size"] if m else None,
         "head": (m["quant"].get("head") or None) if m else None,  # None: fp16 (or tied to the embeddings)
         "residuals": m.get("residual"),

@@ -494,7 +494,12 @@ def method_quant(request, tiny_ckpt, tmp_path_factory):
                                    seq_len=128)
 
 
-def test_methods_end_to_end(method_quant, tiny_ckpt):
+def describe_awq(path):
+    from localllm.runtime import describe
+    return describe(load(path, qdec="off"))["awq"]
+
+
+def test_methods_end_to_end(method_quant, tiny_ckpt, capsys):
     method, path = method_quant
     m = json.loads((path / "localllm.json").read_text())
     q = m["quant"]
@@ -504,6 +509,20 @@ def test_methods_end_to_end(method_quant, tiny_ckpt):
     assert ("awq_alpha" in q and "awq_clip" in q) == (method == "awq")
     if method == "awq":  # alpha 0 is RTN, so no pick measures worse than RTN
         assert all(0 < p["error_vs_rtn"] <= 1 for blk in q["awq_alpha"] for p in blk.values())
+        # `localllm info` sums the picks up per projection kind
+        from localllm.cli import main
+        d = describe_awq(path)
+        assert set(d) == {"qkv", "o", "gate_up", "down"}
+        for kind, v in d.items():
+            picks = [blk[kind] for blk in q["awq_alpha"]]
+            assert v["blocks"] == len(picks) == 2
+            assert v["rtn_blocks"] == sum(p["alpha"] == 0 and not p["duo"] for p in picks)
+            assert v["mean_error_vs_rtn"] == pytest.approx(sum(p["error_vs_rtn"] for p in picks) / 2)
+        assert main(["info", str(path)]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("awq "))
+        assert f"qkv {d['qkv']['mean_error_vs_rtn']:.3f}" in line and "of 8 projections kept RTN" in line
+    else:
+        assert describe_awq(path) is None
     assert ("table_refit" in q) == (method == "squeezellm")
     lm, src = load(path, qdec="off"), load(tiny_ckpt).model
     for blk, bits in zip(lm.model.blocks, q["block_bits"]):
