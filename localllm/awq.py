@@ -64,8 +64,9 @@ def weight_mean(w: Tensor, group_size: int) -> Tensor:
 def search(w: Tensor, x: Tensor, quantize: Callable[[Tensor], Tensor], mean_abs: Tensor | None = None,
            w_mean: Tensor | None = None, down: Tensor | None = None) -> tuple[Tensor, float, bool, float]:
     """The scales s [K] (float64) minimizing the mean square of x W^T - (x / s) Q(W s)^T over ALPHAS, plain and (given
-    w_mean) duo, their alpha, whether they are duo scales, and their error over plain RTN's (alpha 0); with down, of what that error becomes at the MLP's
-    output instead: W is gate_up ([gate; up]) and the outputs pass through SwiGLU and down [D, N / 2], unquantized.
+    w_mean) duo, their alpha, whether they are duo scales, and their error over plain RTN's (alpha 0); with down, of
+    what that error becomes at the MLP's output instead: W is gate_up ([gate; up]) and the outputs pass through SwiGLU
+    and down [D, N / 2], unquantized.
 
     w [N, K]; x [T, K] calibration inputs; quantize: W -> W_hat (the base quantizer, dequantized, row by row); mean_abs
     [K]: the per-channel mean |x| the scales come from (default: x's; o passes its GQA-tied one); w_mean [K]:
@@ -182,7 +183,8 @@ def awq_block(t: dict, cfg: ModelConfig, inputs: dict[str, Tensor], bits: int, g
               ) -> tuple[dict, dict[str, dict], dict[str, Tensor]]:
     """Search and fold one block's scales, then search its clipping: t (block tensors), inputs[kind] [T, K] the
     calibration inputs of each projection in the source block (folding leaves the block's function, so these,
-    unchanged) -> (folded float32 tensors, {"alpha", "duo", "error_vs_rtn"} per kind, clip [N, G] per kind for quantize_rtn)."""
+    unchanged) -> (folded float32 tensors, {"alpha", "duo", "error_vs_rtn"} per kind, clip [N, G] per kind for
+    quantize_rtn)."""
     quantize = lambda w: rtn_dequantized(w, bits, group_size)  # noqa: E731
     s, alphas, cur = {}, {}, t
     for kind in ("o", "qkv", "down", "gate_up"):  # the producer's weights are searched after their fold
