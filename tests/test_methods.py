@@ -15,7 +15,7 @@ from localllm.quant import (TABLE_LEVELS, QuantLUT, lut_centroids, pack_codes, q
                             refit_table, rtn_dequantized, table_groups, unpack_codes)
 from localllm.quantize import (REFIT_K_CHUNK, REFIT_TOKENS, GpuMemoryFit, block_inputs, kl_sensitivity, mixed_bits,
                                quantize, quantize_block, refit_inputs)
-from localllm.runtime import load
+from localllm.runtime import describe, load
 
 
 @pytest.fixture
@@ -494,11 +494,6 @@ def method_quant(request, tiny_ckpt, tmp_path_factory):
                                    seq_len=128)
 
 
-def describe_awq(path):
-    from localllm.runtime import describe
-    return describe(load(path, qdec="off"))["awq"]
-
-
 def test_methods_end_to_end(method_quant, tiny_ckpt, capsys):
     method, path = method_quant
     m = json.loads((path / "localllm.json").read_text())
@@ -507,11 +502,12 @@ def test_methods_end_to_end(method_quant, tiny_ckpt, capsys):
     assert len(q["sensitivity"]["kl"]) == 2 and q["sensitivity"]["tokens"] > 0
     assert q["layout"] == ("lut-group-mma-v3" if method == "squeezellm" else "rtn-mma-v3")
     assert ("awq_alpha" in q and "awq_clip" in q) == (method == "awq")
+    lm, src = load(path, qdec="off"), load(tiny_ckpt).model
+    d = describe(lm)["awq"]
     if method == "awq":  # alpha 0 is RTN, so no pick measures worse than RTN
         assert all(0 < p["error_vs_rtn"] <= 1 for blk in q["awq_alpha"] for p in blk.values())
         # `localllm info` sums the picks up per projection kind
         from localllm.cli import main
-        d = describe_awq(path)
         assert set(d) == {"qkv", "o", "gate_up", "down"}
         for kind, v in d.items():
             picks = [blk[kind] for blk in q["awq_alpha"]]
@@ -522,9 +518,8 @@ def test_methods_end_to_end(method_quant, tiny_ckpt, capsys):
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("awq "))
         assert f"qkv {d['qkv']['mean_error_vs_rtn']:.3f}" in line and "of 8 projections kept RTN" in line
     else:
-        assert describe_awq(path) is None
+        assert d is None
     assert ("table_refit" in q) == (method == "squeezellm")
-    lm, src = load(path, qdec="off"), load(tiny_ckpt).model
     for blk, bits in zip(lm.model.blocks, q["block_bits"]):
         assert {lin.quant.bits for lin in (blk.qkv, blk.o, blk.gate_up, blk.down)} == {bits}
         assert all(isinstance(lin.quant, QuantLUT) == (method == "squeezellm") for lin in (blk.qkv, blk.down))
