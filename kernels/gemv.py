@@ -27,10 +27,12 @@ TABLE_VARIANT = (16, 2, 1)
 # 8-bit weights (the output head, quant.HEAD_BITS): a pair is 2 KB, so depth 2 keeps 64 KB in flight per SM and the
 # rings within the 99 KB of shared memory of sm_89 (RTX 40-series)
 HEAD_VARIANT = (16, 2, 1)
+# the group sizes compiled with two pairs per slot (larger ones spill under the 64-register cap; gemv.cu's INST_BITS2)
+TWO_PAIR_GROUPS = (64, 128)
 NAMES = tuple(f"gemv<{b},{w},{d},{gs},0,false,{q}>" for b in (2, 3, 4) for w, d, q in VARIANTS
-              for gs in range(len(GROUP_SIZES)) if q == 1 or GROUP_SIZES[gs] <= 128) \
+              for gs in range(len(GROUP_SIZES)) if q == 1 or GROUP_SIZES[gs] in TWO_PAIR_GROUPS) \
     + tuple(f"gemv<{b},{w},{d},{gs},{qdec.QW},false,{q}>" for b in (2, 3, 4) for w, d, q in VARIANTS[:2]
-            for gs in range(len(GROUP_SIZES)) if q == 1 or GROUP_SIZES[gs] <= 128) \
+            for gs in range(len(GROUP_SIZES)) if q == 1 or GROUP_SIZES[gs] in TWO_PAIR_GROUPS) \
     + tuple(f"gemv<{b},{w},{d},{gs},{qw},true,{q}>" for b in (2, 3, 4) for w, d, q in (TABLE_VARIANT,)
             for gs in TABLE_GS for qw in (0, qdec.QW)) \
     + tuple(f"gemv<{HEAD_BITS},{w},{d},{gs},0,false,{q}>" for w, d, q in (HEAD_VARIANT,)
@@ -209,10 +211,9 @@ def slot_meta_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, pairs: int =
 
 def fits(variant: tuple[int, int, int], K: int, group_size: int | None) -> bool:
     """Whether gemv.cu runs `variant` for K at group_size: slots of one pair always; of two pairs where a warp's
-    share of a tile is exactly two pairs (one slot a tile, no cursor within it), at group size 64 or 128 (larger ones
-    spill under the 64-register cap, and are not compiled)."""
+    share of a tile is exactly two pairs (one slot a tile, no cursor within it), at TWO_PAIR_GROUPS."""
     warps, _, pairs = variant
-    return pairs == 1 or (K == 256 * warps and group_size in (64, 128))
+    return pairs == 1 or (K == 256 * warps and group_size in TWO_PAIR_GROUPS)
 
 
 def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int, int, int]:
