@@ -71,6 +71,10 @@ template <int D, int BITS> struct Tiles {
     // per channel (16 warps at D = 128); quantized caches 8 warps: their decode takes more registers, and 16 warps
     // left fewer blocks resident than the long contexts need (kernels/NOTES.md, session 21).
     static constexpr int NT = BITS == 16 ? 4 * D : 256;
+    // blocks per SM to build for: at 16 bits none named (0), ptxas's own choice (64 registers at D = 128, two blocks
+    // per SM); quantized caches one, which keeps ptxas from squeezing them into 64 registers with spills: the 8B's 8-bit
+    // cache decoded 9% slower per step that way (H200, kernels/NOTES.md, session 46)
+    static constexpr int MINB = BITS == 16 ? 0 : 1;
     static constexpr int RW = D * BITS / 32;    // 32-bit words per cache row
     static constexpr int WPP = BITS / 4;        // words per 8-channel piece of a key
     static constexpr int KS = RW + 4 * WPP;     // key row stride: a load phase's pieces (4 per position) hit distinct banks
@@ -105,7 +109,7 @@ __device__ __forceinline__ void fetch(unsigned s_tile, unsigned s_sz, const unsi
 // ws_o [H, splits, D], ws_ml [H, splits, 2]: the runs' unnormalized outputs and (max, sum) of their softmax; out
 // [H * D]: the output, written here where one run covers the context.
 template <int D, int GQ, int BITS>
-__global__ void __launch_bounds__(Tiles<D, BITS>::NT) attend_part(const __half* __restrict__ qkv, const float* __restrict__ cos,
+__global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::MINB) attend_part(const __half* __restrict__ qkv, const float* __restrict__ cos,
                                                      const float* __restrict__ sin, unsigned* __restrict__ kc,
                                                      unsigned* __restrict__ vc, __half2* __restrict__ ksz,
                                                      __half2* __restrict__ vsz, const long long* __restrict__ pos_p,
