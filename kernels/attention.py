@@ -20,12 +20,14 @@ def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            pos: torch.Tensor, heads: int, kv_heads: int, scale: float, k_sz: torch.Tensor | None = None,
-           v_sz: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+           v_sz: torch.Tensor | None = None, span: int | None = None, splits: int | None = None) -> torch.Tensor:
     """qkv: fp16 [(heads + 2 kv_heads) * D] of the new token (before RoPE); cos/sin: float32 [D/2] at its position;
     k_cache/v_cache: one layer's cache, fp16 [kv_heads, max_len, D], or int32 codes [kv_heads, max_len, D * bits / 32]
     with k_sz/v_sz, fp16 [kv_heads, max_len, 2] (scale, zero); the new key and value are written (quantized) at pos;
-    pos: int64 [1] on the GPU; splits: runs of the context per kv head (default n_splits; tests force a few chunks
-    per run). Returns the attention output, fp16 [heads * D]."""
+    pos: int64 [1] on the GPU; span: the positions this launch may be asked to attend (pos < span; default the whole
+    cache), which sizes the split; splits: runs of the context per kv head (default n_splits; tests force a few chunks
+    per run). One run needs no combine kernel: attend_part writes the output. Returns the attention output, fp16
+    [heads * D]."""
     D = qkv.numel() // (heads + 2 * kv_heads)
     kvh, max_len, words = k_cache.shape
     bits = 16 if k_sz is None else words * 32 // D
@@ -33,7 +35,8 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     smem = shared_bytes(D, gq, bits)
     k = cuda.kernel("attention", f"attend_part<{D},{gq},{bits}>", NAMES)
     threads = k.max_threads_per_block  # attention.cu's Tiles::NT, its __launch_bounds__
-    splits = splits or n_splits(max_len, kv_heads, smem, threads, k.num_regs, qkv.device.index)
+    splits = splits or n_splits(min(span or max_len, max_len), kv_heads, smem, threads, k.num_regs,
+                                qkv.device.index)
     ws_o = torch.empty(heads, splits, D, dtype=torch.float32, device=qkv.device)
     ws_ml = torch.empty(heads, splits, 2, dtype=torch.float32, device=qkv.device)
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)
@@ -43,6 +46,8 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
         cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz, cuda.ptr(pos),
         cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(out), np.int32(heads), np.int32(kv_heads), np.int32(max_len), np.float32(scale)),
                 shared_mem=smem, early=True)
+    if splits == 1:
+        return out
     cuda.launch(cuda.kernel("attention", "attend_combine", NAMES), (heads,), (D,), (
         cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(pos), cuda.ptr(out), np.int32(splits), np.int32(D)), early=True)
     return out
@@ -56,9 +61,9 @@ def shared_bytes(D: int, gq: int, bits: int) -> int:
 
 
 @functools.cache
-def n_splits(max_len: int, kv_heads: int, smem: int, threads: int, regs: int, device: int) -> int:
+def n_splits(span: int, kv_heads: int, smem: int, threads: int, regs: int, device: int) -> int:
     """Runs per kv head: enough blocks to fill every SM once at the occupancy its threads, registers and shared
     memory allow (the flash-decoding split: each block streams its run of chunks, so one wave keeps the memory system
     busy), at most one chunk per run."""
     resident = cuda.sm_count(device) * cuda.resident_blocks(device, threads, regs, smem + 2048)
-    return max(1, min(-(-max_len // CHUNK), -(-resident // kv_heads), SPLITS_MAX))
+    return max(1, min(-(-span // CHUNK), -(-resident // kv_heads), SPLITS_MAX))

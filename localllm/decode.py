@@ -4,6 +4,12 @@ The graphs are captured once per Decoder over static buffers (token, position, K
 copies a given token and position in and replays the model alone (teacher-forced evaluation); advance() replays the
 model and the choice of the next token, which stays on the GPU as the next step's input, so generation needs no host
 round trip between steps: the host reads each token (read()) while the next step already runs.
+
+Each kind of graph comes in two spans: positions below SHORT_SPAN and the rest of the cache. The position is read from
+device memory, so one graph would serve them all, but the short one attends in a single run per kv head, which writes
+the output itself: the kernel that merges runs, and its place in every layer's chain, is left out (an 8B step 2.7-3.3%
+faster; one run over more than one chunk is slower than the runs and their merge, so the short span is one chunk;
+kernels/NOTES.md, session 47).
 """
 from __future__ import annotations
 
@@ -14,6 +20,8 @@ import torch
 from .model import KVCache, Transformer
 from .sampling import SamplingParams, choose
 
+SHORT_SPAN = 128  # one chunk of the decode attention (kernels/attention.py's CHUNK): a single run covers it
+
 
 class Decoder:
     def __init__(self, model: Transformer, max_len: int, use_graph: bool | None = None, kv_bits: int = 16):
@@ -21,17 +29,19 @@ class Decoder:
         dev = model.device
         self.cache = KVCache(model.cfg, max_len, dtype=model.embed.dtype, device=dev, bits=kv_bits)
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.spans = [s for s in (SHORT_SPAN,) if s < max_len] + [max_len]  # the graphs' spans, in order
+        self._step_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by span: graph, logits
+        self.graph: torch.cuda.CUDAGraph | None = None  # the step graph replayed last
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.logits: torch.Tensor | None = None
         # sampling state (start()): tokens in the context, settings, one uniform draw per token and the next one's index
         self.seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=dev)
         self.params = SamplingParams().tensor(dev)
         self.draws = torch.zeros(max_len, device=dev)
         self.drawn = torch.zeros((), dtype=torch.long, device=dev)
         self.greedy = True
-        self._advance_graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # by greedy
+        self._advance_graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # by (greedy, span)
+        self._at = 0  # the position advance() runs next (self.pos, known here without reading it back)
         self._reads = 0  # tokens read since start()
         if self.use_graph:  # read(): a pinned slot per token, so every token's copy stays until the next start()
             self._host = torch.zeros(max_len + 1, dtype=torch.long, pin_memory=True)
@@ -52,10 +62,12 @@ class Decoder:
             return self.model(token.view(1, 1), pos, self.cache)[0, -1]
         self.tok.copy_(token.view(1, 1))
         self.pos.fill_(pos)
-        if self.graph is None:
-            self._capture()
+        span = self.span(pos)
+        if span not in self._step_graphs:
+            self._step_graphs[span] = self._graph_of(lambda: self.model.step(self.tok, self.pos, self.cache, span))
+        self.graph, logits = self._step_graphs[span]
         self.graph.replay()
-        return self.logits[0, -1]
+        return logits[0, -1]
 
     def start(self, logits: torch.Tensor, pos: int, seen: torch.Tensor, params: SamplingParams,
               draws: torch.Tensor) -> None:
@@ -68,26 +80,38 @@ class Decoder:
         self.draws[:len(draws)].copy_(draws)
         self.drawn.zero_()
         self.pos.fill_(pos)
+        self._at = pos
         self._reads = 0
         self._choose(logits)
 
     def advance(self) -> None:
         """Run the last chosen token through the model and choose the next (read() gives it)."""
+        pos, self._at = self._at, self._at + 1
         if not self.use_graph:
-            self._choose(self.model(self.tok, int(self.pos), self.cache)[0, -1])
+            self._choose(self.model(self.tok, pos, self.cache)[0, -1])
             self.pos += 1
             return
-        self.capture(self.greedy)
-        self._advance_graphs[self.greedy].replay()
+        span = self.span(pos)
+        if (self.greedy, span) not in self._advance_graphs:
+            self.capture(self.greedy)
+        self._advance_graphs[self.greedy, span].replay()
+
+    def span(self, pos: int) -> int:
+        """The span of the graphs that serve position pos: the first that holds it."""
+        return next((s for s in self.spans if pos < s), self.max_len)
 
     def capture(self, greedy: bool) -> None:
-        """Capture advance()'s graph for a greedy or a sampled choice now (its first use would), e.g. while a UI
-        loads. The capture's warm-up step writes the cache at the current position, which generation overwrites."""
-        if not self.use_graph or greedy in self._advance_graphs:
+        """Capture advance()'s graphs for a greedy or a sampled choice now (their first use would), e.g. while a UI
+        loads: the span of the position advance() runs next and the longer ones, which generation may reach. The
+        capture's warm-up step writes the cache at the current position, which generation overwrites."""
+        if not self.use_graph:
             return
         was, self.greedy = self.greedy, greedy
         try:
-            self._advance_graphs[greedy] = self._graph_of(self._advance_once, keep_state=True)[0]
+            for span in self.spans[self.spans.index(self.span(self._at)):]:
+                if (greedy, span) not in self._advance_graphs:
+                    self._advance_graphs[greedy, span] = self._graph_of(lambda: self._advance_once(span),
+                                                                        keep_state=True)[0]
         finally:
             self.greedy = was
 
@@ -125,13 +149,9 @@ class Decoder:
     def _choose(self, logits: torch.Tensor) -> None:
         choose(logits, self.seen, self.params, self.draws, self.drawn, self.tok, self.greedy)
 
-    def _advance_once(self) -> None:
-        self._choose(self.model.step(self.tok, self.pos, self.cache, self.max_len)[0, -1])
+    def _advance_once(self, span: int) -> None:
+        self._choose(self.model.step(self.tok, self.pos, self.cache, span)[0, -1])
         self.pos += 1
-
-    def _capture(self) -> None:
-        # the whole cache length is attended (masked by position), so one graph serves every position
-        self.graph, self.logits = self._graph_of(lambda: self.model.step(self.tok, self.pos, self.cache, self.max_len))
 
     def _graph_of(self, run: Callable, keep_state: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
         """run captured as a CUDA graph, and what it returned. keep_state: the warm-up run's changes to the token,

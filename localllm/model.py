@@ -283,8 +283,9 @@ class Block(nn.Module):
         B, T, _ = h.shape
         qkv = self.qkv(h, norm=self.attn_norm)  # [B, T, q + k + v]
         if cache is not None and ops.fused_decode_attention(qkv, cache, c.num_heads, c.num_kv_heads, c.head_dim):
-            a = ops.attend_decode(qkv, cos, sin, cache.layer(self.layer), pos, c.num_heads,
-                                  c.num_kv_heads).view(B, T, c.q_size)
+            span = T if mask is None else mask.shape[1]  # the keys this step may see
+            a = ops.attend_decode(qkv, cos, sin, cache.layer(self.layer), pos, c.num_heads, c.num_kv_heads,
+                                  span).view(B, T, c.q_size)
         else:
             a = self._attend(qkv, cos, sin, pos, cache, mask)
         h = self.o(a, residual=h)

@@ -95,11 +95,12 @@ def fused_decode_attention(qkv: torch.Tensor, cache, heads: int, kv_heads: int, 
 
 
 def attend_decode(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: tuple, pos: torch.Tensor,
-                  heads: int, kv_heads: int) -> torch.Tensor:
+                  heads: int, kv_heads: int, span: int) -> torch.Tensor:
     """RoPE, KV-cache append at pos (quantized in the kernel at 8 or 4 bits) and attention over the cache up to pos,
-    for one token, in one fused kernel pair; the same function as model.Block's torch path. layer_cache:
-    KVCache.layer(). Returns fp16 [heads * head_dim]."""
+    for one token, in one fused kernel pair (one kernel where span, the positions pos may take (pos < span), needs
+    one run); the same function as model.Block's torch path. layer_cache: KVCache.layer(). Returns fp16
+    [heads * head_dim]."""
     from .kernels import attention
     D = qkv.shape[-1] // (heads + 2 * kv_heads)
     return attention.attend(qkv.reshape(-1), cos.reshape(-1), sin.reshape(-1), *layer_cache[:2], pos, heads,
-                            kv_heads, D ** -0.5, *layer_cache[2:])
+                            kv_heads, D ** -0.5, *layer_cache[2:], span=span)

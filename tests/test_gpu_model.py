@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from localllm.decode import Decoder
+from localllm.decode import SHORT_SPAN, Decoder
 from localllm.runtime import load
 
 pytestmark = pytest.mark.gpu
@@ -55,16 +55,16 @@ def test_graph_replay_equals_eager(tiny_quant):
 def test_generation_graph_chooses_what_step_by_step_sampling_gives(tiny_quant, greedy):
     """advance() as a CUDA graph (the model and the choice of the next token, which stays on the GPU; the host reads
     each token while the next step runs) gives the tokens of step()'s graph followed by next_token, twice in a row
-    (the capture's warm-up leaves no trace in the sampling state)."""
+    (the capture's warm-up leaves no trace in the sampling state), across the short graphs' span into the long ones."""
     from localllm.sampling import SamplingParams, next_token
     lm = load(tiny_quant, device="cuda", qdec="off")
     V, n = lm.model.cfg.vocab_size, 20
-    ids = torch.randint(0, V, (12,)).tolist()
+    ids = torch.randint(0, V, (SHORT_SPAN - 10,)).tolist()  # positions SHORT_SPAN - 10 to SHORT_SPAN + 9
     params = SamplingParams(0.0, 1.0, 0, 1.3) if greedy else SamplingParams(0.9, 0.95, 50, 1.1)
     draws = torch.rand(n)
     seen = torch.zeros(V, dtype=torch.bool, device="cuda")
     seen[torch.tensor(ids)] = True
-    dec = Decoder(lm.model, 40)
+    dec = Decoder(lm.model, SHORT_SPAN + 32)
     runs = []
     with torch.inference_mode():
         for _ in range(2):
@@ -74,6 +74,7 @@ def test_generation_graph_chooses_what_step_by_step_sampling_gives(tiny_quant, g
                 dec.advance()
                 reads.append(dec.read())
             runs.append([r() for r in reads])
+        assert set(dec._advance_graphs) == {(greedy, SHORT_SPAN), (greedy, SHORT_SPAN + 32)}
         logits, want, mask, u = dec.prefill(ids), [], seen.clone(), draws.cuda()
         for i in range(n):
             t = next_token(logits, mask, params.tensor("cuda"), u[i], params.greedy)
@@ -199,7 +200,7 @@ def test_warm_up_captures_what_the_first_reply_replays(tiny_quant):
     lm.eos_ids = []
     lm.warm_up(64)
     dec = lm.decoder(1)
-    assert set(dec._advance_graphs) == {True, False} and dec.max_len >= 64
+    assert {greedy for greedy, _ in dec._advance_graphs} == {True, False} and dec.max_len >= 64
     graphs = dict(dec._advance_graphs)
     for t, text in want.items():
         assert generate(lm, "hello there", max_new_tokens=24, temperature=t, seed=3) == text
