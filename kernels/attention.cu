@@ -104,13 +104,13 @@ __device__ __forceinline__ void fetch(unsigned s_tile, unsigned s_sz, const unsi
     cp_async_commit();
 }
 
-// qkv: [H*D | KVH*D | KVH*D] of the new token; cos/sin: [D/2] at its position; kc/vc: this layer's cache rows
+// qkv: [H*D | KVH*D | KVH*D] of the new token; inv_freq: [D/2] RoPE frequencies; kc/vc: this layer's cache rows
 // [KVH, max_len, D * BITS / 32] in 32-bit words; ksz/vsz: [KVH, max_len] (scale, zero), unused at 16 bits;
 // ws_o [H, splits, D], ws_ml [H, splits, 2]: the runs' unnormalized outputs and (max, sum) of their softmax; out
 // [H * D]: the output, written here where one run covers the context.
 template <int D, int GQ, int BITS>
-__global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::MINB) attend_part(const __half* __restrict__ qkv, const float* __restrict__ cos,
-                                                     const float* __restrict__ sin, unsigned* __restrict__ kc,
+__global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::MINB) attend_part(const __half* __restrict__ qkv,
+                                                     const float* __restrict__ inv_freq, unsigned* __restrict__ kc,
                                                      unsigned* __restrict__ vc, __half2* __restrict__ ksz,
                                                      __half2* __restrict__ vsz, const long long* __restrict__ pos_p,
                                                      float* __restrict__ ws_o, float* __restrict__ ws_ml,
@@ -145,47 +145,86 @@ __global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::MINB) atte
     auto rows = [&](int c) { return min(CHUNK, pos + 1 - c * CHUNK); };
     // the new position's row: this block appends it, and writes it into its own tiles as well (no round trip to
     // memory for what it just computed)
-    const bool late = c0 == pc;
+    const bool late = c0 == pc, append = c1 - 1 == pc;  // append: this run holds the new position
     const int r_new = pos - c0 * CHUNK;  // its row in the first chunk's tiles, where late
     fetch<D, BITS, true>(s_kt, s_sz, kc, ksz, vsz, row0 + c0 * CHUNK, 0, rows(c0) - late);
     fetch<D, BITS, false>(s_vt, 0, vc, ksz, vsz, row0 + c0 * CHUNK, 0, rows(c0) - late);
+    // the rotation's cos and sin at the position (model.rope_tables: the fp32 angle pos * inv_freq), before the wait
+    __shared__ float rc[HALF], rs[HALF];
+    for (int d = tid; d < HALF; d += NT) {
+        const float a = (float)pos * inv_freq[d];
+        rc[d] = cosf(a), rs[d] = sinf(a);
+    }
+    __syncthreads();
 
     wait_previous();
     start_next();
-    for (int i = tid; i < GQ * HALF; i += NT) {
-        const int g = i / HALF, d = i % HALF;
-        const __half* x = qkv + (kvh * GQ + g) * D;
-        const float c = cos[d], s = sin[d], x1 = __half2float(x[d]), x2 = __half2float(x[d + HALF]);
-        q[g * D + d] = __half2float(__float2half_rn(x1 * c - x2 * s)) * scale;
-        q[g * D + d + HALF] = __half2float(__float2half_rn(x2 * c + x1 * s)) * scale;
+    // the new token's q, k and v as this thread uses them, all loaded before any is used: one round trip to memory
+    constexpr int QI = (GQ * HALF + NT - 1) / NT, KI = (HALF + NT - 1) / NT, VI = (D + NT - 1) / NT;
+    const __half* k = qkv + H * D + kvh * D;
+    const __half* v = qkv + (H + KVH) * D + kvh * D;
+    __half qx[QI][2], kx[KI][2], vx[VI];
+#pragma unroll
+    for (int t = 0; t < QI; t++) {
+        const int i = tid + t * NT, g = i / HALF, d = i % HALF;
+        if (i < GQ * HALF) qx[t][0] = qkv[(kvh * GQ + g) * D + d], qx[t][1] = qkv[(kvh * GQ + g) * D + d + HALF];
+    }
+    if (append) {
+#pragma unroll
+        for (int t = 0; t < KI; t++)
+            if (tid + t * NT < HALF) kx[t][0] = k[tid + t * NT], kx[t][1] = k[tid + t * NT + HALF];
+#pragma unroll
+        for (int t = 0; t < VI; t++)
+            if (tid + t * NT < D) vx[t] = v[tid + t * NT];
+    }
+#pragma unroll
+    for (int t = 0; t < QI; t++) {
+        const int i = tid + t * NT, g = i / HALF, d = i % HALF;
+        if (i < GQ * HALF) {
+            const float c = rc[d], s = rs[d], x1 = __half2float(qx[t][0]), x2 = __half2float(qx[t][1]);
+            q[g * D + d] = __half2float(__float2half_rn(x1 * c - x2 * s)) * scale;
+            q[g * D + d + HALF] = __half2float(__float2half_rn(x2 * c + x1 * s)) * scale;
+        }
     }
     if (tid < GQ) mstat[tid] = NEG_INF, lstat[tid] = 0.0f, zsum[tid] = 0.0f;
-    if (c1 - 1 == pc) {  // this run holds the new position: append k (rotated) and v
-        const __half* k = qkv + H * D + kvh * D;
-        const __half* v = qkv + (H + KVH) * D + kvh * D;
+    if (append) {  // k (rotated) and v into the cache
         if constexpr (!QUANT) {
             __half* kd = reinterpret_cast<__half*>(kc) + (row0 + pos) * D;
             __half* vd = reinterpret_cast<__half*>(vc) + (row0 + pos) * D;
             __half* kn = reinterpret_cast<__half*>(kt + r_new * T::KS);  // used only where late
             __half* vn = reinterpret_cast<__half*>(vt + r_new * RW);
-            for (int d = tid; d < HALF; d += NT) {
-                const float c = cos[d], s = sin[d], x1 = __half2float(k[d]), x2 = __half2float(k[d + HALF]);
-                const __half a = __float2half_rn(x1 * c - x2 * s), b = __float2half_rn(x2 * c + x1 * s);
-                kd[d] = a, kd[d + HALF] = b;
-                if (late) kn[d] = a, kn[d + HALF] = b;
+#pragma unroll
+            for (int t = 0; t < KI; t++) {
+                const int d = tid + t * NT;
+                if (d < HALF) {
+                    const float c = rc[d], s = rs[d], x1 = __half2float(kx[t][0]), x2 = __half2float(kx[t][1]);
+                    const __half a = __float2half_rn(x1 * c - x2 * s), b = __float2half_rn(x2 * c + x1 * s);
+                    kd[d] = a, kd[d + HALF] = b;
+                    if (late) kn[d] = a, kn[d + HALF] = b;
+                }
             }
-            for (int d = tid; d < D; d += NT) {
-                vd[d] = v[d];
-                if (late) vn[d] = v[d];
+#pragma unroll
+            for (int t = 0; t < VI; t++) {
+                const int d = tid + t * NT;
+                if (d < D) {
+                    vd[d] = vx[t];
+                    if (late) vn[d] = vx[t];
+                }
             }
         } else {
             __shared__ float fresh[2][D];  // the new key (rotated, fp16-rounded) and value
-            for (int d = tid; d < HALF; d += NT) {
-                const float c = cos[d], s = sin[d], x1 = __half2float(k[d]), x2 = __half2float(k[d + HALF]);
-                fresh[0][d] = __half2float(__float2half_rn(x1 * c - x2 * s));
-                fresh[0][d + HALF] = __half2float(__float2half_rn(x2 * c + x1 * s));
+#pragma unroll
+            for (int t = 0; t < KI; t++) {
+                const int d = tid + t * NT;
+                if (d < HALF) {
+                    const float c = rc[d], s = rs[d], x1 = __half2float(kx[t][0]), x2 = __half2float(kx[t][1]);
+                    fresh[0][d] = __half2float(__float2half_rn(x1 * c - x2 * s));
+                    fresh[0][d + HALF] = __half2float(__float2half_rn(x2 * c + x1 * s));
+                }
             }
-            for (int d = tid; d < D; d += NT) fresh[1][d] = __half2float(v[d]);
+#pragma unroll
+            for (int t = 0; t < VI; t++)
+                if (tid + t * NT < D) fresh[1][tid + t * NT] = __half2float(vx[t]);
             __syncthreads();
             if (warp < 2) {  // warp 0 quantizes the key, warp 1 the value
                 const float* x = fresh[warp];
@@ -436,8 +475,8 @@ __global__ void attend_combine(const float* __restrict__ ws_o, const float* __re
     }
 }
 
-#define INST(D, GQ, B) template __global__ void attend_part<D, GQ, B>(const __half*, const float*, const float*, \
-    unsigned*, unsigned*, __half2*, __half2*, const long long*, float*, float*, __half*, int, int, int, float);
+#define INST(D, GQ, B) template __global__ void attend_part<D, GQ, B>(const __half*, const float*, unsigned*, \
+    unsigned*, __half2*, __half2*, const long long*, float*, float*, __half*, int, int, int, float);
 #define INST_GQ(D, B) INST(D, 1, B) INST(D, 2, B) INST(D, 3, B) INST(D, 4, B) INST(D, 5, B) INST(D, 6, B) \
     INST(D, 7, B) INST(D, 8, B)
 #define INST_BITS(D) INST_GQ(D, 16) INST_GQ(D, 8) INST_GQ(D, 4)

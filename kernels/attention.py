@@ -18,10 +18,11 @@ def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
     return head_dim in (64, 128) and heads % kv_heads == 0 and heads // kv_heads <= GQ_MAX
 
 
-def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            pos: torch.Tensor, heads: int, kv_heads: int, scale: float, k_sz: torch.Tensor | None = None,
            v_sz: torch.Tensor | None = None, span: int | None = None, splits: int | None = None) -> torch.Tensor:
-    """qkv: fp16 [(heads + 2 kv_heads) * D] of the new token (before RoPE); cos/sin: float32 [D/2] at its position;
+    """qkv: fp16 [(heads + 2 kv_heads) * D] of the new token (before RoPE); inv_freq: float32 [D/2], RoPE's
+    frequencies (the kernel rotates by the angles pos * inv_freq, as model.rope_tables computes them);
     k_cache/v_cache: one layer's cache, fp16 [kv_heads, max_len, D], or int32 codes [kv_heads, max_len, D * bits / 32]
     with k_sz/v_sz, fp16 [kv_heads, max_len, 2] (scale, zero); the new key and value are written (quantized) at pos;
     pos: int64 [1] on the GPU; span: the positions this launch may be asked to attend (pos < span; default the whole
@@ -43,7 +44,7 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     sz = (np.uint64(0), np.uint64(0)) if k_sz is None else (cuda.ptr(k_sz), cuda.ptr(v_sz))
     cuda.allow_shared(k, smem)
     cuda.launch(k, (kvh, splits), (threads,), (
-        cuda.ptr(qkv), cuda.ptr(cos), cuda.ptr(sin), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz, cuda.ptr(pos),
+        cuda.ptr(qkv), cuda.ptr(inv_freq), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz, cuda.ptr(pos),
         cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(out), np.int32(heads), np.int32(kv_heads), np.int32(max_len), np.float32(scale)),
                 shared_mem=smem, early=True)
     if splits == 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -267,6 +268,13 @@ class KVCache(nn.Module):
         return (self.k[i, 0], self.v[i, 0]) + sz
 
 
+class FusedDecode(NamedTuple):
+    """A step that Transformer.step sends through the fused decode attention (ops.attend_decode): RoPE's frequencies,
+    from which the kernel makes its own angles, and the keys the step may see (its graph's span)."""
+    inv_freq: torch.Tensor
+    span: int
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, attn_norm: RMSNorm, qkv: Linear, o: Linear,
                  mlp_norm: RMSNorm, gate_up: Linear, down: Linear):
@@ -275,17 +283,17 @@ class Block(nn.Module):
         self.attn_norm, self.qkv, self.o = attn_norm, qkv, o
         self.mlp_norm, self.gate_up, self.down = mlp_norm, gate_up, down
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                cache: KVCache | None, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, pos: torch.Tensor,
+                cache: KVCache | None, mask: torch.Tensor | None, fused: FusedDecode | None = None) -> torch.Tensor:
         """h: [B, T, D] at positions pos [T]; mask [T, keys] from attention_mask(), with a cache the keys being its
-        first mask.shape[1] entries; or mask None: the T queries are positions 0..T-1 and attend causally."""
+        first mask.shape[1] entries; or mask None: the T queries are positions 0..T-1 and attend causally. fused:
+        the fused decode attention serves this step (cos, sin and mask are then None)."""
         c = self.cfg
         B, T, _ = h.shape
         qkv = self.qkv(h, norm=self.attn_norm)  # [B, T, q + k + v]
-        if cache is not None and ops.fused_decode_attention(qkv, cache, c.num_heads, c.num_kv_heads, c.head_dim):
-            span = T if mask is None else mask.shape[1]  # the keys this step may see
-            a = ops.attend_decode(qkv, cos, sin, cache.layer(self.layer), pos, c.num_heads, c.num_kv_heads,
-                                  span).view(B, T, c.q_size)
+        if fused is not None:
+            a = ops.attend_decode(qkv, fused.inv_freq, cache.layer(self.layer), pos, c.num_heads, c.num_kv_heads,
+                                  fused.span).view(B, T, c.q_size)
         else:
             a = self._attend(qkv, cos, sin, pos, cache, mask)
         h = self.o(a, residual=h)
@@ -345,11 +353,16 @@ class Transformer(nn.Module):
         """forward() with positions as a tensor: with a fixed kv_len it can be captured in a CUDA graph. causal: the
         queries are positions 0..T-1 and see only each other (a prompt from the start), so attention needs no mask
         and can take the flash kernel, which takes no explicit mask."""
+        c = self.cfg
         h = ops.embedding(tokens, self.embed)
-        cos, sin = rope_tables(self.inv_freq, pos)
-        mask = None if causal else attention_mask(pos, kv_len if cache is not None else None)
+        if cache is not None and ops.fused_decode_attention(h, cache, c.num_heads, c.num_kv_heads, c.head_dim):
+            # the kernels make their own angles and need no mask: no kernels for them ahead of the first layer
+            fused, cos, sin, mask = FusedDecode(self.inv_freq, kv_len), None, None, None
+        else:
+            fused, (cos, sin) = None, rope_tables(self.inv_freq, pos)
+            mask = None if causal else attention_mask(pos, kv_len if cache is not None else None)
         for blk in self.blocks:
-            h = blk(h, cos, sin, pos, cache, mask)
+            h = blk(h, cos, sin, pos, cache, mask, fused)
         return self.head(h[:, -1:] if last else h, norm=self.norm).float()
 
     @property

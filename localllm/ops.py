@@ -84,23 +84,23 @@ def quantize_tokens(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xf / s).clamp(-127, 127) * s).to(x.dtype)
 
 
-def fused_decode_attention(qkv: torch.Tensor, cache, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether attend_decode's fused kernel serves this step: one token, fp16 on a GPU with the kernels, an fp16 or
-    quantized (model.KVCache) cache, a supported head shape. Otherwise model.Block runs the torch path (RoPE, cache
-    append, SDPA over the dequantized cache)."""
-    if not (_fused(qkv) and qkv.shape[:-1].numel() == 1 and (cache.bits < 16 or cache.k.dtype == torch.float16)):
+def fused_decode_attention(h: torch.Tensor, cache, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether attend_decode's fused kernel serves a step whose hidden state is h: one token, fp16 on a GPU with the
+    kernels, an fp16 or quantized (model.KVCache) cache, a supported head shape. Otherwise model.Block runs the torch
+    path (RoPE, cache append, SDPA over the dequantized cache)."""
+    if not (_fused(h) and h.shape[:-1].numel() == 1 and (cache.bits < 16 or cache.k.dtype == torch.float16)):
         return False
     from .kernels import attention
     return attention.supported(heads, kv_heads, head_dim)
 
 
-def attend_decode(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_cache: tuple, pos: torch.Tensor,
-                  heads: int, kv_heads: int, span: int) -> torch.Tensor:
+def attend_decode(qkv: torch.Tensor, inv_freq: torch.Tensor, layer_cache: tuple, pos: torch.Tensor, heads: int,
+                  kv_heads: int, span: int) -> torch.Tensor:
     """RoPE, KV-cache append at pos (quantized in the kernel at 8 or 4 bits) and attention over the cache up to pos,
     for one token, in one fused kernel pair (one kernel where span, the positions pos may take (pos < span), needs
     one run); the same function as model.Block's torch path. layer_cache: KVCache.layer(). Returns fp16
     [heads * head_dim]."""
     from .kernels import attention
     D = qkv.shape[-1] // (heads + 2 * kv_heads)
-    return attention.attend(qkv.reshape(-1), cos.reshape(-1), sin.reshape(-1), *layer_cache[:2], pos, heads,
+    return attention.attend(qkv.reshape(-1), inv_freq, *layer_cache[:2], pos, heads,
                             kv_heads, D ** -0.5, *layer_cache[2:], span=span)

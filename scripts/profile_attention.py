@@ -18,8 +18,8 @@ if bits == 16:
 else:
     (kc, ksz), (vc, vsz) = kvquant.quantize(k, bits), kvquant.quantize(v, bits)
 qkv = torch.randn((heads + 2 * kv_heads) * D, device="cuda").half()
-ang = torch.rand(D // 2, device="cuda")
+inv_freq = torch.rand(D // 2, device="cuda") / ctx
 pos = torch.tensor([ctx - 1], device="cuda")
 for _ in range(3):
-    attention.attend(qkv, ang.cos(), ang.sin(), kc, vc, pos, heads, kv_heads, D ** -0.5, ksz, vsz, splits=splits)
+    attention.attend(qkv, inv_freq, kc, vc, pos, heads, kv_heads, D ** -0.5, ksz, vsz, splits=splits)
 torch.cuda.synchronize()

@@ -28,9 +28,9 @@ def test_quantized_decode_attention_matches_float64_reference(heads, kv_heads, D
     kc, ksz = kvquant.quantize(torch.randn(kv_heads, max_len, D, device="cuda") * outliers, bits)
     vc, vsz = kvquant.quantize(torch.randn(kv_heads, max_len, D, device="cuda"), bits)
     for p in (0, 127, 128, 255, 256, 300, 399):  # chunk boundaries of 128 positions
-        qkv, ang, q, k_new, v_new = rotated_qkv(heads, kv_heads, D)
+        qkv, inv_freq, q, k_new, v_new = rotated_qkv(heads, kv_heads, D, p)
         q = q.double()
-        out = attention.attend(qkv, ang.cos().cuda(), ang.sin().cuda(), kc, vc, torch.tensor([p], device="cuda"),
+        out = attention.attend(qkv, inv_freq, kc, vc, torch.tensor([p], device="cuda"),
                                heads, kv_heads, D ** -0.5, ksz, vsz, splits=splits)
         torch.cuda.synchronize()
         # the append: kvquant.quantize of the fp16-rounded rotated key and of the value (exact). RoPE may round a

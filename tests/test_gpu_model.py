@@ -111,17 +111,21 @@ def test_too_big_for_the_gpu_is_refused_with_sizes(tiny_quant, monkeypatch):
         load(tiny_quant, device="cuda")
 
 
-def rotated_qkv(heads: int, kv_heads: int, D: int):
-    """A random fp16 qkv row on the GPU, RoPE angles, and the torch reference on the CPU: q and the new key rotated
-    then rounded to fp16, the new value; float32 [heads, D], [kv_heads, D], [kv_heads, D] (fp16 values, exact)."""
+def rotated_qkv(heads: int, kv_heads: int, D: int, p: int):
+    """A random fp16 qkv row on the GPU, RoPE frequencies (a random base between 1e4 and 1e6, so angles up to ~p
+    radians) and the torch reference on the CPU at position p: q and the new key rotated then rounded to fp16, the
+    new value; float32 [heads, D], [kv_heads, D], [kv_heads, D] (fp16 values, exact)."""
     from localllm import ops
+    from localllm.model import rope_tables
     qkv = torch.randn((heads + 2 * kv_heads) * D, device="cuda").half()
-    ang = torch.rand(D // 2) * 6
+    inv_freq = (10 ** (4 + 2 * torch.rand(()))) ** -(torch.arange(0, D, 2, dtype=torch.float64) / D)
+    inv_freq = inv_freq.float()
+    cos, sin = rope_tables(inv_freq, torch.tensor([p]))
     rot = qkv.cpu().float().view(1, -1).clone()
-    ops.rope_(rot, ang.cos()[None], ang.sin()[None], heads + kv_heads, D)
+    ops.rope_(rot, cos, sin, heads + kv_heads, D)
     rot = rot.half().float().view(-1)
-    return (qkv, ang, rot[: heads * D].view(heads, D), rot[heads * D: (heads + kv_heads) * D].view(kv_heads, D),
-            qkv[(heads + kv_heads) * D:].cpu().float().view(kv_heads, D))
+    return (qkv, inv_freq.cuda(), rot[: heads * D].view(heads, D),
+            rot[heads * D: (heads + kv_heads) * D].view(kv_heads, D), qkv[(heads + kv_heads) * D:].cpu().float().view(kv_heads, D))
 
 
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128), (4, 4, 128), (16, 2, 64)])
@@ -133,11 +137,11 @@ def test_fused_decode_attention_matches_float64_reference(heads, kv_heads, D, sp
     vc = torch.randn(kv_heads, max_len, D, device="cuda").half()
     # chunk boundaries of 128 positions; 1100 and 1499: 9 and 12 runs for attend_combine to merge
     for p in (0, 127, 128, 255, 256, 300, 399, 1100, 1499):
-        qkv, ang, q, k_new, v_new = rotated_qkv(heads, kv_heads, D)
+        qkv, inv_freq, q, k_new, v_new = rotated_qkv(heads, kv_heads, D, p)
         q, k_new, v_new = q.double(), k_new.double(), v_new.double()
         keys, vals = kc.cpu().double(), vc.cpu().double()
         keys[:, p], vals[:, p] = k_new, v_new
-        out = attention.attend(qkv, ang.cos().cuda(), ang.sin().cuda(), kc, vc, torch.tensor([p], device="cuda"),
+        out = attention.attend(qkv, inv_freq, kc, vc, torch.tensor([p], device="cuda"),
                                heads, kv_heads, D ** -0.5, splits=splits)
         torch.cuda.synchronize()
         kvh = torch.arange(heads) // gq
@@ -157,10 +161,10 @@ def test_attend_combine_merges_more_runs_than_it_prefetches(heads, kv_heads, D):
     kc = torch.randn(kv_heads, max_len, D, device="cuda").half()
     vc = torch.randn(kv_heads, max_len, D, device="cuda").half()
     for p in (32 * attention.CHUNK - 1, max_len - 1):
-        qkv, ang, q, k_new, v_new = rotated_qkv(heads, kv_heads, D)
+        qkv, inv_freq, q, k_new, v_new = rotated_qkv(heads, kv_heads, D, p)
         keys, vals = kc.cpu().double(), vc.cpu().double()
         keys[:, p], vals[:, p] = k_new.double(), v_new.double()
-        out = attention.attend(qkv, ang.cos().cuda(), ang.sin().cuda(), kc, vc, torch.tensor([p], device="cuda"),
+        out = attention.attend(qkv, inv_freq, kc, vc, torch.tensor([p], device="cuda"),
                                heads, kv_heads, D ** -0.5, splits=40)  # one chunk per run
         kvh = torch.arange(heads) // gq
         scores = torch.einsum("hd,hpd->hp", q.double(), keys[kvh, : p + 1]) * D ** -0.5
