@@ -49,6 +49,7 @@ def k_total(k_chunk: int, in_features: int) -> int:
     return sum(k_for_chunk(k_chunk, e - s) for s, e in chunk_bounds(in_features))
 
 
+@functools.cache  # a layer's (b0, b15) are fixed: every CPU selection would recompute them (~8 us of ~120)
 def bucket_widths(b0: float, b15: float) -> tuple[float, float]:
     """1 / bucket width above and below b15, in float32: d_hi = max((b0 - b15) / 16, 1e-12),
     d_lo = max(b15 / 16, 1e-12). The kernel takes these two numbers as arguments (with b0 and b15)."""
