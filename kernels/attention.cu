@@ -7,7 +7,8 @@
 // covers the context (short contexts), that run writes the normalized output itself and the combine has nothing to
 // do: one chain of dependent reads less per layer. The position
 // comes from device memory, so one captured CUDA graph serves every step: the runs are cut at run time, splits past
-// the context exit at once. Same math as the torch path (model.Block): q and k rounded
+// the context exit at once (localllm/decode.py still captures a second graph for positions below one chunk, launched
+// with one run and no attend_combine). Same math as the torch path (model.Block): q and k rounded
 // to fp16 after rotate-half RoPE, scores and softmax in fp32, output rounded to fp16.
 //
 // BITS is the cache width. 16: fp16 keys and values. 8 or 4: kvquant.py's format, per (position, kv head) the codes
