@@ -216,6 +216,18 @@ def test_decoder_is_kept_and_grows_geometrically(lm):
     assert lm.decoder(2000).max_len == min(2048, lm.model.cfg.max_position_embeddings)
 
 
+def test_decoder_spans_split_at_one_attention_chunk(lm):
+    """The graphs' spans (decode.py): positions below SHORT_SPAN (one chunk of the decode attention, which then needs
+    no merging kernel) and the rest of the cache; a cache no longer than a chunk has one span."""
+    from localllm.decode import SHORT_SPAN, Decoder
+    from localllm.kernels.attention import CHUNK
+    assert SHORT_SPAN == CHUNK
+    dec = Decoder(lm.model, SHORT_SPAN + 72)
+    assert dec.spans == [SHORT_SPAN, SHORT_SPAN + 72]
+    assert [dec.span(p) for p in (0, SHORT_SPAN - 1, SHORT_SPAN, SHORT_SPAN + 71)] == [SHORT_SPAN] * 2 + [SHORT_SPAN + 72] * 2
+    assert Decoder(lm.model, SHORT_SPAN).spans == [SHORT_SPAN] and Decoder(lm.model, 40).spans == [40]
+
+
 def metaspace_tokenizer():
     """A SentencePiece-style BPE (a leading '▁' for a space, dropped at the start of a decoded text)."""
     from importlib import resources
