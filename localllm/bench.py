@@ -401,8 +401,8 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
           "sampled: generate()'s token loop at its default sampling (temperature 0.7, top-p 0.9), tokenizer aside; "
           "head: the output head fp16 (16) or 8-bit (8, what `localllm quantize` writes); weights: group-wise uniform "
           "(rtn, awq) or tables grouped by 128 (squeezellm)")
-    print(f"{'bits':>4} {'head':>4} {'weights':>7} {'ms/tok':>7} {'ms@1k':>6} {'tok/s':>7} {'roofline':>8} {'% roof':>7} "
-          f"{'% read':>7} {'vs fp16':>8} {'bytes x':>8} {'vs HF':>6} {'GPU GB':>7} {'model GB':>9} "
+    print(f"{'bits':>4} {'head':>4} {'weights':>7} {'ms/tok':>7} {'ms@1k':>6} {'tok/s':>7} {'roofline':>8} "
+          f"{'% roof':>7} {'% read':>7} {'vs fp16':>8} {'bytes x':>8} {'vs HF':>6} {'GPU GB':>7} {'model GB':>9} "
           f"{'prefill 512 ms':>14} {'sampled tok/s':>13}")
     for r in rows:
         print(f"{r['bits']:>4} {r['head']:>4} {r['weights']:>7} {r['ms']:7.2f} {r['ms_1k']:6.2f} {r['tok/s']:7.1f} "

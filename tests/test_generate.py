@@ -224,7 +224,8 @@ def test_decoder_spans_split_at_one_attention_chunk(lm):
     assert SHORT_SPAN == CHUNK
     dec = Decoder(lm.model, SHORT_SPAN + 72)
     assert dec.spans == [SHORT_SPAN, SHORT_SPAN + 72]
-    assert [dec.span(p) for p in (0, SHORT_SPAN - 1, SHORT_SPAN, SHORT_SPAN + 71)] == [SHORT_SPAN] * 2 + [SHORT_SPAN + 72] * 2
+    assert [dec.span(p) for p in (0, SHORT_SPAN - 1, SHORT_SPAN, SHORT_SPAN + 71)] == \
+        [SHORT_SPAN] * 2 + [SHORT_SPAN + 72] * 2
     assert Decoder(lm.model, SHORT_SPAN).spans == [SHORT_SPAN] and Decoder(lm.model, 40).spans == [40]
 
 

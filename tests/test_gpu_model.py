@@ -125,7 +125,8 @@ def rotated_qkv(heads: int, kv_heads: int, D: int, p: int):
     ops.rope_(rot, cos, sin, heads + kv_heads, D)
     rot = rot.half().float().view(-1)
     return (qkv, inv_freq.cuda(), rot[: heads * D].view(heads, D),
-            rot[heads * D: (heads + kv_heads) * D].view(kv_heads, D), qkv[(heads + kv_heads) * D:].cpu().float().view(kv_heads, D))
+            rot[heads * D: (heads + kv_heads) * D].view(kv_heads, D),
+            qkv[(heads + kv_heads) * D:].cpu().float().view(kv_heads, D))
 
 
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128), (4, 4, 128), (16, 2, 64)])
