@@ -22,11 +22,13 @@
 // 2^BITS 8-bit values per output channel (quant.QuantLUT.grid, kernels.gemv.PackedLUT). The meta record is then the
 // tile's (lut_record_bytes): the 16 rows' tables (2^BITS bytes each, rows 0..15), their fp32 scales, then their fp32
 // offsets (rows 0, 8, 1, 9, ...), fetched with every pair like the uniform record. Codes and tables in PackedLUT's
-// load-time layout, four lookups per three byte permutes (4 bits: four and an XOR; lut.cuh, lut_fragments) into
-// half2s of 1024 + v; per pair, rows g, g + 8 += scale * (C - 1024 X) + offset * X (X: the pair's sum of x).
+// load-time layout, four lookups per byte permute (4 bits: two and an XOR; lut.cuh, lut_bytes). Without QDEC the
+// looked-up bytes v are the A operand of int8 mma instructions and x is staged as three int8 planes (I8 below): per
+// pair, rows g, g + 8 += scale * C + offset * X (X: the pair's sum of x). With QDEC, whose selection reads x in fp16,
+// two more permutes pair the bytes into half2s of 1024 + v for the fp16 mma: rows += scale * (C - 1024 X) + offset * X.
 // Grouped tables (GSHIFT > 0, quant.QuantLUT with groups): W_hat[n, c] = o[n, g] + s[n, g] * (the entry above); a
 // tile's record is followed by one LUT_GROUP_BYTES record per group (16 fp16 scales, 16 fp16 offsets, rows 0, 8, 1,
-// 9, ...), which every pair fetches beside the tile's tables: rows += s * (scale * (C - 1024 X) + offset * X) + o * X.
+// 9, ...), which every pair fetches beside the tile's tables: rows += s * (the per-row sum above) + o * X.
 #include <cuda_fp16.h>
 
 #include "pdl.cuh"
@@ -180,12 +182,18 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     static_assert(!LUT || GSHIFT < 2, "grouped tables: group size 128 (a pair)");
     static_assert(TREC + GREC <= 512, "a slot's meta is one 16-byte copy per lane");
     extern __shared__ __align__(16) unsigned char smem[];
+    // I8 (table weights without QDEC): the looked-up bytes are the A operand of the int8 tensor cores (m16n8k32, u8),
+    // x is B as three int8 planes in columns 0-2: per pair of steps x = 2^-e (65536 h + 256 m + l), |x 2^e| < 2^22,
+    // e from the pair's largest |x|; the int32 sums are exact (kernels/NOTES.md, session 49). Two mma per step instead
+    // of four and no pairing of the bytes into half2s. x takes 3 bytes a channel (kernels.gemv.shared_bytes).
+    constexpr bool I8 = LUT && QW == 0;
+    constexpr int XB = I8 ? 3 : 2;  // bytes of staged x per channel
     const int S = K / 64, P = (S + 1) / 2;  // steps; pairs of steps, the last one single where S is odd
-    uint32_t* xs = reinterpret_cast<uint32_t*>(smem);  // [step][t][m][2] half2 words
-    float4* xstat = reinterpret_cast<float4*>(smem + K * 2);
+    uint32_t* xs = reinterpret_cast<uint32_t*>(smem);  // [step][t][m][2] half2 words; I8: [step][plane][t][16] bytes
+    float4* xstat = reinterpret_cast<float4*>(smem + K * XB);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool streamer = warp < WARPS;  // the others are QDEC warps
-    unsigned char* ring = smem + K * 2 + S * 16 + warp * DEPTH * SLOT;
+    unsigned char* ring = smem + K * XB + S * 16 + warp * DEPTH * SLOT;
     const int T = N / 16;
     // With QDEC the first n_tb blocks only compensate (select, fetch and publish whole chunks' partial sums, see
     // qdec.cuh); the others stream the weights, each a contiguous range of tiles.
@@ -198,7 +206,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     // QDEC's shared memory, after the rings: the block's fp32 results and its outputs' residual scales (fp16), the
     // selection's scratch, buckets, and the selection itself
     const int tpb = (T + ns - 1) / ns;  // most tiles of a block
-    float* ybuf = reinterpret_cast<float*>(smem + K * 2 + S * 16 + WARPS * DEPTH * SLOT);
+    float* ybuf = reinterpret_cast<float*>(smem + K * XB + S * 16 + WARPS * DEPTH * SLOT);
     __half* sscale = reinterpret_cast<__half*>(ybuf + 16 * tpb);
     QdecScratch* scr = reinterpret_cast<QdecScratch*>(sscale + 16 * tpb);
     unsigned char* bk = reinterpret_cast<unsigned char*>(scr + 1);
@@ -344,10 +352,11 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             const int base = base0 + j * 32 * WARPS;
             if (base >= S * 8) break;  // the same for the whole block: every lane takes part in the shuffles below
             const int idx = base + threadIdx.x, s = idx >> 3, q = idx & 7, m = q >> 1;
-            float sum = 0.0f;
+            float sum = 0.0f, amax = 0.0f;
+            uint32_t v[4] = {0u, 0u, 0u, 0u};
             if (s < S) {
                 const uint4 u = xin[j];
-                uint32_t v[4] = {u.x, u.y, u.z, u.w};
+                v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
                 if (norm_w != nullptr) {
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
@@ -373,9 +382,35 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int i = 4 * q + e, r = i & 7;
-                    xs[s * 32 + 8 * (r & 3) + 4 * (m >> 1) + 2 * (m & 1) + (r >> 2)] = v[e];
+                    if (!I8) xs[s * 32 + 8 * (r & 3) + 4 * (m >> 1) + 2 * (m & 1) + (r >> 2)] = v[e];
                     const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
                     sum += f.x + f.y;
+                    if (I8) amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+                }
+            }
+            float xm = 0.0f;  // I8: 2^-e of the thread's pair (its 16 threads: a warp's lanes 0-15 or 16-31)
+            if constexpr (I8) {
+#pragma unroll
+                for (int d = 1; d < 16; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+                const int eb = (__float_as_uint(amax) >> 23) & 0xFF;  // amax < 2^(eb - 126)
+                const float M = amax > 0.0f ? __uint_as_float((uint32_t)(275 - eb) << 23) : 1.0f;  // 2^(148 - eb)
+                xm = 1.0f / M;  // exact: a power of two
+                if (s < S) {
+                    // channel 8q + 2e + hh of the step: mma tile q / 2, column t = e, byte hh + 2 (q % 2) of the
+                    // lookups' word (lut_bytes); plane n at n * 64, lane t's 16 bytes at t * 16, word q / 2 in them
+                    unsigned char* xb = reinterpret_cast<unsigned char*>(xs) + s * 192;
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
+#pragma unroll
+                        for (int hh = 0; hh < 2; hh++) {
+                            const int X = __float2int_rn((hh ? f.y : f.x) * M);
+                            const int o = e * 16 + (q >> 1) * 4 + hh + 2 * (q & 1);
+                            xb[o] = (unsigned char)X;                             // l: X's low byte, signed
+                            xb[64 + o] = (unsigned char)((X + 0x80) >> 8);        // m = (X - l) / 256, low byte
+                            xb[128 + o] = (unsigned char)((X + 0x8080) >> 16);    // h = (X - l - 256 m) / 65536
+                        }
+                    }
                 }
             }
             float off0 = 1024.0f * sum * inv_factor(BITS, m, 0), off1 = 1024.0f * sum * inv_factor(BITS, m, 1);
@@ -389,7 +424,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 off1 += __shfl_xor_sync(0xffffffffu, off1, d);
             }
             if (s < S && q == 0 && (!PAIRED || (s & 1) == 0))
-                xstat[PAIRED ? s >> 1 : s] = make_float4(sum, off0, off1, 0.0f);
+                xstat[PAIRED ? s >> 1 : s] = I8 ? make_float4(sum, xm, 0.0f, 0.0f) : make_float4(sum, off0, off1, 0.0f);
         }
     }
     __syncthreads();
@@ -426,7 +461,41 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             mma16816(c[2], a[2], b23.x, b23.y);
             mma16816(c[3], a[3], b23.z, b23.w);
         };
-        if constexpr (LUT) {  // every element looked up in its row's table: the mma sums are sum (1024 + v) x
+        if constexpr (I8) {  // every element looked up in its row's table, the bytes v multiplied as they are
+            uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()];
+            lut_tables<BITS>(rec, g, tg, tg8);
+            int ci[2][4] = {};
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (h && !two) break;
+                uint32_t w[BITS], v[4][2];
+                lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES) + lane * BITS, w);
+                lut_bytes<BITS>(w, tg, tg8, v);
+                uint4 b = make_uint4(0u, 0u, 0u, 0u);  // column g: plane g (g < 3), else nothing
+                if (g < 3) b = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(xs) +
+                                                               (2 * p + h) * 192 + g * 64 + t * 16);
+                mma16832(ci[0], v[0][0], v[0][1], v[1][0], v[1][1], b.x, b.y);  // mma tiles 0, 1
+                mma16832(ci[1], v[2][0], v[2][1], v[3][0], v[3][1], b.z, b.w);  // 2, 3
+            }
+            // sum v x of rows g, g + 8 from columns 2t, 2t + 1: planes l, m (t = 0), h (t = 1); lanes t = 0, 1 meet
+            // at the tile's end, and the offsets' terms (X) are lane t = 0's
+            const float4 st = xstat[p];
+            const float X = t == 0 ? st.x : 0.0f, wa = t == 0 ? st.y : t == 1 ? 65536.0f * st.y : 0.0f;
+            const float wb = t == 0 ? 256.0f * st.y : 0.0f;
+            const float v0 = fmaf((float)(ci[0][0] + ci[1][0]), wa, (float)(ci[0][1] + ci[1][1]) * wb);
+            const float v1 = fmaf((float)(ci[0][2] + ci[1][2]), wa, (float)(ci[0][3] + ci[1][3]) * wb);
+            float2 sc, of;
+            lut_scales<BITS>(rec, g, sc, of);
+            if constexpr (GREC > 0) {  // the pair's group: its scales and offsets of rows g, g + 8
+                const float2 gs = __half22float2(reinterpret_cast<const __half2*>(rec + TREC)[g]);
+                const float2 go = __half22float2(reinterpret_cast<const __half2*>(rec + TREC + 32)[g]);
+                acc0 = fmaf(gs.x, fmaf(sc.x, v0, of.x * X), fmaf(go.x, X, acc0));
+                acc1 = fmaf(gs.y, fmaf(sc.y, v1, of.y * X), fmaf(go.y, X, acc1));
+            } else {
+                acc0 = fmaf(sc.x, v0, fmaf(of.x, X, acc0));
+                acc1 = fmaf(sc.y, v1, fmaf(of.y, X, acc1));
+            }
+        } else if constexpr (LUT) {  // every element looked up in its row's table: the mma sums are sum (1024 + v) x
             uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()];
             lut_tables<BITS>(rec, g, tg, tg8);
 #pragma unroll
@@ -519,6 +588,10 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
 #endif
             }
             const int buf = tile & 1;  // double-buffered: one barrier per tile
+            if constexpr (I8) {  // lanes t = 0, 1 hold the planes' parts
+                acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
+                acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
+            }
             if (t == 0) {
                 red[buf][warp][g] = acc0;
                 red[buf][warp][g + 8] = acc1;

@@ -264,7 +264,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     assert fits(variant, K, w.group_size), "two pairs per slot: K = 256 x warps, group size 64 or 128"
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs}>", NAMES)
-    smem = shared_bytes(w, *variant)
+    smem = shared_bytes(w, *variant, qdec=qw > 0)
     if blocks_per_sm is None:
         dev = x.device.index or 0
         many = not (qw or lut or w.bits == HEAD_BITS) and N // 16 >= TWO_BLOCK_TILES * cuda.sm_count(dev)
@@ -292,11 +292,14 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     return out
 
 
-def shared_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, warps: int, depth: int, pairs: int = 1) -> int:
-    """Dynamic shared memory of the GEMV without QDEC: x as B fragments, its sums per step or pair (float4), each
-    warp's ring of slots (pairs of steps: weights, then a tile's tables or the records)."""
+def shared_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, warps: int, depth: int, pairs: int = 1,
+                 qdec: bool = False) -> int:
+    """Dynamic shared memory of the GEMV before QDEC's part (qdec.shared_bytes): x as B fragments (fp16; table
+    weights without QDEC: three int8 planes), its sums per step or pair (float4), each warp's ring of slots (pairs of
+    steps: weights, then a tile's tables or the records)."""
     K = w.in_features
-    return K * 2 + K // 64 * 16 + warps * depth * (pairs * 256 * w.bits + slot_meta_bytes(w, pairs))
+    xb = 3 if isinstance(w, (PackedLUT, QuantLUT)) and not qdec else 2
+    return K * xb + K // 64 * 16 + warps * depth * (pairs * 256 * w.bits + slot_meta_bytes(w, pairs))
 
 
 def grid_of(N: int, device: torch.device, blocks_per_sm: int = 1) -> int:

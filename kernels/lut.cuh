@@ -80,13 +80,12 @@ __host__ __device__ constexpr int lut_record_bytes(int bits) { return (16 << bit
 template <int BITS>
 __host__ __device__ constexpr int lut_regs() { return BITS == 4 ? 4 : BITS == 3 ? 2 : 1; }
 
-// A fragments a[m][j] of a step (PackedLUT layout), each a half2 of 1024 + v, from the lane's words and its rows'
-// tables tg, tg8 (rows g, g + 8; lut_regs registers each); magic = 0x64006400 (byte 5 of y:x is 0x64).
+// A step's lookups (PackedLUT layout) from the lane's words and its rows' tables tg, tg8 (rows g, g + 8; lut_regs
+// registers each): v[m][r], the entries' bytes of row g + 8 r's elements (r, h 0), (r, h 1), (r + 2, h 0), (r + 2, h 1)
+// of mma tile m, i.e. columns 2t, 2t + 1, 2t + 8, 2t + 9 (gemv.cu multiplies them as u8 on the int8 tensor cores).
 template <int BITS>
-__host__ __device__ __forceinline__ void lut_fragments(const uint32_t (&w)[BITS],
-                                                       const uint32_t (&tg)[lut_regs<BITS>()],
-                                                       const uint32_t (&tg8)[lut_regs<BITS>()], uint32_t magic,
-                                                       uint32_t (&a)[4][4]) {
+__host__ __device__ __forceinline__ void lut_bytes(const uint32_t (&w)[BITS], const uint32_t (&tg)[lut_regs<BITS>()],
+                                                   const uint32_t (&tg8)[lut_regs<BITS>()], uint32_t (&v)[4][2]) {
     constexpr int R = lut_regs<BITS>();
 #pragma unroll
     for (int m = 0; m < 4; m++) {
@@ -96,13 +95,28 @@ __host__ __device__ __forceinline__ void lut_fragments(const uint32_t (&w)[BITS]
         for (int r = 0; r < 2; r++) {
             const uint32_t s = r ? both >> 16 : both;
             const uint32_t* tb = r ? tg8 : tg;
-            uint32_t v;  // the four entries' bytes
             if constexpr (BITS == 4)
-                v = byte_perm(tb[0], tb[1], s) ^ byte_perm(tb[2], tb[3], r ? flip >> 16 : flip);
+                v[m][r] = byte_perm(tb[0], tb[1], s) ^ byte_perm(tb[2], tb[3], r ? flip >> 16 : flip);
             else
-                v = byte_perm(tb[0], tb[R - 1], s);
-            a[m][r] = byte_perm(v, magic, 0x5150u);      // nibbles 0, 1: elements (r, h 0), (r, h 1)
-            a[m][r + 2] = byte_perm(v, magic, 0x5352u);  // nibbles 2, 3: elements (r + 2, h 0), (r + 2, h 1)
+                v[m][r] = byte_perm(tb[0], tb[R - 1], s);
         }
     }
+}
+
+// The same as A fragments a[m][j] for the fp16 tensor cores, each a half2 of 1024 + v (magic = 0x64006400: byte 5 of
+// y:x is 0x64).
+template <int BITS>
+__host__ __device__ __forceinline__ void lut_fragments(const uint32_t (&w)[BITS],
+                                                       const uint32_t (&tg)[lut_regs<BITS>()],
+                                                       const uint32_t (&tg8)[lut_regs<BITS>()], uint32_t magic,
+                                                       uint32_t (&a)[4][4]) {
+    uint32_t v[4][2];
+    lut_bytes<BITS>(w, tg, tg8, v);
+#pragma unroll
+    for (int m = 0; m < 4; m++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            a[m][r] = byte_perm(v[m][r], magic, 0x5150u);      // nibbles 0, 1: elements (r, h 0), (r, h 1)
+            a[m][r + 2] = byte_perm(v[m][r], magic, 0x5352u);  // nibbles 2, 3: elements (r + 2, h 0), (r + 2, h 1)
+        }
 }

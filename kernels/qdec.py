@@ -113,7 +113,7 @@ def shared_bytes_total(w, k_chunk: int, grid: int) -> int:
     from .gemv import decode_variant
     from .gemv import shared_bytes as base
     K, N = w.in_features, w.out_features
-    return base(w, *decode_variant(w)) + shared_bytes(K, N, k_chunk, grid, viable_n_tb(K, N, grid)[-1])
+    return base(w, *decode_variant(w), qdec=True) + shared_bytes(K, N, k_chunk, grid, viable_n_tb(K, N, grid)[-1])
 
 
 def selection(sel_out: torch.Tensor, K: int, k_chunk: int) -> list[tuple[list[int], list[float]]]:
