@@ -420,8 +420,10 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
 #pragma unroll
             for (int d = 1; d < (PAIRED ? 16 : 8); d <<= 1) {
                 sum += __shfl_xor_sync(0xffffffffu, sum, d);
-                off0 += __shfl_xor_sync(0xffffffffu, off0, d);
-                off1 += __shfl_xor_sync(0xffffffffu, off1, d);
+                if (!I8) {  // the offsets of the fp16 mma's 1024 + f * code
+                    off0 += __shfl_xor_sync(0xffffffffu, off0, d);
+                    off1 += __shfl_xor_sync(0xffffffffu, off1, d);
+                }
             }
             if (s < S && q == 0 && (!PAIRED || (s & 1) == 0))
                 xstat[PAIRED ? s >> 1 : s] = I8 ? make_float4(sum, xm, 0.0f, 0.0f) : make_float4(sum, off0, off1, 0.0f);
@@ -461,29 +463,43 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             mma16816(c[2], a[2], b23.x, b23.y);
             mma16816(c[3], a[3], b23.z, b23.w);
         };
-        if constexpr (I8) {  // every element looked up in its row's table, the bytes v multiplied as they are
+        if constexpr (LUT) {  // every element looked up in its row's table
             uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()];
             lut_tables<BITS>(rec, g, tg, tg8);
-            int ci[2][4] = {};
+            int ci[2][4] = {};  // I8's int32 sums
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 if (h && !two) break;
-                uint32_t w[BITS], v[4][2];
+                uint32_t w[BITS];
                 lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES) + lane * BITS, w);
-                lut_bytes<BITS>(w, tg, tg8, v);
-                uint4 b = make_uint4(0u, 0u, 0u, 0u);  // column g: plane g (g < 3), else nothing
-                if (g < 3) b = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(xs) +
-                                                               (2 * p + h) * 192 + g * 64 + t * 16);
-                mma16832(ci[0], v[0][0], v[0][1], v[1][0], v[1][1], b.x, b.y);  // mma tiles 0, 1
-                mma16832(ci[1], v[2][0], v[2][1], v[3][0], v[3][1], b.z, b.w);  // 2, 3
+                if constexpr (I8) {  // the bytes v multiplied as they are
+                    uint32_t v[4][2];
+                    lut_bytes<BITS>(w, tg, tg8, v);
+                    uint4 b = make_uint4(0u, 0u, 0u, 0u);  // column g: plane g (g < 3), else nothing
+                    if (g < 3) b = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(xs) +
+                                                                   (2 * p + h) * 192 + g * 64 + t * 16);
+                    mma16832(ci[0], v[0][0], v[0][1], v[1][0], v[1][1], b.x, b.y);  // mma tiles 0, 1
+                    mma16832(ci[1], v[2][0], v[2][1], v[3][0], v[3][1], b.z, b.w);  // 2, 3
+                } else {  // as half2s of 1024 + v
+                    uint32_t a[4][4];
+                    lut_fragments<BITS>(w, tg, tg8, magic, a);
+                    mma_step(h, a);
+                }
             }
-            // sum v x of rows g, g + 8 from columns 2t, 2t + 1: planes l, m (t = 0), h (t = 1); lanes t = 0, 1 meet
-            // at the tile's end, and the offsets' terms (X) are lane t = 0's
-            const float4 st = xstat[p];
-            const float X = t == 0 ? st.x : 0.0f, wa = t == 0 ? st.y : t == 1 ? 65536.0f * st.y : 0.0f;
-            const float wb = t == 0 ? 256.0f * st.y : 0.0f;
-            const float v0 = fmaf((float)(ci[0][0] + ci[1][0]), wa, (float)(ci[0][1] + ci[1][1]) * wb);
-            const float v1 = fmaf((float)(ci[0][2] + ci[1][2]), wa, (float)(ci[0][3] + ci[1][3]) * wb);
+            // v0, v1: rows g, g + 8's sum of v x; X: the pair's sum of x
+            float X, v0, v1;
+            if constexpr (I8) {  // columns 2t, 2t + 1: planes l, m (t = 0), h (t = 1); lanes t = 0, 1 meet at the
+                                 // tile's end, and the offsets' terms (X) are lane t = 0's
+                const float4 st = xstat[p];
+                const float wa = t == 0 ? st.y : t == 1 ? 65536.0f * st.y : 0.0f, wb = t == 0 ? 256.0f * st.y : 0.0f;
+                X = t == 0 ? st.x : 0.0f;
+                v0 = fmaf((float)(ci[0][0] + ci[1][0]), wa, (float)(ci[0][1] + ci[1][1]) * wb);
+                v1 = fmaf((float)(ci[0][2] + ci[1][2]), wa, (float)(ci[0][3] + ci[1][3]) * wb);
+            } else {  // the mma sums are sum (1024 + v) x
+                X = xstat[p].x;
+                v0 = fmaf(-1024.0f, X, (c[0][0] + c[1][0]) + (c[2][0] + c[3][0]));
+                v1 = fmaf(-1024.0f, X, (c[0][2] + c[1][2]) + (c[2][2] + c[3][2]));
+            }
             float2 sc, of;
             lut_scales<BITS>(rec, g, sc, of);
             if constexpr (GREC > 0) {  // the pair's group: its scales and offsets of rows g, g + 8
@@ -494,30 +510,6 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             } else {
                 acc0 = fmaf(sc.x, v0, fmaf(of.x, X, acc0));
                 acc1 = fmaf(sc.y, v1, fmaf(of.y, X, acc1));
-            }
-        } else if constexpr (LUT) {  // every element looked up in its row's table: the mma sums are sum (1024 + v) x
-            uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()];
-            lut_tables<BITS>(rec, g, tg, tg8);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                if (h && !two) break;
-                uint32_t w[BITS], a[4][4];
-                lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES) + lane * BITS, w);
-                lut_fragments<BITS>(w, tg, tg8, magic, a);
-                mma_step(h, a);
-            }
-            const float X = xstat[p].x;
-            float2 sc, of;
-            lut_scales<BITS>(rec, g, sc, of);
-            const float v0 = (c[0][0] + c[1][0]) + (c[2][0] + c[3][0]), v1 = (c[0][2] + c[1][2]) + (c[2][2] + c[3][2]);
-            if constexpr (GREC > 0) {  // the pair's group: its scales and offsets of rows g, g + 8
-                const float2 gs = __half22float2(reinterpret_cast<const __half2*>(rec + TREC)[g]);
-                const float2 go = __half22float2(reinterpret_cast<const __half2*>(rec + TREC + 32)[g]);
-                acc0 = fmaf(gs.x, fmaf(sc.x, fmaf(-1024.0f, X, v0), of.x * X), fmaf(go.x, X, acc0));
-                acc1 = fmaf(gs.y, fmaf(sc.y, fmaf(-1024.0f, X, v1), of.y * X), fmaf(go.y, X, acc1));
-            } else {
-                acc0 = fmaf(sc.x, fmaf(-1024.0f, X, v0), fmaf(of.x, X, acc0));
-                acc1 = fmaf(sc.y, fmaf(-1024.0f, X, v1), fmaf(of.y, X, acc1));
             }
         } else {
 #pragma unroll
