@@ -2,8 +2,8 @@
 // the decoder's bookkeeping). Each kernel replaces a chain of torch launches; a single-row reduction or softmax over
 // 128K logits took 14-34 us there, a kernel launch inside a CUDA graph ~1-2 us.
 //
-// params (float32 [4]): temperature (1 when greedy), top_p, top_k, repetition penalty. Every kernel ends by writing
-// the token, marking it seen and advancing the draw counter, as Decoder does after next_token.
+// params (float32 [5]): temperature (1 when greedy), top_p, top_k, repetition penalty, min_p. Every kernel ends by
+// writing the token, marking it seen and advancing the draw counter, as Decoder does after next_token.
 typedef long long int64;
 
 // sampling.penalized: the same IEEE operations as the torch reference, so the same bits
@@ -85,9 +85,10 @@ __global__ void __launch_bounds__(1024) greedy_token(const float* __restrict__ l
 // ---- The sampled choice without sorting the vocabulary: one kernel, sample_token ----
 //
 // sampling.nucleus only needs the descending order of the warped logits z near three points: the top-k-th token, the
-// top-p crossing and the draw. The grid (at most one block per SM, all resident: it meets at grid barriers):
+// top-p crossing (or min-p's last kept token, where that comes first) and the draw. The grid (at most one block per
+// SM, all resident: it meets at grid barriers):
 // 1. z = penalized logits / temperature, and the maximum m;
-// 2. a histogram of z over bins of 1/16 nat below m: each bin's count and mass;
+// 2. a histogram of z over bins of 1/16 nat below m: each bin's count and mass (and the mass min-p keeps);
 // 3. every block reads off the histogram's prefix sums which bins can hold the three points (make_plan), gathers their
 //    tokens, and the last block to finish sorts them and reads the choice off (choose_gathered). Bins follow the
 //    sort's order (z descending, ties in index order), so the bins before the gathered ones count by their sums.
@@ -109,6 +110,9 @@ __device__ __forceinline__ u64 mass_of(float z, float m) {
     const float e = expf(z - m) * 549755813888.0f;  // 2^39
     return e > 0.0f ? __float2ull_rn(e) : 0ull;      // NaN: 0
 }
+
+// min-p keeps a token whose probability relative to the largest is at least min_p (sampling.nucleus's e >= min_p)
+__device__ __forceinline__ bool minp_keeps(float z, float m, float min_p) { return expf(z - m) >= min_p; }
 
 __device__ __forceinline__ int bin_of(float z, float m) {
     const float d = (m - z) * 16.0f;  // monotone in z, so bins keep the sort's order
@@ -132,6 +136,7 @@ struct Work {
     u32 radix_count[RADIX_SETS][4][256];
     u64 radix_mass[RADIX_SETS][4][256];
     u64 kept_mass;
+    u64 minp_mass;  // the mass of the tokens min-p keeps (min_p > 0)
     int found;
 };
 static_assert(sizeof(Work) <= 56 * 1024, "kernels/sampling.py's WORK_BYTES");
@@ -168,7 +173,7 @@ __device__ void grid_sync(Work* w, u32& target) {
 
 struct Plan {
     int lo, hi, cnt, k;
-    u64 before, total;
+    u64 before, total, minp;  // minp: the mass of the tokens min-p keeps (total when it is off)
 };
 
 // first b in [0, NBINS) with a[b] > x (a ascending), NBINS if none
@@ -200,9 +205,9 @@ struct Shared {
     };
     u32 wsum[THREADS / 32], total;
     u64 wmass[THREADS / 32];
-    float m, top_p, top_k, u;  // (the settings and the draw, loaded while the logits are read)
+    float m, top_p, top_k, min_p, u;  // (the settings and the draw, loaded while the logits are read)
     u64 c_last, sum;
-    int at, cut;
+    int at, cut, drop;
     u32 prefix;
     u64 before;
     bool ok;
@@ -211,9 +216,11 @@ struct Shared {
 // Which bins to gather, from the histogram's prefix sums: [lo, hi], cnt tokens, `before` the mass of the bins before
 // lo.
 // - top-k on: bins 0.. the one holding the k-th token (the kept mass needs every kept token, ties with the k-th too);
+// - else min-p keeps mass M <= top_p * C (its last kept token comes first; C the total): from M's bin back to the
+//   draw's, u * M;
 // - else top-p < 1: from the bin where the mass passes top_p * C (the crossing) back to the one where it passes
 //   u * top_p * C (the draw is at or after it, as the kept mass is above top_p * C);
-// - else: the draw's bin alone.
+// - else: the draw's bin alone (u * M).
 __device__ void make_plan(const Work* w, int V, Shared& S) {
     if (threadIdx.x < 32) {  // inclusive prefix sums over the bins, 16 per lane
         constexpr int L = NBINS / 32;
@@ -241,21 +248,26 @@ __device__ void make_plan(const Work* w, int V, Shared& S) {
         Plan& P = S.P;
         const float top_p = S.top_p, top_k = S.top_k, u = S.u;
         const u64 total = S.cmass[NBINS - 1];
+        const u64 M = S.min_p > 0.0f ? __ldcg(&w->minp_mass) : total;
         const int k = top_k > 0.0f ? (int)fminf(top_k, (float)V) : 0;
         int lo = -1, hi = -1;
         if (k > 0) {
             lo = 0, hi = min(first_above<u32>(S.ccnt, (u32)k - 1), NBINS - 1);
         } else if (top_p < 1.0f) {
             const u64 thr = times(top_p, total);
-            const int b = first_above<u64>(S.cmass, thr);
-            if (b < NBINS) hi = b, lo = min(first_above<u64>(S.cmass, times(u, thr)), b);
+            if (M <= thr && M > 0) {  // min-p's last kept token: the mass through it is M
+                hi = first_above<u64>(S.cmass, M - 1), lo = min(first_above<u64>(S.cmass, times(u, M)), hi);
+            } else {
+                const int b = first_above<u64>(S.cmass, thr);
+                if (b < NBINS) hi = b, lo = min(first_above<u64>(S.cmass, times(u, thr)), b);
+            }
         }
         if (hi < 0) {
-            int b = first_above<u64>(S.cmass, times(u, total));
+            int b = first_above<u64>(S.cmass, times(u, M));
             if (b == NBINS) b = first_above<u32>(S.ccnt, S.ccnt[NBINS - 1] - 1);  // rounding: the last bin with tokens
             lo = hi = min(b, NBINS - 1);
         }
-        P.lo = lo, P.hi = hi, P.k = k, P.total = total;
+        P.lo = lo, P.hi = hi, P.k = k, P.total = total, P.minp = M;
         P.before = lo ? S.cmass[lo - 1] : 0;
         P.cnt = (int)(S.ccnt[hi] - (lo ? S.ccnt[lo - 1] : 0u));
     }
@@ -327,22 +339,32 @@ __device__ int choose_gathered(const u64* cand, int n, Shared& S) {
         a += i < n && k <= kkey ? mass_of(z_of(k), S.m) : 0ull;
         c[e] = a;
     }
-    if (threadIdx.x == 0) S.cut = S.at = NONE;
+    if (threadIdx.x == 0) S.cut = S.at = S.drop = NONE;
     const u64 off = P.before + block_exclusive(a, S.wmass, S.sum);  // S.sum: the gathered tokens' mass
 #pragma unroll
     for (int e = 0; e < 4; e++) c[e] += off;
     const u64 C = P.k > 0 ? S.sum : P.total;  // top-k: the gathered bins hold every kept token
-    if (S.top_p < 1.0f) first_past(c, i0, n, times(S.top_p, C), &S.cut);  // the last kept token
+    // min-p's kept tokens and top-k's are both prefixes of the order, so those both keep are the shorter one
+    const u64 M = min(P.minp, C);
+    if (S.top_p < 1.0f) first_past(c, i0, n, times(S.top_p, C), &S.cut);  // top-p's last kept token
+    if (S.min_p > 0.0f)  // the first gathered token min-p drops
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (i0 + e < n && !minp_keeps(z_of((u32)(S.keys[i0 + e] >> 32)), S.m, S.min_p)) {
+                atomicMin(&S.drop, i0 + e);
+                break;
+            }
     __syncthreads();
     const bool crossed = S.cut != NONE;
 #pragma unroll
     for (int e = 0; e < 4; e++)
-        if (crossed && i0 + e == S.cut) S.c_last = c[e];
-    if (!crossed && threadIdx.x == 0) S.c_last = C;  // every token kept
+        if (crossed && i0 + e == S.cut) S.c_last = min(c[e], M);
+    if (!crossed && threadIdx.x == 0) S.c_last = M;  // every token top-p sees kept
     __syncthreads();
     first_past(c, i0, n, times(S.u, S.c_last), &S.at);  // the draw: where the running mass passes u times the kept
     __syncthreads();
-    return (int)(u32)S.keys[min(S.at, crossed ? S.cut : n - 1)];  // (S.at NONE only by rounding)
+    const int last = min(crossed ? S.cut : n - 1, S.drop == NONE ? n - 1 : max(S.drop - 1, 0));
+    return (int)(u32)S.keys[min(S.at, last)];  // (S.at NONE only by rounding)
 }
 
 // The first token in sorted order whose running count (by_mass false) or mass (0 for keys past kkey: top-k) passes
@@ -493,9 +515,11 @@ __device__ int choose_whole(const float* z, int V, Work* w, u32& bar, Shared& S)
     u64 c_last = C;
     int cut = -1;
     if (S.top_p < 1.0f && grid_first(z, V, w, bar, 1, kkey, true, times(S.top_p, C), S, idx, c)) c_last = c, cut = idx;
+    const u64 M = min(P.minp, C);  // min-p's kept mass (of the tokens top-k keeps: both are prefixes)
+    if (M < c_last) c_last = M, cut = -1;  // min-p's last kept token comes first
     if (grid_first(z, V, w, bar, 2, kkey, true, times(S.u, c_last), S, idx, c)) return idx;
     if (cut >= 0) return cut;
-    grid_first(z, V, w, bar, 3, kkey, true, C - 1, S, idx, c);  // rounding: the last token with mass
+    grid_first(z, V, w, bar, 3, kkey, true, c_last - 1, S, idx, c);  // rounding: the last kept token with mass
     return idx;
 }
 
@@ -507,7 +531,7 @@ __global__ void __launch_bounds__(THREADS, 1) sample_token(const float* __restri
     __shared__ Shared S;
     u32 bar = 0;
     const int lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) S.top_p = params[1], S.top_k = params[2], S.u = draws[drawn[0]];
+    if (threadIdx.x == 0) S.top_p = params[1], S.top_k = params[2], S.min_p = params[4], S.u = draws[drawn[0]];
     // 1. z and the maximum
     {
         const float t = params[0], rep = params[3];
@@ -539,7 +563,8 @@ __global__ void __launch_bounds__(THREADS, 1) sample_token(const float* __restri
     }
     // 2. the histogram
     __syncthreads();
-    const float m = S.m;
+    const float m = S.m, min_p = S.min_p;
+    u64 kept = 0;  // the mass of this thread's tokens that min-p keeps
     for (int c0 = blockIdx.x * CHUNK; c0 < V; c0 += gridDim.x * CHUNK) {
         for (int b = threadIdx.x; b < NBINS; b += THREADS) S.hist.count[b] = S.hist.lo[b] = S.hist.hi[b] = 0;
         __syncthreads();
@@ -551,6 +576,7 @@ __global__ void __launch_bounds__(THREADS, 1) sample_token(const float* __restri
             if (i < V) {
                 const float v = z[i];  // this thread's own write
                 b = bin_of(v, m), q = mass_of(v, m);
+                if (min_p > 0.0f && minp_keeps(v, m, min_p)) kept += q;
             }
             add_to(S.hist.count, S.hist.lo, S.hist.hi, b, NBINS, q, lane);
         }
@@ -562,6 +588,10 @@ __global__ void __launch_bounds__(THREADS, 1) sample_token(const float* __restri
                 if (s) atomicAdd(&w->hist_mass[b], s);
             }
         __syncthreads();
+    }
+    if (min_p > 0.0f) {
+        for (int o = 16; o > 0; o >>= 1) kept += __shfl_xor_sync(0xffffffffu, kept, o);
+        if (lane == 0 && kept) atomicAdd(&w->minp_mass, kept);
     }
     grid_sync(w, bar);
     // 3. the plan; gather the bins, the last block chooses; or select over the whole vocabulary

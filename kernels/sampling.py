@@ -21,7 +21,7 @@ def _k(name: str):
 def choose(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor, draws: torch.Tensor,
            drawn: torch.Tensor, tok: torch.Tensor, greedy: bool, cap: int = CAP, max_blocks: int | None = None
            ) -> None:
-    """logits float32 [V], seen bool [V], params float32 [4], draws float32 [n], drawn int64 0-dim, tok int64 [1, 1]
+    """logits float32 [V], seen bool [V], params float32 [5], draws float32 [n], drawn int64 0-dim, tok int64 [1, 1]
     (all contiguous, on one GPU); tok, seen and drawn are updated in place. cap (<= CAP): the most tokens the sampled
     choice sorts before it selects over the whole vocabulary instead; max_blocks: fewer blocks than SMs (tests use
     both to reach the other path, and several chunks per block as on a GPU with few SMs)."""

@@ -30,8 +30,8 @@ def cmd_generate(a) -> None:
     use_chat = not a.raw and getattr(lm.tokenizer, "chat_template", None)
     msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
     s = generate(lm, msgs if use_chat else prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-                 top_p=a.top_p, top_k=a.top_k, repetition_penalty=a.repetition_penalty, stop=a.stop, seed=a.seed,
-                 stream=True)
+                 top_p=a.top_p, top_k=a.top_k, repetition_penalty=a.repetition_penalty, min_p=a.min_p, stop=a.stop,
+                 seed=a.seed, stream=True)
     for piece in s:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -46,7 +46,7 @@ def cmd_chat(a) -> None:
     from .runtime import resolve_device
     from .tui.session import ReplySettings
     device = str(resolve_device(a.device))  # no GPU for --device cuda: the one-line error, before the app starts
-    settings = ReplySettings(system=a.system or "", temperature=a.temperature, top_p=a.top_p,
+    settings = ReplySettings(system=a.system or "", temperature=a.temperature, top_p=a.top_p, min_p=a.min_p,
                              max_new_tokens=a.max_new_tokens, seed=a.seed)
     settings.check()
     save_dir = Path(a.save_dir).expanduser()  # found now, not at the first Ctrl+S after a long chat
@@ -241,6 +241,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=0.9)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the most likely one (0 = off; 0.05-0.1 is typical)")
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--seed", type=int)
@@ -255,6 +257,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--system", help="system prompt")
     c.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     c.add_argument("--top-p", type=float, default=0.9)
+    c.add_argument("--min-p", type=float, default=0.0, help="as generate's --min-p (0 = off)")
     c.add_argument("--max-new-tokens", type=int, default=512)
     c.add_argument("--seed", type=int, help="the same seed for every reply (default: a new one each)")
     _model_options(c)

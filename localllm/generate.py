@@ -137,9 +137,11 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
 def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_tokens: int = 256,
              temperature: float = 0.7, top_p: float = 0.9, top_k: int = 0, repetition_penalty: float = 1.0,
              stop: str | list[str] | None = None, seed: int | None = None, stream: bool = False,
-             qdec: str | int | dict | None = None, kv_bits: int | None = None) -> str | Stream:
+             qdec: str | int | dict | None = None, kv_bits: int | None = None, min_p: float = 0.0) -> str | Stream:
     """Generate a reply to `prompt` (a string, or chat messages [{"role": ..., "content": ...}] which get the
     model's chat template). `model` is a LocalModel, a model path, or None for the demo model.
+    Sampling as transformers' processors, in this order: repetition penalty, temperature (0 = greedy), top-k (0 =
+    off), top-p, min-p (0 = off: else tokens less likely than min_p times the most likely one are dropped).
 
     stream=True returns a Stream that yields text pieces as they decode; otherwise the whole text.
     qdec: None keeps the model's setting; "on" / "off" / a k_chunk / a dict (see LocalModel.set_qdec).
@@ -150,7 +152,7 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
         lm.set_qdec(qdec)
     if kv_bits is not None:
         lm.set_kv_bits(kv_bits)
-    params = SamplingParams(temperature, top_p, top_k, repetition_penalty)
+    params = SamplingParams(temperature, top_p, top_k, repetition_penalty, min_p)
     params.check()
     if max_new_tokens < 1:
         raise LocalLLMError(f"max_new_tokens must be at least 1, got {max_new_tokens}")

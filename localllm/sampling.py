@@ -1,4 +1,4 @@
-"""Choosing the next token on the device: greedy or sampled (repetition penalty, temperature, top-k, top-p, as
+"""Choosing the next token on the device: greedy or sampled (repetition penalty, temperature, top-k, top-p, min-p, as
 transformers' processors), with the settings and the random draws as tensors, no host sync and no shape that depends
 on the data, so that a decode step's CUDA graph can end with it (decode.Decoder.advance). The torch code here defines
 the function; on a GPU choose() runs it as one kernel that sorts only the tokens near the cuts and the draw
@@ -19,25 +19,27 @@ class SamplingParams:
     top_p: float = 0.9
     top_k: int = 0             # 0 = off
     repetition_penalty: float = 1.0
+    min_p: float = 0.0         # 0 = off; else drop tokens less likely than min_p times the most likely one
 
     def check(self) -> None:
         # written as what must hold, so that NaN (which fails every comparison) is refused too
         ok = {"temperature": self.temperature >= 0, "top_p": 0 < self.top_p <= 1, "top_k": self.top_k >= 0,
-              "repetition_penalty": self.repetition_penalty > 0}
+              "repetition_penalty": self.repetition_penalty > 0, "min_p": 0 <= self.min_p <= 1}
         bad = ", ".join(f"{k}={getattr(self, k)}" for k, good in ok.items() if not good)
         if bad:
             raise LocalLLMError(f"bad sampling settings ({bad}): need temperature >= 0, 0 < top_p <= 1, top_k >= 0, "
-                                "repetition_penalty > 0")
+                                "repetition_penalty > 0, 0 <= min_p <= 1")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """float32 [4]: temperature (1 when greedy: unused), top_p, top_k, repetition penalty, as next_token takes
-        them."""
+        """float32 [5]: temperature (1 when greedy: unused), top_p, top_k, repetition penalty, min_p, as next_token
+        takes them."""
         t = self.temperature if self.temperature > 0 else 1.0
-        return torch.tensor([t, self.top_p, self.top_k, self.repetition_penalty], dtype=torch.float32, device=device)
+        return torch.tensor([t, self.top_p, self.top_k, self.repetition_penalty, self.min_p], dtype=torch.float32,
+                            device=device)
 
 
 def penalized(logits: torch.Tensor, seen: torch.Tensor, rep: torch.Tensor) -> torch.Tensor:
@@ -50,13 +52,14 @@ def penalized(logits: torch.Tensor, seen: torch.Tensor, rep: torch.Tensor) -> to
 def nucleus(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The distribution to sample from, over the tokens in descending order of their warped logits: (order, e, c, n)
     with e the unnormalized probabilities (0 where top-k removes a token), c = cumsum(e) and n the number of tokens
-    top-p keeps (a prefix: the smallest one whose probability reaches top_p, at least one token). Repetition penalty,
-    temperature, top-k (ties with the k-th kept) and top-p as transformers' processors. params:
+    kept (a prefix, at least one token): top-p's (the smallest prefix whose probability reaches top_p), cut further
+    by min-p (the tokens with e >= min_p, e being relative to the largest). Repetition penalty, temperature, top-k
+    (ties with the k-th kept), top-p and min-p in that order, as transformers' processors. params:
     SamplingParams.tensor().
 
     No reduction over the vocabulary besides the sort: the largest logit is the sorted first, and the total is the
     last of the cumulative sum (on the H100 a softmax or a max over 128K logits took 14-34 us, a cumsum 4.5)."""
-    t, top_p, top_k, rep = params.unbind()
+    t, top_p, top_k, rep, min_p = params.unbind()
     s, order = (penalized(logits, seen, rep) / t).sort(descending=True, stable=True)  # ties: the same order anywhere
     kth = s.index_select(0, (top_k.long() - 1).clamp(0, s.numel() - 1).view(1))
     e = torch.where((top_k > 0) & (s < kth), 0.0, (s - s[:1]).exp_())
@@ -64,7 +67,9 @@ def nucleus(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor) -> t
     # a token stays while the probability of the tokens before it is at most top_p; the mass before a token never
     # decreases, so the kept tokens are the first n (top_p = 1 keeps every token, the zero ones are never drawn)
     n = torch.searchsorted(c - e, top_p * c[-1:], right=True)
-    return order, e, c, n
+    # min-p after top-p: e never increases along the order, so the tokens it keeps are a prefix too (the first one,
+    # e = 1, always)
+    return order, e, c, torch.minimum(n, torch.searchsorted(-e, -min_p.view(1), right=True))
 
 
 def next_token(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor, u: torch.Tensor,

@@ -83,6 +83,8 @@ def test_chat_starts_the_app_with_the_options(tiny_quant, monkeypatch):
 def test_chat_errors_before_the_app_are_one_line(capsys, tmp_path):
     assert main(["chat", "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
+    assert main(["chat", "--min-p", "1.5"]) == 2
+    assert "min_p" in capsys.readouterr().err
     assert main(["chat", "--save-dir", str(tmp_path / "no-such-folder")]) == 2
     assert "--save-dir" in capsys.readouterr().err and not (tmp_path / "no-such-folder").exists()
     assert main(["chat", str(tmp_path / "no-model")]) == 2

@@ -25,9 +25,14 @@ def lm(tiny_quant):
 
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0, 1.0, 0, 1.3), SamplingParams(0.7, 0.9, 0, 1.0),
-                                    SamplingParams(1.3, 1.0, 20, 1.0), SamplingParams(0.8, 0.5, 50, 0.8)])
+                                    SamplingParams(1.3, 1.0, 20, 1.0), SamplingParams(0.8, 0.5, 50, 0.8),
+                                    SamplingParams(1.0, 1.0, 0, 1.0, 0.1), SamplingParams(1.5, 0.95, 0, 1.2, 0.05),
+                                    SamplingParams(1.2, 0.6, 40, 1.0, 0.02), SamplingParams(0.9, 0.5, 0, 1.0, 1e-3),
+                                    SamplingParams(1.0, 0.9, 0, 1.0, 1.0)])
 def test_warp_matches_transformers_processors(params):
-    from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor,
+    """The kept tokens and their probabilities are transformers' (its processors in generate's order: min-p after
+    top-p, so that either can cut first: min_p 0.1 with top-p off, 1e-3 under top-p 0.5)."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
     V = 500
     logits = torch.randn(V) * 3
@@ -40,6 +45,8 @@ def test_warp_matches_transformers_processors(params):
         procs.append(TopKLogitsWarper(params.top_k))
     if params.top_p < 1:
         procs.append(TopPLogitsWarper(params.top_p))
+    if params.min_p > 0:
+        procs.append(MinPLogitsWarper(params.min_p))
     for proc in procs:
         want = proc(ctx[None], want)
     got = probabilities(logits, seen, params)
@@ -48,7 +55,7 @@ def test_warp_matches_transformers_processors(params):
 
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0, 1.0, 0, 1.0), SamplingParams(0.7, 0.9, 0, 1.2),
-                                    SamplingParams(1.3, 0.95, 20, 1.0)])
+                                    SamplingParams(1.3, 0.95, 20, 1.0), SamplingParams(1.3, 0.95, 0, 1.0, 0.05)])
 def test_next_token_draws_each_token_with_its_probability(params):
     """Evenly spaced draws u pick each token as often as nucleus()'s distribution says (inverse CDF): the counts of
     M draws are within one of M * p."""

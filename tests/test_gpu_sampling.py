@@ -9,6 +9,9 @@ pytestmark = pytest.mark.gpu
 PARAMS = [SamplingParams(0.0, 1.0, 0, 1.0), SamplingParams(0.0, 1.0, 0, 1.3), SamplingParams(1.0, 1.0, 0, 1.0),
           SamplingParams(0.7, 0.9, 0, 1.0), SamplingParams(0.9, 0.95, 40, 1.1), SamplingParams(1.3, 0.5, 3, 0.8),
           SamplingParams(0.5, 1.0, 1, 1.0)]
+# min-p cutting first (top-p off, or at 0.95), after top-p (1e-4 under 0.5), and under top-k
+MIN_P = [SamplingParams(1.0, 1.0, 0, 1.0, 0.05), SamplingParams(1.5, 0.95, 0, 1.1, 0.02),
+         SamplingParams(0.8, 0.5, 0, 1.0, 1e-4), SamplingParams(1.2, 0.9, 300, 1.0, 0.01)]
 
 
 def kernel_choice(logits, seen, params, u, cap=None, max_blocks=None):
@@ -42,7 +45,7 @@ def assert_reference_choice(logits, seen, params, u, got):
 
 @pytest.mark.parametrize("cap", [None, 0], ids=["gathered", "whole-vocabulary"])
 @pytest.mark.parametrize("V", [300, 49152, 128256])
-@pytest.mark.parametrize("params", PARAMS)
+@pytest.mark.parametrize("params", PARAMS + MIN_P)
 def test_kernels_choose_the_reference_token(V, params, cap):
     """Random fp16-valued logits (ties included) and draws: greedy gives the same token, sampled the reference's (up
     to rounding), both when the sampled choice sorts the gathered bins and when it selects over the whole vocabulary
@@ -57,7 +60,7 @@ def test_kernels_choose_the_reference_token(V, params, cap):
 
 
 @pytest.mark.parametrize("cap", [None, 0], ids=["gathered", "whole-vocabulary"])
-@pytest.mark.parametrize("params", [PARAMS[0], PARAMS[3], PARAMS[4], PARAMS[5]])
+@pytest.mark.parametrize("params", [PARAMS[0], PARAMS[3], PARAMS[4], PARAMS[5], MIN_P[1]])
 def test_kernels_choose_the_reference_token_with_few_blocks(params, cap):
     """3 blocks for 32 chunks of the vocabulary (a GPU with few SMs): each block takes several, in both paths."""
     V = 128256
@@ -70,7 +73,8 @@ def test_kernels_choose_the_reference_token_with_few_blocks(params, cap):
 
 @pytest.mark.parametrize("kind", ["equal", "near-equal", "masked"])
 @pytest.mark.parametrize("params", [SamplingParams(0.7, 0.9, 0, 1.0), SamplingParams(1.0, 1.0, 0, 1.0),
-                                    SamplingParams(0.8, 0.95, 5000, 1.1), SamplingParams(1.0, 0.5, 3, 1.0)])
+                                    SamplingParams(0.8, 0.95, 5000, 1.1), SamplingParams(1.0, 0.5, 3, 1.0),
+                                    SamplingParams(1.0, 1.0, 0, 1.0, 0.99), SamplingParams(1.0, 0.9, 0, 1.0, 0.5)])
 def test_kernels_choose_the_reference_token_on_flat_logits(kind, params):
     """Flat distributions, where the bins near the top hold more tokens than the gathered list takes (every logit
     equal: all in one bin, ties in index order), and logits at -inf (masked tokens: no mass, never drawn)."""
@@ -90,12 +94,12 @@ def test_kernels_choose_the_reference_token_on_flat_logits(kind, params):
         assert_reference_choice(logits, seen, params, u, got)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(0.8, 0.9, 50, 1.0), SamplingParams(1.0, 0.95, 0, 1.0, 0.02)])
 @pytest.mark.parametrize("cap", [None, 0], ids=["gathered", "whole-vocabulary"])
-def test_sampled_kernel_draws_each_token_with_its_probability(cap):
+def test_sampled_kernel_draws_each_token_with_its_probability(cap, params):
     """Evenly spaced draws over one distribution pick each token as often as the reference's probabilities say."""
     V, M = 2000, 4000
     logits, seen = torch.randn(V, device="cuda") * 2, torch.zeros(V, dtype=torch.bool, device="cuda")
-    params = SamplingParams(0.8, 0.9, 50, 1.0)
     order, e, _, n = nucleus(logits, seen, params.tensor("cuda"))
     p = torch.zeros(V, dtype=torch.float64)
     p[order[:n].cpu()] = (e[:n] / e[:n].sum()).double().cpu()

@@ -141,7 +141,9 @@ def test_settings_are_checked_by_generates_rules():
     st = ReplySettings()
     assert st.updated("temperature", " 0 ").temperature == 0.0
     assert st.updated("max_new_tokens", "7").max_new_tokens == 7
-    for name, text in [("temperature", "-1"), ("top_p", "0"), ("top_p", "1.5"), ("max_new_tokens", "0"),
+    assert st.updated("min_p", "0.05").min_p == 0.05
+    for name, text in [("temperature", "-1"), ("top_p", "0"), ("top_p", "1.5"), ("min_p", "-0.1"), ("min_p", "2"),
+                       ("max_new_tokens", "0"),
                        ("max_new_tokens", "2.5"), ("temperature", "warm"), ("temperature", "nan")]:
         with pytest.raises(ValueError):
             st.updated(name, text)

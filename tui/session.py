@@ -25,17 +25,18 @@ class ReplySettings:
     system: str = ""
     temperature: float = 0.7
     top_p: float = 0.9
+    min_p: float = 0.0
     max_new_tokens: int = 512
     seed: int | None = None  # None: a fresh seed per reply (the history records the one drawn)
 
     def check(self) -> None:
-        SamplingParams(self.temperature, self.top_p).check()
+        SamplingParams(self.temperature, self.top_p, min_p=self.min_p).check()
         if self.max_new_tokens < 1:
             raise LocalLLMError(f"max new tokens must be at least 1, got {self.max_new_tokens}")
 
     def updated(self, name: str, text: str) -> "ReplySettings":
         """A copy with field `name` set from what the user typed; ValueError when that is not valid."""
-        kind = {"system": str, "temperature": float, "top_p": float, "max_new_tokens": int}[name]
+        kind = {"system": str, "temperature": float, "top_p": float, "min_p": float, "max_new_tokens": int}[name]
         try:
             new = replace(self, **{name: kind(text if kind is str else text.strip())})
             new.check()
@@ -86,7 +87,8 @@ class Reply:
                 self.qdec = {"mode": s.mode, "k_chunk": dict(s.k_chunk), "source": session.lm.qdec_source}
                 st = self.settings
                 stream = generate(session.lm, self.prompt, max_new_tokens=st.max_new_tokens,
-                                  temperature=st.temperature, top_p=st.top_p, seed=self.seed, stream=True)
+                                  temperature=st.temperature, top_p=st.top_p, min_p=st.min_p, seed=self.seed,
+                                  stream=True)
                 self.stats = stream.stats
                 for piece in stream:
                     if stop.is_set():
