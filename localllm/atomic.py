@@ -50,6 +50,22 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     write_bytes(path, text.encode())
 
 
+def check_writable(path: str | os.PathLike) -> None:
+    """A one-line error now where `path` could not be written later (an ancestor is a file, a read-only or
+    pseudo file system): long work checks its output before it starts. Leaves nothing behind."""
+    path = Path(path).expanduser().resolve()
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise LocalLLMError(f"cannot write {path}: {folder} is a file, not a folder; choose another output path")
+    try:
+        Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)).rmdir()
+    except OSError as e:
+        raise LocalLLMError(f"cannot write {path}: {folder} refuses new files ({e.strerror or type(e).__name__}); "
+                            "choose an output path in a folder you can write") from None
+
+
 @contextlib.contextmanager
 def new_folder(path: str | os.PathLike, replace: bool = False):
     """Yield a temp folder beside `path`; on success it is renamed to `path`, on failure removed.

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from .errors import LocalLLMError
 from .quant import GROUP_SIZES, HEAD_BITS, HEAD_WIDTHS
+
+DEFAULT_EVAL_QDEC = "off,approx"
 
 
 def _qdec_arg(s: str):
@@ -108,7 +111,7 @@ def cmd_eval(a) -> None:
     from .loader import check_source
     from .model import QDEC_MODES
     from .runtime import load
-    modes = [m.strip() for m in a.qdec.split(",") if m.strip()]
+    modes = [m.strip() for m in (a.qdec or DEFAULT_EVAL_QDEC).split(",") if m.strip()]
     bad = [m for m in modes if m not in QDEC_MODES]
     if bad or not modes:
         raise LocalLLMError(f"--qdec takes a comma-separated list of {', '.join(QDEC_MODES)}; got {a.qdec!r}")
@@ -116,6 +119,11 @@ def cmd_eval(a) -> None:
         ks = [int(k) for k in a.k_chunk.split(",") if k.strip()]
     except ValueError:
         raise LocalLLMError(f"--k-chunk takes comma-separated integers, e.g. 2,4,8; got {a.k_chunk!r}") from None
+    if not ks and any(m != "off" for m in modes):
+        raise LocalLLMError("--k-chunk is empty; QDEC modes other than off need at least one value, e.g. 8")
+    if a.max_tokens is not None and a.max_tokens < 2:
+        raise LocalLLMError(f"--max-tokens must be at least 2 (perplexity predicts each token from those before it), "
+                            f"got {a.max_tokens}")
     if a.prefill_int8 and a.device != "cpu":
         raise LocalLLMError("--prefill-int8 changes prompts only, and eval on the GPU runs token by token: measure its "
                             "effect with --device cpu (the GPU computes the same function)")
@@ -124,6 +132,9 @@ def cmd_eval(a) -> None:
         check_source(a.reference)
     lm = load(a.model, gguf_file=a.gguf_file, qdec="off", device=a.device, kv_bits=a.kv_bits,
               prefill_int8=a.prefill_int8)
+    if a.qdec is None and not lm.has_residuals:  # the default modes: what this model can run
+        print(f"localllm: {lm.path} has no QDEC residuals; evaluating with QDEC off only", file=sys.stderr)
+        modes = ["off"]
     ids = tokenize(lm, text, a.max_tokens)
     reference = None
     if a.reference is not None:
@@ -301,8 +312,8 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="perplexity of a text (teacher-forced), for QDEC modes and k_chunk values")
     e.add_argument("model", nargs="?", help="model folder or checkpoint (default: the demo model)")
     e.add_argument("--text", help="UTF-8 text file (default: the evaluation text shipped with localllm)")
-    e.add_argument("--qdec", default="off,approx",
-                   help="comma-separated QDEC modes: off, exact, approx, static, random (default off,approx)")
+    e.add_argument("--qdec", help="comma-separated QDEC modes: off, exact, approx, static, random (default "
+                                  f"{DEFAULT_EVAL_QDEC}; off alone for a model without residuals)")
     e.add_argument("--k-chunk", default="8", help="comma-separated channels per 1024 for the modes other than off")
     e.add_argument("--ctx", type=int, default=512, help="tokens per window (default 512)")
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
@@ -390,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nlocalllm: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of a pipe left (`localllm info M | head -1`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush does not fail too
+        return 0
     return 0
 
 

@@ -159,5 +159,8 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
     s = Stream(iter(()))
-    s.pieces = _run(lm, encode_prompt(lm, prompt), max_new_tokens, params, stops, seed, s.stats)
+    ids = encode_prompt(lm, prompt)
+    if not ids:
+        raise LocalLLMError("the prompt is empty (no tokens): give some text")
+    s.pieces = _run(lm, ids, max_new_tokens, params, stops, seed, s.stats)
     return s if stream else s.text()

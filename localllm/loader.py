@@ -17,6 +17,7 @@ import torch
 from .config import ModelConfig
 from .digest import sha256_files
 from .errors import LocalLLMError
+from .progress import follow_rule_in_transformers
 
 MANIFEST = "localllm.json"  # marks a quantized localllm model folder
 
@@ -97,7 +98,7 @@ def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Che
             if not gguf_file and len(ggufs) > 1:
                 raise LocalLLMError(f"{path} holds several GGUF files ({', '.join(ggufs)}); pass one with --gguf-file")
             return _open_gguf(path, gguf_file or ggufs[0])
-        return _open_safetensors(path, {"format": "safetensors", "path": str(path)})
+        return _open_safetensors(path, {"format": "safetensors", "path": str(path.resolve())})
     if not _looks_like_hub_id(str(src)):
         raise _no_source(src)
     local = _download(str(src))
@@ -132,13 +133,16 @@ def _download(repo_id: str) -> Path:
                             f"({first[:160]}); download the checkpoint and pass its folder") from None
 
 
-def _tokenizer(path: Path, **kw):
+def tokenizer_of(path: Path, **kw):
+    """The tokenizer of a checkpoint or quantized model folder (or of a GGUF file in it: gguf_file=), or a one-line
+    error where its files are missing or damaged."""
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(str(path), **kw)
     except Exception as e:
-        raise LocalLLMError(f"cannot load the tokenizer from {path} ({type(e).__name__}: {str(e)[:160]}); "
-                            "the checkpoint needs tokenizer.json or tokenizer.model beside config.json") from None
+        raise LocalLLMError(f"cannot load the tokenizer from {path} ({type(e).__name__}: {str(e)[:160]}); the folder "
+                            "needs an intact tokenizer.json or tokenizer.model beside config.json: copy them again "
+                            "from the source checkpoint") from None
 
 
 def _open_safetensors(path: Path, source: dict) -> Checkpoint:
@@ -172,7 +176,7 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
             raise LocalLLMError(f"cannot read tensor {name} from {path} ({e}); the file is corrupt, re-download it") \
                 from None
 
-    return Checkpoint(config, _tokenizer(path), source, files, get, set(where))
+    return Checkpoint(config, tokenizer_of(path), source, files, get, set(where))
 
 
 def _open_gguf(folder: Path, name: str) -> Checkpoint:
@@ -186,10 +190,12 @@ def _open_gguf(folder: Path, name: str) -> Checkpoint:
         raise LocalLLMError(f"cannot read GGUF file {f} ({type(e).__name__}: {str(e)[:160]}); it is corrupt, "
                             "truncated or of an architecture transformers cannot import") from None
     config = ModelConfig.from_hf(hf_cfg)
-    try:  # transformers shows its own progress bar while it dequantizes
+    follow_rule_in_transformers()  # transformers shows its own progress bars while it dequantizes
+    try:
         state = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32).state_dict()
     except Exception as e:
         raise LocalLLMError(f"cannot load GGUF weights from {f} ({type(e).__name__}: {str(e)[:160]}); "
                             "the file is corrupt or truncated, re-download it") from None
-    return Checkpoint(config, _tokenizer(folder, gguf_file=name),
-                      {"format": "gguf", "path": str(folder), "gguf_file": name}, [f], state.__getitem__, set(state))
+    return Checkpoint(config, tokenizer_of(folder, gguf_file=name),
+                      {"format": "gguf", "path": str(Path(folder).resolve()), "gguf_file": name}, [f], state.__getitem__,
+                      set(state))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import sys
 from contextvars import ContextVar
 from typing import Callable
 
@@ -26,6 +27,14 @@ def progress(iterable=None, desc: str = "", total: int | None = None, unit: str 
     disable = None if env is None else env == "0"  # None: tqdm shows bars only on a TTY
     return tqdm(iterable, desc=desc, total=total, unit=unit, disable=disable, dynamic_ncols=True,
                 leave=False, **kw)
+
+
+def follow_rule_in_transformers() -> None:
+    """transformers' own bars (a GGUF's conversion, loading weights) shown by the same rule as ours."""
+    from transformers.utils import logging
+    env = os.environ.get("LOCALLLM_PROGRESS")
+    show = _observer.get() is None and (sys.stderr.isatty() if env is None else env != "0")
+    (logging.enable_progress_bar if show else logging.disable_progress_bar)()
 
 
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from . import awq, modelfile
+from . import atomic, awq, modelfile
 from .errors import LocalLLMError
 from .loader import Checkpoint, open_checkpoint
 from .config import rope_inv_freq
@@ -72,7 +72,11 @@ def calibration_text(text_file: str | None) -> tuple[str, str]:
     p = Path(text_file).expanduser()
     if not p.is_file():
         raise LocalLLMError(f"calibration text {p} does not exist; pass a UTF-8 text file with --calib-text")
-    return p.read_text(encoding="utf-8", errors="replace"), str(p)
+    try:
+        return p.read_text(encoding="utf-8"), str(p)
+    except UnicodeDecodeError:
+        raise LocalLLMError(f"calibration text {p} is not UTF-8 text: convert it (e.g. iconv -t UTF-8) or pick "
+                            "another file") from None
 
 
 def calibration_tokens(tokenizer, text: str, name: str, n_tokens: int, seq_len: int) -> tuple[torch.Tensor, dict]:
@@ -275,6 +279,9 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
                             f"{group_size} or use --method rtn or awq")
     if Path(out).expanduser().exists():
         raise LocalLLMError(f"{out} already exists; choose another output path or remove it first")
+    atomic.check_writable(out)
+    if calib_tokens < 1:
+        raise LocalLLMError(f"--calib-tokens must be at least 1 (a few thousand is typical), got {calib_tokens}")
     text, text_name = calibration_text(calib_text)  # before the checkpoint loads
     ckpt = ckpt or open_checkpoint(src, gguf_file)
     cfg = ckpt.config

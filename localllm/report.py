@@ -525,18 +525,13 @@ def make_report(o: Options) -> Path:
         if asked and all(s in GPU_SECTIONS for s in asked):
             raise LocalLLMError(f"--sections {','.join(asked)} measures the GPU and needs one: {why_no_gpu}")
         sections = tuple(s for s in sections if s not in GPU_SECTIONS)
+    if o.out:  # a refusal comes at once, before a GGUF converts
+        _check_out(o, Path(o.out).expanduser())
     text = read_text(o.text)  # before the checkpoint opens (a GGUF converts then)
     ckpt = open_checkpoint(src, o.gguf_file)
     name = model_name(src, ckpt)
     out = Path(o.out or f"report-{_slug(name)}").expanduser()
-    prior = _read_report(out)
-    if out.exists() and "in_progress" not in (prior or {}):  # before hashing the model: a refusal comes at once
-        if o.update and prior is None:
-            raise LocalLLMError(f"--update needs the report.json of an earlier report in {out}; there is none "
-                                "readable: run without --update (and --force to replace the folder)")
-        if not (o.update or o.force):
-            raise LocalLLMError(f"{out} already exists; choose another --out, --force to replace it, or --update to "
-                                "add sections to it")
+    prior = _check_out(o, out)  # before hashing the model
     sha = ckpt.fingerprint()
     full, full_why = full_check(o, ckpt.config)
     key = {"model": sha, "sections": list(sections), "text": hashlib.sha256(text[0].encode()).hexdigest(),
@@ -582,6 +577,25 @@ def make_report(o: Options) -> Path:
 
 def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _check_out(o: Options, out: Path) -> dict | None:
+    """Refuse an --out this run may not write (the user's files are never replaced: --force and --update apply to a
+    report's folder only); its report.json, if any."""
+    prior = _read_report(out)
+    if not out.exists():
+        atomic.check_writable(out)
+    elif "in_progress" not in (prior or {}):
+        if prior is None and (not out.is_dir() or any(out.iterdir())):
+            raise LocalLLMError(f"{out} exists and holds no localllm report (no readable report.json); --force and "
+                                "--update replace or extend a report's folder only: choose another --out")
+        if o.update and prior is None:
+            raise LocalLLMError(f"--update needs the report.json of an earlier report in {out}; there is none "
+                                "readable: run without --update (and --force to replace the folder)")
+        if not (o.update or o.force):
+            raise LocalLLMError(f"{out} already exists; choose another --out, --force to replace it, or --update to "
+                                "add sections to it")
+    return prior
 
 
 def _read_report(out: Path) -> dict | None:

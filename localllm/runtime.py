@@ -9,7 +9,7 @@ import torch
 
 from . import kvquant, modelfile, ops
 from .errors import LocalLLMError
-from .loader import MANIFEST, Checkpoint, open_checkpoint
+from .loader import MANIFEST, Checkpoint, open_checkpoint, tokenizer_of
 from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block
 from .tuner import profile as tuning
 from .tuner.profile import DEFAULT_BUDGET
@@ -125,7 +125,8 @@ class LocalModel:
             self.settings.mode, self.qdec_source, self.qdec_overhead = "off", "QDEC off", None
             return
         if not self.has_residuals:
-            raise LocalLLMError(f"{self.path} has no QDEC residuals; re-quantize it with residuals or use qdec='off'")
+            raise LocalLLMError(f"{self.path} has no QDEC residuals; re-quantize it with residuals, or turn QDEC "
+                                "off (--qdec off; in Python qdec='off')")
         if qdec is True or qdec == "on":  # (not `in ("on", True)`: 1 == True would make k_chunk 1 "on")
             self._set_on()
             return
@@ -289,11 +290,14 @@ def resolve_device(device: str | torch.device = "auto", kernels: bool = True) ->
     from .kernels import cuda
     if device == "auto":
         return torch.device("cuda" if (cuda.available() if kernels else torch.cuda.is_available()) else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:  # a name torch does not know ("gpu")
+        dev = None
+    if dev is None or dev.type not in ("cuda", "cpu"):
+        raise LocalLLMError(f"device '{device}' is not supported; use auto, cpu or cuda")
     if dev.type == "cuda":
         cuda.require(kernels)
-    elif dev.type != "cpu":
-        raise LocalLLMError(f"device '{device}' is not supported; use auto, cpu or cuda")
     return dev
 
 
@@ -315,9 +319,7 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
     path = Path(src).expanduser()
     if path.is_dir() and (path / MANIFEST).exists():
         model, manifest = modelfile.load(path, verify=verify)
-        from transformers import AutoTokenizer
-        lm = LocalModel(model, AutoTokenizer.from_pretrained(str(path)), manifest, str(path),
-                        manifest.get("eos_token_ids", []))
+        lm = LocalModel(model, tokenizer_of(path), manifest, str(path), manifest.get("eos_token_ids", []))
     else:
         ckpt = open_checkpoint(src, gguf_file)
         lm = LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids)

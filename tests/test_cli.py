@@ -94,3 +94,55 @@ def test_chat_errors_before_the_app_are_one_line(capsys, tmp_path):
         assert capsys.readouterr().err.startswith("localllm: error: no CUDA GPU is visible")
         assert main(["quantize", str(tmp_path / "no-model"), "-o", str(tmp_path / "q"), "--device", "cuda"]) == 2
         assert capsys.readouterr().err.startswith("localllm: error: no CUDA GPU is visible")
+
+
+def test_bad_input_is_refused_before_the_work(tiny_ckpt, tiny_quant, tmp_path, capsys):
+    """Each a one-line error, before any quantizing or evaluating: an output under a file, a calibration of no
+    tokens or of binary text, a device torch does not know, an empty prompt, too few tokens, no k_chunk."""
+    f = tmp_path / "afile"
+    f.write_text("x")
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\xff\xfe\x00abc" * 100)
+    q = tmp_path / "q"
+    cases = [(["quantize", tiny_ckpt, "-o", f / "m"], "is a file, not a folder"),
+             (["quantize", tiny_ckpt, "-o", q, "--calib-tokens", "0"], "--calib-tokens must be at least 1"),
+             (["quantize", tiny_ckpt, "-o", q, "--calib-text", binary], "is not UTF-8 text"),
+             (["generate", tiny_quant, "hi", "--device", "gpu"], "device 'gpu' is not supported"),
+             (["generate", tiny_quant, "", "--raw"], "the prompt is empty"),
+             (["eval", tiny_quant, "--max-tokens", "-3"], "--max-tokens must be at least 2"),
+             (["eval", tiny_quant, "--k-chunk", ""], "--k-chunk is empty")]
+    for args, msg in cases:
+        assert main([str(a) for a in args]) == 2, args
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "bin.txt"]  # nothing written, nothing left
+
+
+def test_eval_of_a_model_without_residuals_runs_qdec_off(tiny_ckpt, capsys):
+    """The default modes (off, approx) shrink to what the model can run; asked for explicitly, approx is refused."""
+    assert main(["eval", str(tiny_ckpt), "--max-tokens", "40", "--ctx", "16"]) == 0
+    out, err = capsys.readouterr()
+    assert "no QDEC residuals; evaluating with QDEC off only" in err
+    rows = [line.split()[0] for line in out.splitlines()[2:] if line.strip()]
+    assert rows == ["off"], out
+    assert main(["eval", str(tiny_ckpt), "--max-tokens", "40", "--ctx", "16", "--qdec", "off,approx"]) == 2
+    err = capsys.readouterr().err
+    assert "no QDEC residuals" in err and "--qdec off" in err
+
+
+def test_a_damaged_tokenizer_is_one_line(tiny_quant, tmp_path, capsys):
+    import shutil
+    copy = tmp_path / "m"
+    shutil.copytree(tiny_quant, copy)
+    (copy / "tokenizer.json").write_text("")
+    assert main(["generate", str(copy), "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot load the tokenizer" in err and "tokenizer.json" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_source_is_recorded_by_its_absolute_path(tiny_ckpt, tmp_path, monkeypatch):
+    """A model quantized from a relative path finds its source from any folder (eval --reference)."""
+    monkeypatch.chdir(tiny_ckpt.parent)
+    out = tmp_path / "m"
+    assert main(["quantize", tiny_ckpt.name, "-o", str(out), "--no-residuals", "--calib-tokens", "256"]) == 0
+    assert json.loads((out / "localllm.json").read_text())["source"]["path"] == str(tiny_ckpt.resolve())

@@ -364,3 +364,20 @@ def test_the_pareto_section_explains_budgets_that_buy_nothing(report, tmp_path):
     assert "costs 1.50–2.00× its plain GEMV, +1.5–3.0 µs per call on GEMVs of 3.0–3.0 µs" in md
     assert "o at k_chunk 1 (n_tb 2), adds 2 × 1.5 µs = 0.003 ms to the 0.100 ms decode step" in md
     assert "a budget below about 3.0% cannot compensate any layer" in md
+
+
+def test_force_and_update_touch_only_a_report_folder(tiny_ckpt, tmp_path, capsys):
+    """--force replaces, --update extends, a report's folder only: a folder of the user's files is refused whole."""
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    for flag in ("--force", "--update"):
+        assert main(["report", str(tiny_ckpt), "--out", str(mine), flag, "--tokens", "20"]) == 2
+        err = capsys.readouterr().err
+        assert "holds no localllm report" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "sub"]
+    assert (mine / "notes.txt").read_text() == "keep me"
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert main(["report", str(tiny_ckpt), "--out", str(f / "r")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
