@@ -36,6 +36,7 @@ def _temp_file(path: str | os.PathLike, data: bytes):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, _usual_mode(0o666))  # mkstemp's 0600 would make the user's file private
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -48,6 +49,13 @@ def _temp_file(path: str | os.PathLike, data: bytes):
 
 def write_text(path: str | os.PathLike, text: str) -> None:
     write_bytes(path, text.encode())
+
+
+def _usual_mode(mode: int) -> int:
+    """`mode` as the umask leaves it: what a plain open() or mkdir() would have given."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
 
 
 def check_writable(path: str | os.PathLike) -> None:
@@ -78,6 +86,7 @@ def new_folder(path: str | os.PathLike, replace: bool = False):
         raise LocalLLMError(f"{path} already exists; choose another output path or remove it first")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, _usual_mode(0o777))  # mkdtemp's 0700 would make the user's folder private
     old = None
     try:
         yield tmp

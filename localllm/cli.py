@@ -26,11 +26,17 @@ def cmd_generate(a) -> None:
     from .generate import generate
     from .runtime import load
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else a.args
+    if model is None and Path(prompt).expanduser().exists() and len(prompt.split()) == 1:
+        raise LocalLLMError(f"generate got one argument, {prompt!r}, which is a path: give the prompt too "
+                            f"(localllm generate {prompt} \"PROMPT\")")
     lm = load(model, gguf_file=a.gguf_file, device=a.device, qdec=a.qdec, budget=a.budget, kv_bits=a.kv_bits,
               prefill_int8=a.prefill_int8)
     if a.qdec != "off" and not lm.has_residuals:
         print(f"localllm: {lm.path} has no QDEC residuals; generating without compensation", file=sys.stderr)
     use_chat = not a.raw and getattr(lm.tokenizer, "chat_template", None)
+    if a.system and not use_chat:
+        print("localllm: --system needs the model's chat template" + (", which --raw turns off" if a.raw else
+              f"; {lm.path} has none") + ": the system prompt is not used", file=sys.stderr)
     msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
     s = generate(lm, msgs if use_chat else prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                  top_p=a.top_p, top_k=a.top_k, repetition_penalty=a.repetition_penalty, min_p=a.min_p, stop=a.stop,
@@ -41,7 +47,9 @@ def cmd_generate(a) -> None:
     sys.stdout.write("\n")
     st = s.stats
     print(f"[{st.new_tokens} tokens, {st.tokens_per_second:.1f} tok/s, first token {st.time_to_first_token:.2f} s, "
-          f"finished by {st.finish_reason}; QDEC {lm.settings.mode}: {lm.qdec_source}; KV cache {lm.kv_bits}-bit]",
+          f"finished by {st.finish_reason}; "
+          + ("QDEC off" if lm.settings.mode == "off" else f"QDEC {lm.settings.mode}: {lm.qdec_source}")
+          + f"; KV cache {lm.kv_bits}-bit]",
           file=sys.stderr)
 
 
@@ -242,11 +250,13 @@ def _kv_bits_option(p: argparse.ArgumentParser, what: str = "") -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from . import __version__
     p = argparse.ArgumentParser(prog="localllm", description="Low-bit LLM inference with QDEC error compensation.")
+    p.add_argument("--version", action="version", version=f"localllm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text (streams to stdout)",
-                       description="localllm generate [MODEL] PROMPT: with no MODEL, the demo model.")
+    g = sub.add_parser("generate", help="generate text (streams to stdout)", usage="localllm generate [MODEL] PROMPT "
+                       "[options]", description="localllm generate [MODEL] PROMPT: with no MODEL, the demo model.")
     g.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")

@@ -313,12 +313,19 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
     8-bit activations (QdecSettings.act8)."""
     kvquant.check_bits(kv_bits)
     dev = resolve_device(device)
-    if src is None:
+    demo = src is None
+    if demo:
         from .demo import demo_model
         src = demo_model()
     path = Path(src).expanduser()
     if path.is_dir() and (path / MANIFEST).exists():
-        model, manifest = modelfile.load(path, verify=verify)
+        try:
+            model, manifest = modelfile.load(path, verify=verify)
+        except LocalLLMError as e:
+            if not demo:
+                raise
+            raise LocalLLMError(f"the cached demo model is damaged ({e}); delete {path} and run again: it is made "
+                                "anew from the demo GGUF") from None
         lm = LocalModel(model, tokenizer_of(path), manifest, str(path), manifest.get("eos_token_ids", []))
     else:
         ckpt = open_checkpoint(src, gguf_file)

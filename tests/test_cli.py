@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 from localllm.cli import main
 
@@ -146,3 +147,17 @@ def test_the_source_is_recorded_by_its_absolute_path(tiny_ckpt, tmp_path, monkey
     out = tmp_path / "m"
     assert main(["quantize", tiny_ckpt.name, "-o", str(out), "--no-residuals", "--calib-tokens", "256"]) == 0
     assert json.loads((out / "localllm.json").read_text())["source"]["path"] == str(tiny_ckpt.resolve())
+
+
+def test_small_things_a_user_meets(tiny_quant, capsys):
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("localllm ")
+    # one argument that names a model folder: the prompt is missing (not a prompt for the demo model)
+    assert main(["generate", str(tiny_quant)]) == 2
+    assert "which is a path: give the prompt too" in capsys.readouterr().err
+    # --system without a chat template is said to be unused; QDEC off is said once
+    assert main(["generate", str(tiny_quant), "hi", "--raw", "--system", "Be brief.", "--max-new-tokens", "2",
+                 "--qdec", "off"]) == 0
+    err = capsys.readouterr().err
+    assert "--system needs the model's chat template" in err and "; QDEC off;" in err

@@ -50,6 +50,24 @@ def test_new_folder_replaces_only_when_asked_and_only_when_complete(tmp_path):
     assert [f.name for f in tmp_path.iterdir()] == ["report"], "no temp or old folder left"
 
 
+def test_written_files_and_folders_get_the_usual_permissions(tmp_path):
+    """What the umask gives a plain open() or mkdir(), not the temp files' private 0600 / 0700: a model folder made
+    by one user is readable by the others where the umask says so."""
+    import os
+    import stat
+    old = os.umask(0o022)
+    try:
+        with atomic.new_folder(tmp_path / "m") as tmp:
+            (tmp / "w.safetensors").write_bytes(b"w")
+        atomic.write_bytes(tmp_path / "m" / "localllm.json", b"{}")
+        atomic.write_new(tmp_path / "m" / "profile.json", b"{}")
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    assert mode(tmp_path / "m") == 0o755
+    assert [mode(tmp_path / "m" / f) for f in ("w.safetensors", "localllm.json", "profile.json")] == [0o644] * 3
+
+
 def test_kernel_source_changes_with_its_headers(tmp_path, monkeypatch):
     """CuPy's disk cache keys on the source text: an edited header must change it, or a stale kernel would run."""
     import shutil
