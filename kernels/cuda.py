@@ -34,7 +34,8 @@ def available() -> bool:
 def require(kernels: bool = True) -> None:
     """Raise a one-line LocalLLMError saying what is missing for the GPU kernels (kernels=False: for torch's CUDA)."""
     if not torch.cuda.is_available():
-        raise LocalLLMError("no CUDA GPU is visible; the GPU kernels need an NVIDIA GPU (the CPU path runs without)")
+        raise LocalLLMError("no CUDA GPU is visible; " + ("the GPU kernels need an NVIDIA GPU (the CPU path runs "
+                            "without)" if kernels else "use --device cpu (or auto)"))
     if not kernels:
         return
     try:

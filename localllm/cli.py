@@ -103,7 +103,8 @@ def cmd_info(a) -> None:
         print(f"quantized on {q['device']} in {q['seconds'] / 60:.1f} min")
     print(f"source       {d['source'].get('hub_id') or d['source']['path']}"
           + (f"  sha256 {d['source']['sha256'][:16]}" if d['source'].get('sha256') else ""))
-    print(f"tuning       {', '.join(d['tuning_profiles']) or 'no profiles (run `localllm tune`)'}")
+    untuned = "no profiles (run `localllm tune`)" if d["bits"] < 16 else "none (`localllm tune` takes a quantized model)"
+    print(f"tuning       {', '.join(d['tuning_profiles']) or untuned}")
 
 
 def cmd_quantize(a) -> None:
@@ -156,9 +157,10 @@ def cmd_eval(a) -> None:
                                     "give --reference PATH")
             ref_path = src
         reference = Reference(load(ref_path, qdec="off", device=a.device), lm)
-    rows = sweep(lm, ids, modes, ks, ctx=a.ctx, seed=a.seed, reference=reference)
+    ctx = a.ctx if a.ctx is not None else min(512, lm.model.cfg.max_position_embeddings)
+    rows = sweep(lm, ids, modes, ks, ctx=ctx, seed=a.seed, reference=reference)
     base = next((r for r in rows if r.mode == "off"), None)
-    print(f"perplexity of {name}: {len(ids) - 1} predicted tokens, windows of {a.ctx}, {lm.kv_bits}-bit KV cache, "
+    print(f"perplexity of {name}: {len(ids) - 1} predicted tokens, windows of {ctx}, {lm.kv_bits}-bit KV cache, "
           f"{lm.path}" + (f"; KL divergence from {reference.lm.path}" if reference else ""))
     # vs off: the change in perplexity and its 95% interval (the same tokens, compared token by token)
     print(f"{'QDEC':8} {'k_chunk':>7} {'perplexity':>11}" + (f" {'vs off (95%)':>16}" if base else "")
@@ -325,7 +327,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--qdec", help="comma-separated QDEC modes: off, exact, approx, static, random (default "
                                   f"{DEFAULT_EVAL_QDEC}; off alone for a model without residuals)")
     e.add_argument("--k-chunk", default="8", help="comma-separated channels per 1024 for the modes other than off")
-    e.add_argument("--ctx", type=int, default=512, help="tokens per window (default 512)")
+    e.add_argument("--ctx", type=int, help="tokens per window (default 512, or the model's context where shorter)")
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     e.add_argument("--seed", type=int, default=0, help="seed of the random picks (boundary bucket, random mode)")
     e.add_argument("--reference", nargs="?", const="source", metavar="MODEL",

@@ -120,10 +120,11 @@ def test_bad_input_is_refused_before_the_work(tiny_ckpt, tiny_quant, tmp_path, c
 
 
 def test_eval_of_a_model_without_residuals_runs_qdec_off(tiny_ckpt, capsys):
-    """The default modes (off, approx) shrink to what the model can run; asked for explicitly, approx is refused."""
-    assert main(["eval", str(tiny_ckpt), "--max-tokens", "40", "--ctx", "16"]) == 0
+    """The default modes (off, approx) shrink to what the model can run, the default windows to its context (256
+    here); asked for explicitly, approx is refused."""
+    assert main(["eval", str(tiny_ckpt), "--max-tokens", "40"]) == 0
     out, err = capsys.readouterr()
-    assert "no QDEC residuals; evaluating with QDEC off only" in err
+    assert "no QDEC residuals; evaluating with QDEC off only" in err and "windows of 256" in out
     rows = [line.split()[0] for line in out.splitlines()[2:] if line.strip()]
     assert rows == ["off"], out
     assert main(["eval", str(tiny_ckpt), "--max-tokens", "40", "--ctx", "16", "--qdec", "off,approx"]) == 2
