@@ -51,11 +51,18 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     write_bytes(path, text.encode())
 
 
+def _read_umask() -> int:
+    umask = os.umask(0)  # the only way to read it is to set it: done once, at import, before any thread writes
+    os.umask(umask)
+    return umask
+
+
+_UMASK = _read_umask()
+
+
 def _usual_mode(mode: int) -> int:
     """`mode` as the umask leaves it: what a plain open() or mkdir() would have given."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return mode & ~umask
+    return mode & ~_UMASK
 
 
 def check_writable(path: str | os.PathLike) -> None:

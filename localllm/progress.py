@@ -23,17 +23,21 @@ def progress(iterable=None, desc: str = "", total: int | None = None, unit: str 
     callback = _observer.get()
     if callback is not None:
         return _Observed(iterable, desc=desc, total=total, unit=unit, callback=callback, **kw)
-    env = os.environ.get("LOCALLLM_PROGRESS")
-    disable = None if env is None else env == "0"  # None: tqdm shows bars only on a TTY
-    return tqdm(iterable, desc=desc, total=total, unit=unit, disable=disable, dynamic_ncols=True,
+    return tqdm(iterable, desc=desc, total=total, unit=unit, disable=_disabled(), dynamic_ncols=True,
                 leave=False, **kw)
+
+
+def _disabled() -> bool | None:
+    """The rule: LOCALLLM_PROGRESS=0 hides bars, =1 shows them; unset, None (shown on a terminal only)."""
+    env = os.environ.get("LOCALLLM_PROGRESS")
+    return None if env is None else env == "0"
 
 
 def follow_rule_in_transformers() -> None:
     """transformers' own bars (a GGUF's conversion, loading weights) shown by the same rule as ours."""
     from transformers.utils import logging
-    env = os.environ.get("LOCALLLM_PROGRESS")
-    show = _observer.get() is None and (sys.stderr.isatty() if env is None else env != "0")
+    disabled = _disabled()
+    show = _observer.get() is None and (sys.stderr.isatty() if disabled is None else not disabled)
     (logging.enable_progress_bar if show else logging.disable_progress_bar)()
 
 
