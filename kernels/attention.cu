@@ -476,6 +476,7 @@ __global__ void attend_combine(const float* __restrict__ ws_o, const float* __re
     }
 }
 
+#ifndef __CUDACC_RTC__  // nvcc (resource checks) builds every variant; NVRTC only what kernels/cuda.py asks for
 #define INST(D, GQ, B) template __global__ void attend_part<D, GQ, B>(const __half*, const float*, unsigned*, \
     unsigned*, __half2*, __half2*, const long long*, float*, float*, __half*, int, int, int, float);
 #define INST_GQ(D, B) INST(D, 1, B) INST(D, 2, B) INST(D, 3, B) INST(D, 4, B) INST(D, 5, B) INST(D, 6, B) \
@@ -483,3 +484,4 @@ __global__ void attend_combine(const float* __restrict__ ws_o, const float* __re
 #define INST_BITS(D) INST_GQ(D, 16) INST_GQ(D, 8) INST_GQ(D, 4)
 INST_BITS(64)
 INST_BITS(128)
+#endif

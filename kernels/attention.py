@@ -10,8 +10,6 @@ import torch
 from . import cuda
 
 CHUNK, GQ_MAX, SPLITS_MAX = 128, 8, 1024  # as in attention.cu
-NAMES = tuple(f"attend_part<{d},{g},{b}>" for d in (64, 128) for g in range(1, GQ_MAX + 1) for b in (16, 8, 4)) \
-    + ("attend_combine",)
 
 
 def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -34,7 +32,7 @@ def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_c
     bits = 16 if k_sz is None else words * 32 // D
     gq = heads // kv_heads
     smem = shared_bytes(D, gq, bits)
-    k = cuda.kernel("attention", f"attend_part<{D},{gq},{bits}>", NAMES)
+    k = cuda.kernel("attention", f"attend_part<{D},{gq},{bits}>")
     threads = k.max_threads_per_block  # attention.cu's Tiles::NT, its __launch_bounds__
     splits = splits or n_splits(min(span or max_len, max_len), kv_heads, smem, threads, k.num_regs,
                                 qkv.device.index)
@@ -49,7 +47,7 @@ def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_c
                 shared_mem=smem, early=True)
     if splits == 1:
         return out
-    cuda.launch(cuda.kernel("attention", "attend_combine", NAMES), (heads,), (D,), (
+    cuda.launch(cuda.kernel("attention", "attend_combine"), (heads,), (D,), (
         cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(pos), cuda.ptr(out), np.int32(splits), np.int32(D)), early=True)
     return out
 

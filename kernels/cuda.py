@@ -10,6 +10,8 @@ import ctypes
 import functools
 import hashlib
 import os
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -60,29 +62,63 @@ def options(device: int) -> tuple[str, ...]:
 
 
 # Measurement builds (scripts/gemv_bound.py, scripts/qdec_timeline.py): per module name, extra NVRTC options and code
-# appended to its source, e.g. ("-DQDEC_MARKS",) or more template instantiations. Empty in the product.
+# appended to its source, e.g. ("-DQDEC_MARKS",). Empty in the product.
 BUILD: dict[str, tuple[tuple[str, ...], str]] = {}
 
+# One module per kernel instantiation, compiled when first launched: NVRTC builds only the template instance
+# asked for (the .cu files instantiate every variant for nvcc's resource checks only), so a model's first
+# decode compiles the few it runs in seconds, not a whole file's ~70 (~1 min cold). CuPy caches each on disk.
+_modules: dict[tuple, object] = {}
+_compiling = threading.Lock()
+_told = threading.Event()
 
-@functools.cache
-def module(name: str, device: int, names: tuple[str, ...], extra_options: tuple[str, ...] = (), extra_code: str = ""):
-    """Compile kernels/<name>.cu (+ extra_code) for `device`; `names` are the template instantiations to export."""
+
+def module(name: str, device: int, expr: str, extra_options: tuple[str, ...] = (), extra_code: str = ""):
+    """kernels/<name>.cu (+ extra_code) compiled for `device` with the one kernel `expr` (a template instance or
+    an extern "C" name)."""
+    key = (name, device, expr, extra_options, extra_code)
+    if key in _modules:
+        return _modules[key]
     require()
     import cupy
-    with cupy.cuda.Device(device):
-        mod = cupy.RawModule(code=source(name) + extra_code, options=options(device) + extra_options,
-                             name_expressions=list(names))
-        mod.compile()
-        return mod
+    with _compiling:
+        if key not in _modules:
+            note = threading.Timer(1.0, _tell_compiling)  # a cache miss: say why the first reply waits
+            note.start()
+            try:
+                with cupy.cuda.Device(device):
+                    mod = cupy.RawModule(code=source(name) + extra_code, options=options(device) + extra_options,
+                                         name_expressions=[expr])
+                    mod.compile()
+            finally:
+                note.cancel()
+            _modules[key] = mod
+    return _modules[key]
 
 
-def loaded(name: str, names: tuple[str, ...]):
-    """kernels/<name>.cu's module for the current device, as BUILD says to build it."""
-    return module(name, torch.cuda.current_device(), names, *BUILD.get(name, ((), "")))
+def _tell_compiling() -> None:
+    if not _told.is_set():
+        _told.set()
+        print("localllm: compiling GPU kernels for this GPU (once; CuPy caches them on disk) ...", file=sys.stderr)
 
 
-def kernel(name: str, expr: str, names: tuple[str, ...]):
-    return loaded(name, names).get_function(expr)
+def modules(name: str) -> list:
+    """The modules of kernels/<name>.cu compiled so far in this process (measurement scripts read their globals)."""
+    return [m for key, m in _modules.items() if key[0] == name]
+
+
+def forget() -> None:
+    """Compile afresh from now on (kernel_ab.py switches between kernel folders)."""
+    _modules.clear()
+
+
+def loaded(name: str, expr: str):
+    """The module of kernels/<name>.cu holding `expr`, for the current device, built as BUILD says."""
+    return module(name, torch.cuda.current_device(), expr, *BUILD.get(name, ((), "")))
+
+
+def kernel(name: str, expr: str):
+    return loaded(name, expr).get_function(expr)
 
 
 @functools.cache

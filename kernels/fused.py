@@ -6,11 +6,9 @@ import torch
 
 from . import cuda
 
-NAMES = ("rmsnorm", "rope", "silu_mul", "embed_rows")
-
 
 def _k(name: str):
-    return cuda.kernel("fused", name, NAMES)
+    return cuda.kernel("fused", name)
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

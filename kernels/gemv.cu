@@ -659,10 +659,12 @@ __global__ void dequant(const uint32_t* __restrict__ qw, const uint8_t* __restri
             }
     }
 }
+#ifndef __CUDACC_RTC__  // nvcc (resource checks) builds every variant; NVRTC only what kernels/cuda.py asks for
 template __global__ void dequant<2>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 template __global__ void dequant<3>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 template __global__ void dequant<4>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 template __global__ void dequant<8>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
+#endif
 
 // Table weights as dense fp16 [N, K], as quant.QuantLUT.dequantize(torch.float16), from kernels.gemv.PackedLUT: one
 // thread per (tile, step, lane); an entry is offset + scale * v in float64 (the product is exact, so a contraction into
@@ -702,10 +704,13 @@ __global__ void dequant_lut(const uint32_t* __restrict__ qw, const uint8_t* __re
                 out[(size_t)row * K + col] = __float2half_rn((float)e);
             }
 }
+#ifndef __CUDACC_RTC__  // nvcc (resource checks) builds every variant; NVRTC only what kernels/cuda.py asks for
 template __global__ void dequant_lut<2>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 template __global__ void dequant_lut<3>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
 template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*, int, int, int, int);
+#endif
 
+#ifndef __CUDACC_RTC__  // nvcc (resource checks) builds every variant; NVRTC only what kernels/cuda.py asks for
 // (warps per block, ring depth, pairs per slot) variants, chosen by gemv.py: with and without QDEC (QW = 4) the first
 // two (decode's; two pairs per slot at group sizes 64 and 128), the sweep's third
 #define INST(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false, 1)
@@ -731,3 +736,4 @@ INST_LUT(0, 0)
 INST_LUT(0, 4)
 INST_LUT(1, 0)
 INST_LUT(1, 4)
+#endif

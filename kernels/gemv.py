@@ -8,15 +8,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from localllm.quant import GROUP_SIZES, HEAD_BITS, PACK_BITS, TABLE_GROUP, QuantLUT, QuantWeight, as_int32, unpack_codes
+from localllm.quant import GROUP_SIZES, HEAD_BITS, QuantLUT, QuantWeight, as_int32, unpack_codes
 
 from . import cuda, qdec
 
 META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
 LUT_GROUP_BYTES = 64  # grouped tables, per (tile, group) after the tile's tables: 16 fp16 scales, 16 fp16 offsets
-TABLE_GS = (0, GROUP_SIZES.index(TABLE_GROUP))  # gemv.cu's GSHIFT of tables: per row, grouped
 
-# (warps per block, ring depth in slots per warp, pairs of steps per slot): the compiled variants of gemv.cu. The first
+# (warps per block, ring depth in slots per warp, pairs of steps per slot): gemv.cu's variants. The first
 # two, at one block per SM, are what decode runs (with and without QDEC): two pairs per slot where a warp's share of a
 # tile is two pairs (fits: K = 4096, as in every 7-8B model's qkv, o and gate_up), else one; the sweep
 # (`localllm bench gemv-sweep`) also times the third. On the H100 (kernels/NOTES.md), depth 3 pairs beat 2 and 4 on o
@@ -29,15 +28,6 @@ TABLE_VARIANT = (16, 2, 1)
 HEAD_VARIANT = (16, 2, 1)
 # the group sizes compiled with two pairs per slot (larger ones spill under the 64-register cap; gemv.cu's INST_BITS2)
 TWO_PAIR_GROUPS = (64, 128)
-NAMES = tuple(f"gemv<{b},{w},{d},{gs},0,false,{q}>" for b in (2, 3, 4) for w, d, q in VARIANTS
-              for gs in range(len(GROUP_SIZES)) if q == 1 or GROUP_SIZES[gs] in TWO_PAIR_GROUPS) \
-    + tuple(f"gemv<{b},{w},{d},{gs},{qdec.QW},false,{q}>" for b in (2, 3, 4) for w, d, q in VARIANTS[:2]
-            for gs in range(len(GROUP_SIZES)) if q == 1 or GROUP_SIZES[gs] in TWO_PAIR_GROUPS) \
-    + tuple(f"gemv<{b},{w},{d},{gs},{qw},true,{q}>" for b in (2, 3, 4) for w, d, q in (TABLE_VARIANT,)
-            for gs in TABLE_GS for qw in (0, qdec.QW)) \
-    + tuple(f"gemv<{HEAD_BITS},{w},{d},{gs},0,false,{q}>" for w, d, q in (HEAD_VARIANT,)
-            for gs in range(len(GROUP_SIZES))) \
-    + tuple(f"dequant<{b}>" for b in PACK_BITS) + tuple(f"dequant_lut<{b}>" for b in (2, 3, 4))
 
 
 def lane_rows(device: torch.device | str) -> torch.Tensor:
@@ -263,7 +253,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     assert w.bits != HEAD_BITS or (variant == HEAD_VARIANT and not qw), "8 bits: HEAD_VARIANT, no QDEC"
     assert fits(variant, K, w.group_size), "two pairs per slot: K = 256 x warps, group size 64 or 128"
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
-    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs}>", NAMES)
+    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs}>")
     smem = shared_bytes(w, *variant, qdec=qw > 0)
     if blocks_per_sm is None:
         dev = x.device.index or 0
@@ -313,13 +303,13 @@ def dequantize(w: Packed | PackedLUT) -> torch.Tensor:
     out = torch.empty(N, K, dtype=torch.float16, device=w.qweight.device)
     threads = N // 16 * (K // 64) * 32
     if isinstance(w, PackedLUT):
-        cuda.kernel("gemv", f"dequant_lut<{w.bits}>", NAMES)(
+        cuda.kernel("gemv", f"dequant_lut<{w.bits}>")(
             (-(-threads // 256),), (256,), (cuda.ptr(w.qweight), cuda.ptr(w.lut), cuda.ptr(out), np.int32(N),
                                             np.int32(K), np.int32(w.groups), np.int32(w.group_size or 0)),
             stream=cuda.stream())
         return out
     G = w.meta.shape[1]
-    cuda.kernel("gemv", f"dequant<{w.bits}>", NAMES)(
+    cuda.kernel("gemv", f"dequant<{w.bits}>")(
         (-(-threads // 256),), (256,), (cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(out), np.int32(N),
                                         np.int32(K), np.int32(G), np.int32(w.group_size)), stream=cuda.stream())
     return out

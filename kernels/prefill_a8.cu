@@ -170,9 +170,11 @@ __global__ void __launch_bounds__(32 * A8_WARPS, 1)
         }
 }
 
+#ifndef __CUDACC_RTC__  // nvcc (resource checks) builds every variant; NVRTC only what kernels/cuda.py asks for
 #define A8_INST(B, GS) template __global__ void gemm_a8<B, GS>(const uint32_t*, const uint8_t*, const int8_t*, \
     const float*, const int*, __half*, int, int, int, int);
 #define A8_BITS(B) A8_INST(B, 0) A8_INST(B, 1) A8_INST(B, 2) A8_INST(B, 3)
 A8_BITS(2)
 A8_BITS(3)
 A8_BITS(4)
+#endif

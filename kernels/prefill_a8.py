@@ -11,7 +11,6 @@ from localllm.quant import GROUP_SIZES
 from . import cuda
 from .gemv import Packed
 
-NAMES = ("quant_a8",) + tuple(f"gemm_a8<{b},{gs}>" for b in (2, 3, 4) for gs in range(len(GROUP_SIZES)))
 TOKENS, ROWS, STAGES = 128, 128, 4  # a block's tile: 128 tokens x 128 outputs (8 warps of 16 rows); x8 ring depth
 
 
@@ -25,12 +24,12 @@ def linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
     sx = torch.empty(T, dtype=torch.float32, device=x.device)
     xsum = torch.empty(T, G, dtype=torch.int32, device=x.device)
     s = cuda.stream()
-    cuda.kernel("prefill_a8", "quant_a8", NAMES)(
+    cuda.kernel("prefill_a8", "quant_a8")(
         (T,), (256,), (cuda.ptr(x), cuda.ptr(x8), cuda.ptr(sx), cuda.ptr(xsum), np.int32(K),
                        np.int32(w.group_size), np.int32(G)), shared_mem=4 * G, stream=s)
     y = torch.empty(T, N, dtype=torch.float16, device=x.device)
     gs = GROUP_SIZES.index(w.group_size)
-    cuda.kernel("prefill_a8", f"gemm_a8<{w.bits},{gs}>", NAMES)(
+    cuda.kernel("prefill_a8", f"gemm_a8<{w.bits},{gs}>")(
         (-(-N // ROWS), -(-T // TOKENS)), (256,), (cuda.ptr(w.qweight), cuda.ptr(w.meta), cuda.ptr(x8),
                                                    cuda.ptr(sx), cuda.ptr(xsum), cuda.ptr(y), np.int32(T),
                                                    np.int32(N), np.int32(K), np.int32(G)),

@@ -6,7 +6,6 @@ import torch
 
 from . import cuda
 
-NAMES = ("greedy_token", "sample_token")
 GREEDY_SPAN = 16384   # logits per block per round of greedy_token
 CHUNK = 4096          # tokens per chunk of sample_token (a block takes whole chunks)
 CAP = 2048            # the most gathered tokens sample_token sorts (sampling.cu CAP; past ~2K the selection over
@@ -15,7 +14,7 @@ WORK_BYTES = 56 << 10  # >= sizeof(Work) in sampling.cu (55,328 bytes)
 
 
 def _k(name: str):
-    return cuda.kernel("sampling", name, NAMES)
+    return cuda.kernel("sampling", name)
 
 
 def choose(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor, draws: torch.Tensor,

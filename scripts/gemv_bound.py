@@ -22,8 +22,6 @@ from localllm.kernels import cuda
 from localllm.kernels import gemv as gemv_mod
 
 DEPTHS = (2, 3, 4, 5, 6)
-GS = 1  # gemv.cu's GSHIFT of group size 128, what bench gemv times
-EXTRA = [(b, d) for b in (3, 4) for d in DEPTHS if d != 3]  # (bits, depth) beyond the tree's: depth 3 is compiled
 READ_UNROLL = 8  # 16-byte loads a thread keeps in flight (47 registers)
 READ = """
 // a plain read of n16 16-byte words; mode 0: plain launch, 1: early, waits for the previous kernel before its write,
@@ -52,20 +50,16 @@ MODES = ("plain", "early, wait to write", "early, wait to read")
 
 
 def build(loads_only: bool) -> None:
-    """gemv.cu from now on: the extra ring depths and the plain read, with or without the math."""
-    cuda.BUILD["gemv"] = (("-DGEMV_LOADS_ONLY",) if loads_only else (),
-                          "".join(f"INST({b}, 16, {d}, {GS}, 0)\n" for b, d in EXTRA)
-                          + f"#define READ_UNROLL {READ_UNROLL}\n" + READ)
-
-
-gemv_mod.NAMES = gemv_mod.NAMES + tuple(f"gemv<{b},16,{d},{GS},0,false,1>" for b, d in EXTRA)
+    """gemv.cu from now on: the plain read beside the GEMV (any ring depth instantiates by name), with or without
+    the math."""
+    cuda.BUILD["gemv"] = (("-DGEMV_LOADS_ONLY",) if loads_only else (), f"#define READ_UNROLL {READ_UNROLL}\n" + READ)
 
 
 def read_percent(nbytes: int, bw: float) -> dict[str, tuple[float, str]]:
     """Per launch mode: the plain read's best % of copy bandwidth over its grids, and that grid (blocks per SM x
     threads)."""
     build(False)
-    func = cuda.kernel("gemv", "read_stream", gemv_mod.NAMES)
+    func = cuda.kernel("gemv", "read_stream")
     n16 = -(-nbytes // 16)
     bufs = [torch.empty(n16 * 16, dtype=torch.uint8, device="cuda").random_() for _ in range(bench._copies(nbytes))]
     out = torch.empty(8 * 1024, dtype=torch.int32, device="cuda")

@@ -27,7 +27,7 @@ ROWS = "qkv,o,gate_up,down,down+glu,decode3,decode4"
 def use(build: str) -> None:
     """Compile kernels from `build` from now on (the tree's folder for 'tree')."""
     cuda.HERE = TREE if build == "tree" else Path(build).resolve()
-    cuda.module.cache_clear()
+    cuda.forget()
 
 
 def main(argv: list[str]) -> None:

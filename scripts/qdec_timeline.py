@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from localllm.kernels import cuda, qdec
-from localllm.kernels.gemv import NAMES, gemv, grid_of
+from localllm.kernels.gemv import gemv, grid_of
 from localllm.bench import LLAMA3_8B, gemv_sets, random_packed
 from localllm.quant import QuantResidual
 
@@ -44,12 +44,24 @@ names = ["start", "x ready", "staged", "selected", "fetched", "flagged", "stream
 FETCH_ONLY = (3, 4, 5, 10, 11, 12, 13, 14)
 
 
-def stamps(name: str):
+def stamps(name: str, mod):
     """The marked module's device array `name`: qdec_marks [slot, block, mark] (uint64) or qdec_mark_calls [block]."""
     import cupy
-    ptr = cuda.loaded("gemv", NAMES).get_global(name)
     return cupy.ndarray((8, 1024, 16) if name == "qdec_marks" else (1024,),
-                        dtype=cupy.uint64 if name == "qdec_marks" else cupy.uint32, memptr=ptr)
+                        dtype=cupy.uint64 if name == "qdec_marks" else cupy.uint32, memptr=mod.get_global(name))
+
+
+def zero_calls() -> None:
+    """Zero every compiled gemv instance's call counters (each kernel instance is its own module)."""
+    for mod in cuda.modules("gemv"):
+        stamps("qdec_mark_calls", mod).fill(0)
+
+
+def stamped():
+    """The marks of the one gemv instance that ran since zero_calls()."""
+    ran = [mod for mod in cuda.modules("gemv") if int(stamps("qdec_mark_calls", mod).sum()) > 0]
+    assert len(ran) == 1, f"{len(ran)} gemv instances stamped; expected one"
+    return stamps("qdec_marks", ran[0])
 
 
 def run(call, times=5):
@@ -57,13 +69,13 @@ def run(call, times=5):
     for _ in range(times - 1):
         call()
     torch.cuda.synchronize()
-    stamps("qdec_mark_calls").fill(0)
+    zero_calls()
     call()
     torch.cuda.synchronize()
 
 
 def marks(blocks):
-    m = stamps("qdec_marks")[0, :blocks].get()
+    m = stamped()[0, :blocks].get()
     m = m.astype(np.int64)
     return (m - m[:, 0].min()) / 1e3  # us since the first block started
 
@@ -82,10 +94,10 @@ def chain(calls: int = 8) -> None:
     for _ in range(200):
         g.replay()
     torch.cuda.synchronize()
-    stamps("qdec_mark_calls").fill(0)  # the next replay's call c stamps slot c
+    zero_calls()  # the next replay's call c stamps slot c
     g.replay()
     torch.cuda.synchronize()
-    m = stamps("qdec_marks")[:calls, :grid].get().astype(np.int64)
+    m = stamped()[:calls, :grid].get().astype(np.int64)
     print(f"\n{layer} W{bits}, {calls} calls in one graph: calls 2-{calls - 1}, us after the previous call's last "
           "block ended, median / min / max over the blocks (the stamps cost ~0.7 us per call)")
     for nm in CHAIN:
