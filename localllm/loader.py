@@ -138,7 +138,9 @@ def tokenizer_of(path: Path, **kw):
     error where its files are missing or damaged."""
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(path), **kw)
+        # no "clean-up" of decoded text: it strips spaces before punctuation, which BPE tokens spell on purpose
+        # (transformers skips it for BPE anyway, with a warning on every run)
+        return AutoTokenizer.from_pretrained(str(path), clean_up_tokenization_spaces=False, **kw)
     except Exception as e:
         raise LocalLLMError(f"cannot load the tokenizer from {path} ({type(e).__name__}: {str(e)[:160]}); the folder "
                             "needs an intact tokenizer.json or tokenizer.model beside config.json: copy them again "
@@ -190,9 +192,9 @@ def _open_gguf(folder: Path, name: str) -> Checkpoint:
         raise LocalLLMError(f"cannot read GGUF file {f} ({type(e).__name__}: {str(e)[:160]}); it is corrupt, "
                             "truncated or of an architecture transformers cannot import") from None
     config = ModelConfig.from_hf(hf_cfg)
-    follow_rule_in_transformers()  # transformers shows its own progress bars while it dequantizes
     try:
-        state = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32).state_dict()
+        with follow_rule_in_transformers():  # transformers shows its own progress bars while it dequantizes
+            state = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32).state_dict()
     except Exception as e:
         raise LocalLLMError(f"cannot load GGUF weights from {f} ({type(e).__name__}: {str(e)[:160]}); "
                             "the file is corrupt or truncated, re-download it") from None

@@ -33,12 +33,27 @@ def _disabled() -> bool | None:
     return None if env is None else env == "0"
 
 
-def follow_rule_in_transformers() -> None:
-    """transformers' own bars (a GGUF's conversion, loading weights) shown by the same rule as ours."""
+@contextlib.contextmanager
+def follow_rule_in_transformers():
+    """Within this block, transformers' own bars (loading weights, a GGUF's conversion) are shown by the same rule as
+    ours, and reported to this thread's observer."""
     from transformers.utils import logging
     disabled = _disabled()
     show = _observer.get() is None and (sys.stderr.isatty() if disabled is None else not disabled)
     (logging.enable_progress_bar if show else logging.disable_progress_bar)()
+    # the GGUF conversion calls tqdm itself, past transformers' switch: it gets our bar while the block runs
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    saved = getattr(gguf_utils, "tqdm", None)
+    if saved is not None:
+        gguf_utils.tqdm = progress
+    try:
+        yield
+    finally:
+        if saved is not None:
+            gguf_utils.tqdm = saved
 
 
 @contextlib.contextmanager

@@ -162,3 +162,18 @@ def test_small_things_a_user_meets(tiny_quant, capsys):
                  "--qdec", "off"]) == 0
     err = capsys.readouterr().err
     assert "--system needs the model's chat template" in err and "; QDEC off;" in err
+
+
+def test_summary_says_why_qdec_is_off():
+    """generate's summary line names what turned QDEC off: a tuning profile where nothing fits the budget, the user."""
+    from types import SimpleNamespace
+
+    from localllm.cli import _qdec_line
+    from localllm.tuner.profile import source_of
+    profile = {"gpu": {"name": "NVIDIA H200"}, "budget": 0.05, "layers": {"qkv": {"k_chunk": 0}, "o": {"k_chunk": 0}}}
+    lm = SimpleNamespace(settings=SimpleNamespace(mode="off"), qdec_source=source_of(profile))
+    assert _qdec_line(lm) == "QDEC off: tuned on NVIDIA H200 for a 5% budget: no compensation fits it"
+    lm.qdec_source = "QDEC off"  # --qdec off
+    assert _qdec_line(lm) == "QDEC off"
+    lm.settings.mode, lm.qdec_source = "approx", "k_chunk 16 (set by hand)"
+    assert _qdec_line(lm) == "QDEC approx: k_chunk 16 (set by hand)"

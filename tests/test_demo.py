@@ -26,6 +26,19 @@ def test_demo_logits_match_transformers(ckpt, demo_gguf):
         assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
 
 
+def test_gguf_conversion_reports_to_the_observer(demo_gguf, capfd):
+    """transformers' GGUF conversion bar follows our rule: under observe() (the chat app) it reports its progress
+    and writes nothing to the terminal."""
+    from localllm.loader import open_checkpoint
+    from localllm.progress import observe
+    seen = []
+    with observe(lambda desc, n, total, unit: seen.append((desc, n, total))):
+        open_checkpoint(demo_gguf)
+    conv = [(n, total) for desc, n, total in seen if "GGUF" in desc]
+    assert conv and conv[-1][0] == conv[-1][1] > 100  # every tensor, once done
+    assert "GGUF" not in capfd.readouterr().err
+
+
 def test_quantized_demo_answers(tmp_path_factory, ckpt):
     from localllm.quantize import quantize
     out = quantize("demo", str(tmp_path_factory.mktemp("demo") / "w4"), bits=4, ckpt=ckpt, calib_tokens=1024)

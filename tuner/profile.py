@@ -187,7 +187,7 @@ def source_of(profile: dict) -> str:
     """One line for LocalModel.qdec_source."""
     where = f"tuned on {profile['gpu']['name']} for a {percent(profile['budget'])}% budget"
     if not any(v["k_chunk"] for v in profile["layers"].values()):
-        return f"{where}: no compensation fits it (QDEC off)"
+        return f"{where}: no compensation fits it"
     s = profile.get("slowdown")
     return f"{where} (measured {100 * s:+.1f}%)" if s is not None else f"{where} (slowdown not measured)"
 
