@@ -38,6 +38,12 @@ class ModelConfig:
             raise LocalLLMError(
                 f"unsupported architecture '{archs}': localllm runs Llama-family models "
                 f"(model_type llama, mistral, qwen2); pick a Llama/Mistral/Qwen2/SmolLM checkpoint")
+        # Llama's attention_bias also puts a bias on o_proj, and mlp_bias on gate, up and down: biases the low-bit
+        # layers here do not add (Qwen2's q, k and v biases they do)
+        unsupported = [flag for flag in ("attention_bias", "mlp_bias") if mt == "llama" and cfg.get(flag)]
+        if unsupported:
+            raise LocalLLMError(f"unsupported Llama variant ({' and '.join(unsupported)} true: biases on o_proj or the "
+                                "MLP, which localllm does not run); pick a checkpoint without them")
         try:
             heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
@@ -46,7 +52,8 @@ class ModelConfig:
             rope_type = rope.get("rope_type") or rope.get("type") or "default"
             if rope_type not in ("default", "llama3", "linear"):
                 raise LocalLLMError(
-                    f"unsupported RoPE scaling '{rope_type}': localllm supports default, linear and llama3 RoPE")
+                    f"unsupported RoPE scaling '{rope_type}': localllm supports default, linear and llama3 RoPE; "
+                    "remove rope_scaling from config.json to run the model at its native context")
             rope = {} if rope_type == "default" else {**rope, "rope_type": rope_type}
             if mt == "mistral" and cfg.get("sliding_window"):
                 # Sliding-window attention only differs past the window; we cap the context there.
@@ -65,7 +72,7 @@ class ModelConfig:
                 rope_theta=float(theta),
                 rope_scaling=rope,
                 max_position_embeddings=max_pos,
-                qkv_bias=SUPPORTED[mt] or bool(cfg.get("attention_bias", False)),
+                qkv_bias=SUPPORTED[mt],
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 model_type=mt,
             )

@@ -50,10 +50,10 @@ class Decoder:
     def max_len(self) -> int:
         return self.cache.max_len
 
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Logits [V] after the prompt (fills the cache from position 0)."""
+    def prefill(self, ids: list[int], cancel=None) -> torch.Tensor:
+        """Logits [V] after the prompt (fills the cache from position 0); cancel: see Transformer.forward."""
         t = torch.tensor([ids], device=self.model.device)
-        return self.model(t, 0, self.cache, last=True)[0, -1]
+        return self.model(t, 0, self.cache, last=True, cancel=cancel)[0, -1]
 
     def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         """Logits [V] after `token` (a 0-dim device tensor) at position `pos`. With a CUDA graph they are a view of

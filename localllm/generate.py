@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from .errors import LocalLLMError
+from .errors import Cancelled, LocalLLMError
 from .runtime import LocalModel, load
 from .sampling import SamplingParams
 
@@ -18,7 +18,9 @@ class Stats:
     new_tokens: int = 0
     time_to_first_token: float = 0.0
     decode_seconds: float = 0.0
-    finish_reason: str = ""  # "eos" | "stop" | "length" | "cancelled" (Stream.close() before the end)
+    # "eos" | "stop" | "length" (max_new_tokens) | "context" (the model's context is full) | "cancelled" (cancel set,
+    # or Stream.close() before the end)
+    finish_reason: str = ""
 
     @property
     def tokens_per_second(self) -> float:
@@ -88,12 +90,13 @@ def _ready(text: str, stops: list[str]) -> int:
 
 
 def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingParams, stops: list[str],
-         seed: int, stats: Stats) -> Iterator[str]:
+         seed: int, stats: Stats, cancel) -> Iterator[str]:
     model, tok = lm.model, lm.tokenizer
     dev = model.device
     limit = lm.model.cfg.max_position_embeddings
     if len(ids) >= limit:
         raise LocalLLMError(f"the prompt has {len(ids)} tokens; this model's context is {limit}: shorten it")
+    full = limit - len(ids) < max_new_tokens  # the context ends the reply first
     max_new_tokens = min(max_new_tokens, limit - len(ids))
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed + 1)
     dec = lm.decoder(len(ids) + max_new_tokens)
@@ -107,11 +110,19 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     detok = Detokenizer(tok)
     emitted = 0  # characters of the decoded text already yielded
     with torch.inference_mode():
-        dec.start(dec.prefill(ids), len(ids), seen, params, draws)
+        try:
+            logits = dec.prefill(ids, cancel)
+        except Cancelled:
+            stats.finish_reason = "cancelled"
+            return
+        dec.start(logits, len(ids), seen, params, draws)
         for step, t in enumerate(dec.tokens(max_new_tokens)):
             if step == 0:
                 stats.time_to_first_token = time.perf_counter() - t0
                 t1 = time.perf_counter()
+            if cancel is not None and cancel.is_set():
+                stats.finish_reason = "cancelled"
+                break
             if t in eos:
                 stats.finish_reason = "eos"
                 break
@@ -129,7 +140,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
                 yield text[emitted:end]
                 emitted = end
         else:
-            stats.finish_reason = "length"
+            stats.finish_reason = "context" if full else "length"
             if len(text) > emitted:
                 yield text[emitted:]
 
@@ -137,7 +148,8 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
 def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_tokens: int = 256,
              temperature: float = 0.7, top_p: float = 0.9, top_k: int = 0, repetition_penalty: float = 1.0,
              stop: str | list[str] | None = None, seed: int | None = None, stream: bool = False,
-             qdec: str | int | dict | None = None, kv_bits: int | None = None, min_p: float = 0.0) -> str | Stream:
+             qdec: str | int | dict | None = None, kv_bits: int | None = None, min_p: float = 0.0,
+             cancel=None) -> str | Stream:
     """Generate a reply to `prompt` (a string, or chat messages [{"role": ..., "content": ...}] which get the
     model's chat template). `model` is a LocalModel, a model path, or None for the demo model.
     Sampling as transformers' processors, in this order: repetition penalty, temperature (0 = greedy), top-k (0 =
@@ -146,6 +158,8 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     stream=True returns a Stream that yields text pieces as they decode; otherwise the whole text.
     qdec: None keeps the model's setting; "on" / "off" / a k_chunk / a dict (see LocalModel.set_qdec).
     kv_bits: None keeps the model's KV cache width; 16, 8 or 4 (see LocalModel.set_kv_bits).
+    cancel: a threading.Event another thread may set to stop the reply: within one layer while the prompt is read,
+    before the next token after (stats.finish_reason "cancelled").
     The same seed gives the same text."""
     lm = model if isinstance(model, LocalModel) else load(model)
     if qdec is not None:
@@ -162,5 +176,5 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     ids = encode_prompt(lm, prompt)
     if not ids:
         raise LocalLLMError("the prompt is empty (no tokens): give some text")
-    s.pieces = _run(lm, ids, max_new_tokens, params, stops, seed, s.stats)
+    s.pieces = _run(lm, ids, max_new_tokens, params, stops, seed, s.stats, cancel)
     return s if stream else s.text()

@@ -92,7 +92,7 @@ def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Che
     if path.is_dir():
         if (path / MANIFEST).exists():
             raise LocalLLMError(f"{path} is already a quantized localllm model; use it directly "
-                                "(e.g. `localllm generate {path} ...`)")
+                                f"(e.g. `localllm generate {path} ...`)")
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         if gguf_file or (ggufs and not list(path.glob("*.safetensors"))):
             if not gguf_file and len(ggufs) > 1:

@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import kvquant, ops, qdec
 from .config import ModelConfig, rope_inv_freq
+from .errors import Cancelled
 from .quant import QuantLUT, QuantResidual, QuantWeight
 
 KINDS = ("qkv", "o", "gate_up", "down")
@@ -339,17 +340,18 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, tokens: torch.Tensor, start: int = 0, cache: KVCache | None = None,
-                last: bool = False) -> torch.Tensor:
+                last: bool = False, cancel=None) -> torch.Tensor:
         """tokens: [B, T] at positions start..start+T-1 -> logits [B, T, V] (float32); last: of the last position
-        only, [B, 1, V]."""
+        only, [B, 1, V]. cancel: an Event; once set, raises errors.Cancelled before the next block (a long prompt
+        on the CPU takes seconds a block)."""
         T = tokens.shape[1]
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds the KV cache ({cache.max_len})")
         pos = torch.arange(start, start + T, device=tokens.device)
-        return self.step(tokens, pos, cache, start + T, causal=start == 0, last=last)
+        return self.step(tokens, pos, cache, start + T, causal=start == 0, last=last, cancel=cancel)
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache | None, kv_len: int,
-             causal: bool = False, last: bool = False) -> torch.Tensor:
+             causal: bool = False, last: bool = False, cancel=None) -> torch.Tensor:
         """forward() with positions as a tensor: with a fixed kv_len it can be captured in a CUDA graph. causal: the
         queries are positions 0..T-1 and see only each other (a prompt from the start), so attention needs no mask
         and can take the flash kernel, which takes no explicit mask."""
@@ -362,6 +364,8 @@ class Transformer(nn.Module):
             fused, (cos, sin) = None, rope_tables(self.inv_freq, pos)
             mask = None if causal else attention_mask(pos, kv_len if cache is not None else None)
         for blk in self.blocks:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled()
             h = blk(h, cos, sin, pos, cache, mask, fused)
         return self.head(h[:, -1:] if last else h, norm=self.norm).float()
 

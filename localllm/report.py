@@ -218,10 +218,12 @@ def linear_weights(cfg) -> int:
 
 def full_check(o: Options, cfg) -> tuple[bool, str]:
     """Whether the all-channels check runs, and why (for the report)."""
+    if o.checks == "off":
+        return False, "--checks off"
     if 16 not in o.residual_bits:
         return False, "it needs the FP16 residuals of Table 1 (--residual-bits with 16)"
-    if o.checks != "auto":
-        return o.checks == "on", f"--checks {o.checks}"
+    if o.checks == "on":
+        return True, "--checks on"
     n = linear_weights(cfg)
     if n < CHEAP_CHECK_WEIGHTS:
         return True, f"--checks auto: {n / 1e9:.2g}e9 weights, under {CHEAP_CHECK_WEIGHTS / 1e9:.2g}e9"

@@ -254,8 +254,9 @@ def checks_md(q: dict) -> list[str]:
     out = ["## Checks", "", "Numbers the report computes that theory pins down:", ""]
     exact = [r["recall"]["all"] for r in q["rows"] if r["mode"] == "exact" and r.get("recall")]
     if exact:
-        out.append(f"- recall of exact top-k against itself, over {len(exact)} evaluations: min {_f(min(exact))} "
-                   "(1 by construction).")
+        n = len(exact)
+        out.append(f"- recall of exact top-k against itself, over {n} evaluation{'s' if n != 1 else ''}: min "
+                   f"{_f(min(exact))} (1 by construction).")
     full = _rows(q, mode="exact", k_chunk=1024, residual_bits=16)
     if full:
         f, src = full[0]["ppl"], q["source_ppl"]

@@ -399,6 +399,10 @@ def dense_model(ckpt: Checkpoint) -> Transformer:
                        settings).eval()
 
 
+# a checkpoint as loaded (a GGUF too: its low-bit blocks are dequantized on load)
+DENSE_LABEL = "16 (dense as loaded: `localllm quantize` makes a low-bit model with QDEC residuals)"
+
+
 def describe(lm: LocalModel) -> dict:
     """What `localllm info` prints."""
     m = lm.manifest or {}
@@ -412,7 +416,7 @@ def describe(lm: LocalModel) -> dict:
                         f"{c.num_kv_heads} (q/kv), vocab {c.vocab_size}",
         "parameters": n_params,
         "bits": m["quant"]["bits"] if m else 16,
-        "quantization": modelfile.quant_label(m["quant"]) if m else "16 (not quantized)",
+        "quantization": modelfile.quant_label(m["quant"]) if m else DENSE_LABEL,
         "awq": modelfile.awq_summary(m["quant"]) if m else None,
         "group_size": m["quant"]["group_size"] if m else None,
         "head": (m["quant"].get("head") or None) if m else None,  # None: fp16 (or tied to the embeddings)

@@ -212,6 +212,47 @@ def test_closing_a_stream_stops_it_and_the_model_goes_on(lm):
     assert done.stats.finish_reason == "length"
 
 
+class SetAfter:
+    """An Event-like flag that reads set from its n-th look on: where in the work a cancel lands."""
+
+    def __init__(self, n: int):
+        self.n, self.looks = n, 0
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.n
+
+
+def test_cancel_stops_the_prompt_between_layers_and_the_reply_between_tokens(lm):
+    lm.eos_ids = []
+    kw = dict(max_new_tokens=30, temperature=1.0, seed=5)
+    full = generate(lm, "Once upon a time", **kw)
+    layers = lm.model.cfg.num_layers
+    during = SetAfter(layers)  # set before the last layer of the prompt
+    s = generate(lm, "Once upon a time", stream=True, cancel=during, **kw)
+    assert s.text() == "" and s.stats.finish_reason == "cancelled" and s.stats.new_tokens == 0
+    assert during.looks == layers  # it stopped there, not after the whole prompt
+    after = SetAfter(layers + 4)  # the prompt's layers, then 3 tokens
+    s = generate(lm, "Once upon a time", stream=True, cancel=after, **kw)
+    text = s.text()
+    assert s.stats.finish_reason == "cancelled" and s.stats.new_tokens == 3 and full.startswith(text)
+    assert generate(lm, "Once upon a time", **kw) == full  # the model goes on as before
+
+
+def test_a_full_context_ends_the_reply_and_says_so(lm):
+    lm.eos_ids = []
+    limit = lm.model.cfg.max_position_embeddings
+    words = next(n for n in range(limit, 0, -1) if len(encode_prompt(lm, "one two " * n)) < limit - 5)
+    text = "one two " * words  # a prompt a little short of the context
+    s = generate(lm, text, stream=True, max_new_tokens=50, seed=1)
+    s.text()
+    prompt = s.stats.prompt_tokens
+    assert s.stats.finish_reason == "context" and s.stats.new_tokens == limit - prompt > 0
+    s = generate(lm, text, stream=True, max_new_tokens=limit - prompt, seed=1)
+    s.text()
+    assert s.stats.finish_reason == "length"  # max_new_tokens reached as the context fills: the user's limit
+
+
 def test_decoder_is_kept_and_grows_geometrically(lm):
     """A chat's history grows each turn: the runtime keeps its Decoder while it is long enough and, past it, at least
     doubles it (each new one costs a CUDA-graph capture on a GPU)."""

@@ -47,6 +47,19 @@ def test_kv_cache_decode_matches_full_forward(tiny_ckpt):
     assert (inc - full).abs().max().item() < 1e-4
 
 
+def test_llama_biases_it_cannot_run_are_refused():
+    """Llama's attention_bias (q, k, v and o biases) and mlp_bias are refused in one line, not silently dropped;
+    Qwen2's q, k, v biases run."""
+    from localllm.config import ModelConfig
+    from localllm.errors import LocalLLMError
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    for flag in ("attention_bias", "mlp_bias"):
+        with pytest.raises(LocalLLMError, match=f"unsupported Llama variant \\({flag} true"):
+            ModelConfig.from_hf({**base, "model_type": "llama", flag: True})
+    assert ModelConfig.from_hf({**base, "model_type": "qwen2"}).qkv_bias
+    assert not ModelConfig.from_hf({**base, "model_type": "llama", "attention_bias": False}).qkv_bias
+
+
 def test_unsupported_architecture_is_refused(tmp_path):
     import json
     from localllm.errors import LocalLLMError
@@ -56,3 +69,11 @@ def test_unsupported_architecture_is_refused(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(LocalLLMError, match="unsupported architecture 'GPT2LMHeadModel'"):
         load(path)
+
+
+def test_quantizing_a_quantized_model_names_it(tiny_quant):
+    import re
+    from localllm.errors import LocalLLMError
+    from localllm.loader import open_checkpoint
+    with pytest.raises(LocalLLMError, match=f"quantized localllm model; .*`localllm generate {re.escape(str(tiny_quant))} "):
+        open_checkpoint(tiny_quant)

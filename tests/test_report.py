@@ -313,6 +313,7 @@ def test_the_all_channels_check_is_optional(tiny_ckpt, tmp_path, cache):
     assert not run and "--checks on" in why
     assert full_check(Options(checks="on"), qwen15)[0] and not full_check(Options(checks="off"), cfg)[0]
     assert not full_check(Options(checks="on", residual_bits=(2,)), cfg)[0], "it needs the fp16 residuals"
+    assert full_check(Options(checks="off", residual_bits=(2,)), cfg) == (False, "--checks off")  # the user's reason
 
     out = tmp_path / "r"
     make_report(Options(model=str(tiny_ckpt), out=str(out), tokens=40, ctx=CTX, bits=(3,), k_chunks=(8,),

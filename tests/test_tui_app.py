@@ -174,16 +174,44 @@ async def test_cancel_mid_reply_then_the_next_message_works(tiny_quant, monkeypa
 
 
 @scenario
+async def test_a_conversation_longer_than_the_context_leaves_out_its_oldest_exchanges(tiny_quant, replies):
+    from localllm.generate import encode_prompt
+    from localllm.tui.session import fit_context
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=16, seed=3, system="Be brief."))
+    async with app.run_test(size=SIZE) as pilot:
+        session = await loaded(pilot)
+        limit = session.lm.model.cfg.max_position_embeddings
+        sent = []
+        for i in range(6):  # long messages pasted in (typing them key by key takes the test a minute)
+            app.query_one("#prompt", Input).value = f"message {i}: " + "tell me more " * 12
+            await pilot.press("enter")
+            await until(pilot, lambda: len(replies) > i, "the reply to start")
+            sent.append(await done(pilot, replies[-1]))
+        assert all(r.error is None for r in sent) and len(session.turns) == 12  # every exchange kept and shown
+        last = sent[-1]
+        assert last.left_out >= 1 and sent[0].left_out == 0
+        trimmed, n = fit_context(session.lm, last.prompt, 16)
+        assert n == last.left_out and trimmed[0]["role"] == "system" and trimmed[-1] == last.prompt[-1]
+        assert trimmed[1:] == last.prompt[1 + 2 * n:]  # the oldest exchanges went, the rest stayed in order
+        assert len(encode_prompt(session.lm, trimmed)) + 16 <= limit < len(encode_prompt(session.lm, last.prompt)) + 16
+        assert last.text == generate(session.lm, trimmed, max_new_tokens=16, seed=3)  # what was sent
+        meta = str(app.query(ReplyMessage).last().query_one(".meta", Static).render())
+        assert "oldest exchange" in meta and "left out to fit the model's context" in meta
+
+
+@scenario
 async def test_settings_apply_to_the_next_reply(tiny_quant, replies):
     app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=30, seed=2))
     async with app.run_test(size=SIZE) as pilot:
         session = await loaded(pilot)
         await pilot.press("f2")
-        for field, text in [("temperature", "0"), ("max_new_tokens", "5"), ("top_p", "x")]:
+        for field, text in [("top_p", "x"), ("temperature", "0"), ("max_new_tokens", "5")]:
             await pilot.click(f"#{field}")
             await pilot.press("end", "ctrl+u", *text)
         await pilot.pause()
-        assert str(app.query_one(".why", Static).render()) == "Top-p must be a number > 0 and ≤ 1"  # 0.9 stays
+        # named while the field shows it, though valid fields were edited after it; 0.9 stays
+        assert str(app.query_one(".why", Static).render()) == \
+            "Top-p must be a number > 0 and ≤ 1; the last valid values apply"
         await pilot.click("#qdec")
         assert app.query_one("#qdec", Switch).value is False
         await until(pilot, lambda: session.lm.settings.mode == "off", "QDEC to turn off")
@@ -198,9 +226,7 @@ async def test_settings_apply_to_the_next_reply(tiny_quant, replies):
         await pilot.pause()
         info = str(app.query_one(".info", Static).render())
         assert "qkv 8 · o 8 · gate_up 8 · down 8" in info and session.lm.qdec_source in info
-        await pilot.click("#budget")
-        await pilot.press("end", "ctrl+u", "1", "0")
-        await until(pilot, lambda: session.lm.budget == 0.1, "the budget to reach the model")
+        assert app.query_one("#budget", Input).disabled  # on the CPU, where tuning profiles do not apply
 
 
 @scenario
@@ -344,6 +370,10 @@ async def test_on_the_gpu_the_status_bar_shows_the_gpu_and_pinned_residuals(tiny
         pinned = sum(lin.residual.nbytes for lin in session.lm.model.linears() if lin.host_residual is not None)
         assert status.startswith(torch.cuda.get_device_name()) and pinned > 0
         assert "GPU mem —" not in status and " pinned" in status and "QDEC overhead" in status
+        await pilot.press("f2")  # the tuning budget applies on a GPU: its field takes a new one
+        await pilot.click("#budget")
+        await pilot.press("end", "ctrl+u", "1", "0")
+        await until(pilot, lambda: session.lm.budget == 0.1, "the budget to reach the model")
 
 
 @pytest.mark.gpu

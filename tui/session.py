@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.generate import Stats, generate
+from localllm.generate import Stats, encode_prompt, generate
 from localllm.runtime import LocalModel, load
 from localllm.sampling import SamplingParams
 
@@ -68,6 +68,7 @@ class Reply:
     stats: Stats = field(default_factory=Stats)
     qdec: dict = field(default_factory=dict)  # the QDEC setting in force: mode, k_chunk per layer type, source
     error: str | None = None
+    left_out: int = 0  # the oldest exchanges not sent, so that the conversation fits the model's context
 
     @property
     def user_text(self) -> str:
@@ -79,26 +80,39 @@ class Reply:
 
     def run(self, session: "ChatSession", emit: Callable[[str], None], stop: threading.Event) -> None:
         """Generate, calling emit(piece) for each text piece; `stop` set: end after the current token (the piece
-        decoded meanwhile is not shown). Errors end up in `error`, as one line."""
+        decoded meanwhile is not shown), or within a layer while the prompt is read. Errors end up in `error`, as
+        one line."""
         with session.model_lock:
             try:
                 session.sync_qdec()
                 s = session.lm.settings
                 self.qdec = {"mode": s.mode, "k_chunk": dict(s.k_chunk), "source": session.lm.qdec_source}
                 st = self.settings
-                stream = generate(session.lm, self.prompt, max_new_tokens=st.max_new_tokens,
-                                  temperature=st.temperature, top_p=st.top_p, min_p=st.min_p, seed=self.seed,
-                                  stream=True)
+                prompt, self.left_out = fit_context(session.lm, self.prompt, st.max_new_tokens)
+                stream = generate(session.lm, prompt, max_new_tokens=st.max_new_tokens, temperature=st.temperature,
+                                  top_p=st.top_p, min_p=st.min_p, seed=self.seed, stream=True, cancel=stop)
                 self.stats = stream.stats
                 for piece in stream:
-                    if stop.is_set():
-                        break
                     self.text += piece
                     self.pieces += 1
                     emit(piece)
                 stream.close()
             except Exception as e:  # noqa: BLE001 - any failure becomes a message in the transcript, not a crash
                 self.error = readable(e)
+
+
+def fit_context(lm: LocalModel, prompt: list[dict], room: int) -> tuple[list[dict], int]:
+    """`prompt` without its oldest exchanges (user message and reply), as many as it takes for the rest and `room`
+    tokens of reply (at most half the context) to fit the model's context, and how many were left out. The system
+    message and the new user message always stay: a prompt still too long is generate()'s error."""
+    limit = lm.model.cfg.max_position_embeddings
+    room = min(room, limit // 2)
+    first = 1 if prompt[0]["role"] == "system" else 0
+    left_out = 0
+    while len(prompt) - first > 1 and len(encode_prompt(lm, prompt)) + room > limit:
+        prompt = prompt[:first] + prompt[first + 2:]
+        left_out += 1
+    return prompt, left_out
 
 
 class ChatSession:
@@ -153,8 +167,9 @@ class ChatSession:
 
     @property
     def tunable(self) -> bool:
-        """Whether the tuning budget matters: QDEC "on" takes the tuning profile for it (on a GPU)."""
-        return self.lm.has_residuals and self.qdec_on == "on"
+        """Whether the tuning budget matters: QDEC "on" takes the tuning profile for it, on a GPU (on the CPU the
+        default k_chunk applies)."""
+        return self.lm.has_residuals and self.qdec_on == "on" and self.lm.model.device.type == "cuda"
 
     def sync_qdec(self) -> None:
         """Make the model's QDEC setting what want_qdec and want_budget ask (on a GPU, turning QDEC on the first time

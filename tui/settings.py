@@ -91,11 +91,13 @@ class SettingsPanel(VerticalScroll):
 
     def on_input_changed(self, event: Input.Changed) -> None:
         event.stop()
-        why = self.query_one(".why", Static)
+        # every field still invalid stays named (not only the one just edited): its last valid value is in force
+        problems = [d for i in self.query(Input) if not i.disabled
+                    for d in getattr(i.validate(i.value), "failure_descriptions", [])]
+        self.query_one(".why", Static).update(
+            "; ".join(problems) + ("; the last valid values apply" if problems else ""))
         if event.validation_result is not None and not event.validation_result.is_valid:
-            why.update("; ".join(event.validation_result.failure_descriptions))
             return
-        why.update("")
         if event.input.id == "budget":
             self._qdec_changed()
             return

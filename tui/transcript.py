@@ -104,14 +104,20 @@ class ReplyMessage(Vertical):
         st = reply.stats
         numbers = f"{st.new_tokens} tokens · {st.tokens_per_second:.1f} tok/s · first token " \
                   f"{st.time_to_first_token:.2f} s"
+        n, left_out = reply.left_out, ""
+        if n:
+            which = "the oldest exchange was" if n == 1 else f"the {n} oldest exchanges were"
+            left_out = f" · {which} left out to fit the model's context"
         if reply.error is not None:
             meta.update(f"⚠ {reply.error} (this exchange is not kept in the conversation)")
             meta.add_class("-error")
         elif reply.cancelled:
-            meta.update(f"cancelled · {numbers}")
+            meta.update(f"cancelled · {numbers}{left_out}")
             meta.add_class("-cancelled")
         else:
-            meta.update(numbers + (" · stopped at max new tokens" if st.finish_reason == "length" else ""))
+            ended = {"length": " · stopped at max new tokens",
+                     "context": " · stopped: the context is full (Ctrl+N starts a new chat)"}.get(st.finish_reason, "")
+            meta.update(numbers + ended + left_out)
 
 
 class Notice(Static):
