@@ -187,14 +187,16 @@ def _open_gguf(folder: Path, name: str) -> Checkpoint:
         raise LocalLLMError(f"no GGUF file {f}")
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
-        hf_cfg = AutoConfig.from_pretrained(str(folder), gguf_file=name).to_dict()
+        hf_config = AutoConfig.from_pretrained(str(folder), gguf_file=name)
     except Exception as e:
         raise LocalLLMError(f"cannot read GGUF file {f} ({type(e).__name__}: {str(e)[:160]}); it is corrupt, "
                             "truncated or of an architecture transformers cannot import") from None
-    config = ModelConfig.from_hf(hf_cfg)
+    config = ModelConfig.from_hf(hf_config.to_dict())
     try:
         with follow_rule_in_transformers():  # transformers shows its own progress bars while it dequantizes
-            state = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32).state_dict()
+            # config= spares a parse of the file (each takes seconds: the tokenizer's fields)
+            state = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, config=hf_config,
+                                                         dtype=torch.float32).state_dict()
     except Exception as e:
         raise LocalLLMError(f"cannot load GGUF weights from {f} ({type(e).__name__}: {str(e)[:160]}); "
                             "the file is corrupt or truncated, re-download it") from None
