@@ -65,18 +65,20 @@ def options(device: int) -> tuple[str, ...]:
 # appended to its source, e.g. ("-DQDEC_MARKS",). Empty in the product.
 BUILD: dict[str, tuple[tuple[str, ...], str]] = {}
 
-# One module per kernel instantiation, compiled when first launched: NVRTC builds only the template instance
-# asked for (the .cu files instantiate every variant for nvcc's resource checks only), so a model's first
-# decode compiles the few it runs in seconds, not a whole file's ~70 (~1 min cold). CuPy caches each on disk.
+# One module per template instance, compiled when first launched: NVRTC builds only the instances asked for (the .cu
+# files instantiate every variant for nvcc's resource checks only), so a model's first decode compiles the few it
+# runs in seconds, not a whole file's ~70 (~1 min cold). A file's plain (non-template) kernels compile into every
+# module of it whatever is asked: their launchers ask for them together, once. CuPy caches each module on disk.
 _modules: dict[tuple, object] = {}
 _compiling = threading.Lock()
 _told = threading.Event()
 
 
-def module(name: str, device: int, expr: str, extra_options: tuple[str, ...] = (), extra_code: str = ""):
-    """kernels/<name>.cu (+ extra_code) compiled for `device` with the one kernel `expr` (a template instance or
-    an extern "C" name)."""
-    key = (name, device, expr, extra_options, extra_code)
+def module(name: str, device: int, names: tuple[str, ...], extra_options: tuple[str, ...] = (),
+           extra_code: str = ""):
+    """kernels/<name>.cu (+ extra_code) compiled for `device`, exporting the kernels `names` (template instances or
+    plain kernels)."""
+    key = (name, device, names, extra_options, extra_code)
     if key in _modules:
         return _modules[key]
     require()
@@ -88,7 +90,7 @@ def module(name: str, device: int, expr: str, extra_options: tuple[str, ...] = (
             try:
                 with cupy.cuda.Device(device):
                     mod = cupy.RawModule(code=source(name) + extra_code, options=options(device) + extra_options,
-                                         name_expressions=[expr])
+                                         name_expressions=list(names))
                     mod.compile()
             finally:
                 note.cancel()
@@ -112,13 +114,15 @@ def forget() -> None:
     _modules.clear()
 
 
-def loaded(name: str, expr: str):
-    """The module of kernels/<name>.cu holding `expr`, for the current device, built as BUILD says."""
-    return module(name, torch.cuda.current_device(), expr, *BUILD.get(name, ((), "")))
+def loaded(name: str, names: tuple[str, ...]):
+    """The module of kernels/<name>.cu exporting `names`, for the current device, built as BUILD says."""
+    return module(name, torch.cuda.current_device(), names, *BUILD.get(name, ((), "")))
 
 
-def kernel(name: str, expr: str):
-    return loaded(name, expr).get_function(expr)
+def kernel(name: str, expr: str, together: tuple[str, ...] | None = None):
+    """Kernel `expr` of kernels/<name>.cu; together: the names compiled with it in one module (a file's plain
+    kernels), by default it alone."""
+    return loaded(name, together or (expr,)).get_function(expr)
 
 
 @functools.cache

@@ -8,7 +8,7 @@ from . import cuda
 
 
 def _k(name: str):
-    return cuda.kernel("fused", name)
+    return cuda.kernel("fused", name, ("rmsnorm", "rope", "silu_mul", "embed_rows"))
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

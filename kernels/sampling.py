@@ -14,7 +14,7 @@ WORK_BYTES = 56 << 10  # >= sizeof(Work) in sampling.cu (55,328 bytes)
 
 
 def _k(name: str):
-    return cuda.kernel("sampling", name)
+    return cuda.kernel("sampling", name, ("greedy_token", "sample_token"))
 
 
 def choose(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor, draws: torch.Tensor,
