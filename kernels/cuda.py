@@ -1,5 +1,5 @@
-"""The one way Python reaches CUDA code: compile a .cu file of this folder with CuPy (NVRTC) once per
-process and device, launch its kernels on torch's current stream.
+"""The one way Python reaches CUDA code: compile the kernels of this folder's .cu files with CuPy (NVRTC) when first
+launched (once per process and device, cached on disk), launch them on torch's current stream.
 
 LOCALLLM_NO_CUDA_KERNELS=1 turns the kernels off (the torch reference path runs instead); LOCALLLM_LINEINFO=1
 compiles them with source line information (for Nsight Compute's source view).

@@ -555,14 +555,14 @@ def bench_demo(new_tokens: int = 32, kv_bits: int = 16) -> None:
     if gpu.has_residuals:  # what `localllm chat` runs by default: QDEC on, untuned unless a profile applies
         gpu.set_qdec("on")
         tq = decode_time(gpu.model, ctx=512, kv_bits=kv_bits)
-        print(f"  with QDEC on ({gpu.qdec_source}): {tq * 1e3:.3f} ms/token = {1 / tq:.0f} tok/s "
+        print(f"  with {gpu.qdec_summary()}: {tq * 1e3:.3f} ms/token = {1 / tq:.0f} tok/s "
               f"({100 * (tq / t - 1):+.0f}%)")
         if gpu.qdec_untuned:  # what `localllm chat` does then, once per GPU and model
             t0 = time.perf_counter()
             gpu.autotune()
             took = time.perf_counter() - t0
             tq = decode_time(gpu.model, ctx=512, kv_bits=kv_bits)
-            print(f"  tuned in {took:.0f} s ({gpu.qdec_source}): {tq * 1e3:.3f} ms/token = {1 / tq:.0f} tok/s "
+            print(f"  tuned in {took:.0f} s ({gpu.qdec_summary()}): {tq * 1e3:.3f} ms/token = {1 / tq:.0f} tok/s "
                   f"({100 * (tq / t - 1):+.0f}%)")
         gpu.set_qdec("off")
     gpu.eos_ids = []  # 256 tokens whatever they are

@@ -48,17 +48,9 @@ def cmd_generate(a) -> None:
     st = s.stats
     print(f"[{st.new_tokens} tokens, {st.tokens_per_second:.1f} tok/s, first token {st.time_to_first_token:.2f} s, "
           f"finished by {st.finish_reason}; "
-          + _qdec_line(lm)
+          + lm.qdec_summary()
           + f"; KV cache {lm.kv_bits}-bit]",
           file=sys.stderr)
-
-
-def _qdec_line(lm) -> str:
-    """What QDEC does and why, e.g. "QDEC off: tuned on ... for a 5% budget: no compensation fits it"."""
-    src = lm.qdec_source
-    if lm.settings.mode != "off":
-        return f"QDEC {lm.settings.mode}: {src}"
-    return src if src.startswith("QDEC off") else f"QDEC off: {src}"
 
 
 def cmd_chat(a) -> None:

@@ -158,8 +158,9 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     stream=True returns a Stream that yields text pieces as they decode; otherwise the whole text.
     qdec: None keeps the model's setting; "on" / "off" / a k_chunk / a dict (see LocalModel.set_qdec).
     kv_bits: None keeps the model's KV cache width; 16, 8 or 4 (see LocalModel.set_kv_bits).
-    cancel: a threading.Event another thread may set to stop the reply: within one layer while the prompt is read,
-    before the next token after (stats.finish_reason "cancelled").
+    cancel: a threading.Event another thread may set to stop the reply before its next token (stats.finish_reason
+    "cancelled"); on the CPU also within a layer while the prompt is read (a GPU queues the prompt's kernels at once,
+    and they finish first).
     The same seed gives the same text."""
     lm = model if isinstance(model, LocalModel) else load(model)
     if qdec is not None:

@@ -343,7 +343,7 @@ class Transformer(nn.Module):
                 last: bool = False, cancel=None) -> torch.Tensor:
         """tokens: [B, T] at positions start..start+T-1 -> logits [B, T, V] (float32); last: of the last position
         only, [B, 1, V]. cancel: an Event; once set, raises errors.Cancelled before the next block (a long prompt
-        on the CPU takes seconds a block)."""
+        on the CPU takes seconds a block; a GPU's blocks are queued faster than they run)."""
         T = tokens.shape[1]
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds the KV cache ({cache.max_len})")

@@ -9,6 +9,7 @@ import contextlib
 import io
 import os
 import sys
+import threading
 from contextvars import ContextVar
 from typing import Callable
 
@@ -33,27 +34,37 @@ def _disabled() -> bool | None:
     return None if env is None else env == "0"
 
 
+_patching = threading.Lock()
+_patched = 0  # loads inside follow_rule_in_transformers now (threads may load at once)
+_gguf_tqdm = None  # the GGUF conversion's own tqdm, while it is replaced
+
+
 @contextlib.contextmanager
 def follow_rule_in_transformers():
     """Within this block, transformers' own bars (loading weights, a GGUF's conversion) are shown by the same rule as
-    ours, and reported to this thread's observer."""
+    ours, and reported to this thread's observer; after it, transformers' switch is as it was."""
+    global _patched, _gguf_tqdm
     from transformers.utils import logging
-    disabled = _disabled()
-    show = _observer.get() is None and (sys.stderr.isatty() if disabled is None else not disabled)
-    (logging.enable_progress_bar if show else logging.disable_progress_bar)()
-    # the GGUF conversion calls tqdm itself, past transformers' switch: it gets our bar while the block runs
     try:
         from transformers import modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:
         gguf_utils = None
-    saved = getattr(gguf_utils, "tqdm", None)
-    if saved is not None:
-        gguf_utils.tqdm = progress
+    disabled = _disabled()
+    show = _observer.get() is None and (sys.stderr.isatty() if disabled is None else not disabled)
+    was_shown = logging.is_progress_bar_enabled()
+    (logging.enable_progress_bar if show else logging.disable_progress_bar)()
+    with _patching:  # the GGUF conversion calls tqdm itself, past transformers' switch: it gets our bar meanwhile
+        if _patched == 0 and getattr(gguf_utils, "tqdm", None) is not None:
+            _gguf_tqdm, gguf_utils.tqdm = gguf_utils.tqdm, progress
+        _patched += 1
     try:
         yield
     finally:
-        if saved is not None:
-            gguf_utils.tqdm = saved
+        with _patching:
+            _patched -= 1
+            if _patched == 0 and _gguf_tqdm is not None:
+                gguf_utils.tqdm, _gguf_tqdm = _gguf_tqdm, None
+        (logging.enable_progress_bar if was_shown else logging.disable_progress_bar)()
 
 
 @contextlib.contextmanager

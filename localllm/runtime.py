@@ -263,6 +263,14 @@ class LocalModel:
             lin.comp = qdec.Call(lin.host_residual, qdec.new_state(K, N, dev), part, k, n_tb, lin.stats.b0,
                                  float(lin.stats.kth[k - 1]), grid)
 
+    def qdec_summary(self) -> str:
+        """What QDEC does and why, one line: "QDEC approx: k_chunk 16 (set by hand)", "QDEC off: tuned on ... for a
+        5% budget: no compensation fits it"."""
+        src = self.qdec_source
+        if self.settings.mode != "off":
+            return f"QDEC {self.settings.mode}: {src}"
+        return src if src.startswith("QDEC off") else f"QDEC off: {src}"
+
     def sizes(self) -> dict:
         """Bytes the model needs on a GPU (packed weights, the head, norms) and pinned on the host: the QDEC residuals
         (when QDEC is on) and the fp16 embeddings, unless the head shares them (Transformer.place)."""

@@ -165,15 +165,17 @@ def test_small_things_a_user_meets(tiny_quant, capsys):
 
 
 def test_summary_says_why_qdec_is_off():
-    """generate's summary line names what turned QDEC off: a tuning profile where nothing fits the budget, the user."""
+    """generate's summary line (and bench's) names what turned QDEC off: a tuning profile where nothing fits the
+    budget, the user."""
     from types import SimpleNamespace
 
-    from localllm.cli import _qdec_line
+    from localllm.runtime import LocalModel
     from localllm.tuner.profile import source_of
+    summary = LocalModel.qdec_summary
     profile = {"gpu": {"name": "NVIDIA H200"}, "budget": 0.05, "layers": {"qkv": {"k_chunk": 0}, "o": {"k_chunk": 0}}}
     lm = SimpleNamespace(settings=SimpleNamespace(mode="off"), qdec_source=source_of(profile))
-    assert _qdec_line(lm) == "QDEC off: tuned on NVIDIA H200 for a 5% budget: no compensation fits it"
+    assert summary(lm) == "QDEC off: tuned on NVIDIA H200 for a 5% budget: no compensation fits it"
     lm.qdec_source = "QDEC off"  # --qdec off
-    assert _qdec_line(lm) == "QDEC off"
+    assert summary(lm) == "QDEC off"
     lm.settings.mode, lm.qdec_source = "approx", "k_chunk 16 (set by hand)"
-    assert _qdec_line(lm) == "QDEC approx: k_chunk 16 (set by hand)"
+    assert summary(lm) == "QDEC approx: k_chunk 16 (set by hand)"

@@ -194,6 +194,9 @@ async def test_a_conversation_longer_than_the_context_leaves_out_its_oldest_exch
         assert n == last.left_out and trimmed[0]["role"] == "system" and trimmed[-1] == last.prompt[-1]
         assert trimmed[1:] == last.prompt[1 + 2 * n:]  # the oldest exchanges went, the rest stayed in order
         assert len(encode_prompt(session.lm, trimmed)) + 16 <= limit < len(encode_prompt(session.lm, last.prompt)) + 16
+        fewer = last.prompt[:1] + last.prompt[1 + 2 * (n - 1):]  # one exchange fewer left out: too long (the fewest)
+        assert len(encode_prompt(session.lm, fewer)) + 16 > limit
+        assert session.turns[-1]["left_out"] == n  # a saved chat says what the reply's prompt did not hold
         assert last.text == generate(session.lm, trimmed, max_new_tokens=16, seed=3)  # what was sent
         meta = str(app.query(ReplyMessage).last().query_one(".meta", Static).render())
         assert "oldest exchange" in meta and "left out to fit the model's context" in meta

@@ -80,8 +80,8 @@ class Reply:
 
     def run(self, session: "ChatSession", emit: Callable[[str], None], stop: threading.Event) -> None:
         """Generate, calling emit(piece) for each text piece; `stop` set: end after the current token (the piece
-        decoded meanwhile is not shown), or within a layer while the prompt is read. Errors end up in `error`, as
-        one line."""
+        decoded meanwhile is not shown), on the CPU also within a layer while the prompt is read. Errors end up in
+        `error`, as one line."""
         with session.model_lock:
             try:
                 session.sync_qdec()
@@ -107,12 +107,17 @@ def fit_context(lm: LocalModel, prompt: list[dict], room: int) -> tuple[list[dic
     message and the new user message always stay: a prompt still too long is generate()'s error."""
     limit = lm.model.cfg.max_position_embeddings
     room = min(room, limit // 2)
-    first = 1 if prompt[0]["role"] == "system" else 0
-    left_out = 0
-    while len(prompt) - first > 1 and len(encode_prompt(lm, prompt)) + room > limit:
-        prompt = prompt[:first] + prompt[first + 2:]
-        left_out += 1
-    return prompt, left_out
+    first = 1 if prompt and prompt[0]["role"] == "system" else 0
+    without = lambda n: prompt[:first] + prompt[first + 2 * n:]  # noqa: E731 - the n oldest exchanges left out
+    fits = lambda n: len(encode_prompt(lm, without(n))) + room <= limit  # noqa: E731
+    # the fewest to leave out: the length only shrinks as more go, so bisect (a long chat re-encodes a few times)
+    lo, hi = 0, max(0, (len(prompt) - first - 1) // 2)
+    if fits(lo):
+        return prompt, 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return without(hi), hi
 
 
 class ChatSession:
@@ -150,6 +155,7 @@ class ChatSession:
             return
         self.turns.append({"role": "user", "content": reply.user_text})
         self.turns.append({"role": "assistant", "content": reply.text, "cancelled": reply.cancelled,
+                           "left_out": reply.left_out,  # the oldest exchanges this reply's prompt did not hold
                            "settings": {**asdict(reply.settings), "seed": reply.seed, "qdec": reply.qdec},
                            "stats": {**asdict(reply.stats), "tokens_per_second": reply.stats.tokens_per_second}})
 
