@@ -32,7 +32,8 @@ def cmd_generate(a) -> None:
     lm = load(model, gguf_file=a.gguf_file, device=a.device, qdec=a.qdec, budget=a.budget, kv_bits=a.kv_bits,
               prefill_int8=a.prefill_int8)
     if a.qdec != "off" and not lm.has_residuals:
-        print(f"localllm: {lm.path} has no QDEC residuals; generating without compensation", file=sys.stderr)
+        why = "is not quantized (a dense checkpoint)" if lm.manifest is None else "has no QDEC residuals"
+        print(f"localllm: {lm.path} {why}; generating without compensation", file=sys.stderr)
     use_chat = not a.raw and getattr(lm.tokenizer, "chat_template", None)
     if a.system and not use_chat:
         print("localllm: --system needs the model's chat template" + (", which --raw turns off" if a.raw else

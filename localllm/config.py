@@ -50,16 +50,24 @@ class ModelConfig:
             rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
             theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
             rope_type = rope.get("rope_type") or rope.get("type") or "default"
+            native = rope.get("original_max_position_embeddings")
+            if rope_type == "dynamic":  # dynamic NTK is the default RoPE up to the native context: run it there
+                rope_type, cap = "default", native or cfg.get("max_position_embeddings", 4096)
+            else:
+                cap = None
             if rope_type not in ("default", "llama3", "linear"):
                 raise LocalLLMError(
-                    f"unsupported RoPE scaling '{rope_type}': localllm supports default, linear and llama3 RoPE; "
-                    "remove rope_scaling from config.json to run the model at its native context")
+                    f"unsupported RoPE scaling '{rope_type}': localllm supports default, linear, llama3 and dynamic "
+                    "RoPE; remove rope_scaling from config.json" + (f" and set max_position_embeddings to {native}"
+                                                                    if native else "")
+                    + " to run the model at its native context")
             rope = {} if rope_type == "default" else {**rope, "rope_type": rope_type}
             if mt == "mistral" and cfg.get("sliding_window"):
                 # Sliding-window attention only differs past the window; we cap the context there.
                 max_pos = min(cfg.get("max_position_embeddings", 4096), cfg["sliding_window"])
             else:
                 max_pos = cfg.get("max_position_embeddings", 4096)
+            max_pos = min(max_pos, cap or max_pos)
             return cls(
                 vocab_size=cfg["vocab_size"],
                 hidden_size=hidden,

@@ -53,7 +53,13 @@ def encode_prompt(lm: LocalModel, prompt: str | list[dict]) -> list[int]:
         return tok(prompt, add_special_tokens=True)["input_ids"]
     if not getattr(tok, "chat_template", None):
         raise LocalLLMError(f"{lm.path} has no chat template; pass a plain string prompt instead of messages")
-    out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    from jinja2 import TemplateError
+    try:
+        out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    except TemplateError as e:  # the template's own check, e.g. Mistral's "roles must alternate"
+        hint = "; it may not take a system prompt: leave it out" if prompt and prompt[0].get("role") == "system" \
+            else ""
+        raise LocalLLMError(f"the model's chat template refused these messages ({e}){hint}") from None
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -33,12 +34,18 @@ class Checkpoint:
 
     @property
     def eos_ids(self) -> list[int]:
-        """Tokens that end a reply: the tokenizer's EOS plus generation_config.json's (Llama 3 has two)."""
+        """Tokens that end a reply: the tokenizer's EOS plus generation_config.json's (Llama 3 has several), or
+        config.json's where there is no generation_config.json (as transformers takes them)."""
         ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        gen = Path(self.source["path"]) / "generation_config.json"
-        if self.source["format"] == "safetensors" and gen.exists():
-            e = json.loads(gen.read_text()).get("eos_token_id")
-            ids |= set(e if isinstance(e, list) else [e] if e is not None else [])
+        if self.source["format"] == "safetensors":
+            gen = Path(self.source["path"]) / "generation_config.json"
+            f = gen if gen.exists() else gen.with_name("config.json")
+            e = _read_json(f).get("eos_token_id")
+            try:
+                ids |= {int(i) for i in (e if isinstance(e, list) else [e] if e is not None else [])}
+            except (TypeError, ValueError):
+                raise LocalLLMError(f"{f} has eos_token_id {e!r}, not token ids; re-download the checkpoint") \
+                    from None
         return sorted(ids)
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -72,9 +79,9 @@ class Checkpoint:
 
     def lm_head(self) -> torch.Tensor | None:
         """None when the output projection is tied to the embeddings."""
-        if self.config.tie_word_embeddings or "lm_head.weight" not in self.names:
+        if self.config.tie_word_embeddings:
             return None
-        return self.tensor("lm_head.weight")
+        return self.tensor("lm_head.weight")  # an untied checkpoint without it is incomplete
 
     def fingerprint(self) -> str:
         """sha256 over the weight files (names + contents): names a source model in manifests and profiles."""
@@ -125,8 +132,9 @@ def _looks_like_hub_id(s: str) -> bool:
 def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
+        # not consolidated*.safetensors: Mistral's repos hold the whole model again in its own format
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model",
-                                                               "*.jinja"]))
+                                                               "*.jinja"], ignore_patterns=["consolidated*"]))
     except Exception as e:  # offline, unknown repo, gated repo: all the same advice
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise LocalLLMError(f"'{repo_id}' is not a local path and could not be fetched from the Hugging Face hub "
@@ -152,12 +160,8 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise LocalLLMError(f"{path} has no config.json; pass a Hugging Face checkpoint folder or a .gguf file")
-    try:
-        hf_cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise LocalLLMError(f"{cfg_file} is not valid JSON ({e}); re-download the checkpoint") from None
-    config = ModelConfig.from_hf(hf_cfg)
-    files = sorted(path.glob("*.safetensors"))
+    config = ModelConfig.from_hf(_read_json(cfg_file))
+    files = _weight_files(path)
     if not files:
         hint = " (pickled .bin weights are not loaded, for safety: convert them to safetensors)" \
             if list(path.glob("*.bin")) else ""
@@ -178,7 +182,34 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
             raise LocalLLMError(f"cannot read tensor {name} from {path} ({e}); the file is corrupt, re-download it") \
                 from None
 
+    if config.tie_word_embeddings and "lm_head.weight" in where and "model.embed_tokens.weight" in where \
+            and not torch.equal(get("lm_head.weight"), get("model.embed_tokens.weight")):
+        # as transformers does: a head that differs from the embeddings is the model's, whatever the config says
+        print(f"localllm: warning: {path} says its output head is tied to the embeddings, but its lm_head.weight "
+              "differs from them: using lm_head.weight", file=sys.stderr)
+        config = replace(config, tie_word_embeddings=False)
     return Checkpoint(config, tokenizer_of(path), source, files, get, set(where))
+
+
+def _read_json(f: Path) -> dict:
+    try:
+        return json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LocalLLMError(f"{f} is not valid JSON ({e}); re-download the checkpoint") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names (sharded), else every one but consolidated*
+    (Mistral's repos hold the whole model again in its own format beside the Hugging Face files)."""
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        return sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
+    files = sorted({path / name for name in _read_json(index).get("weight_map", {}).values()})
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise LocalLLMError(f"{path} lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}, named by "
+                            f"{index.name}: the download is incomplete; re-download the checkpoint")
+    return files
 
 
 def _open_gguf(folder: Path, name: str) -> Checkpoint:

@@ -34,6 +34,23 @@ def test_rope_scaling_is_applied(tmp_path):
     assert torch.equal(a[0], b[0]) and (a[-1] < b[-1] / 4)
 
 
+def test_dynamic_rope_runs_as_default_within_its_native_context_and_yarn_is_refused(tmp_path):
+    from localllm.config import ModelConfig
+    from localllm.errors import LocalLLMError
+    path = make_checkpoint(tmp_path / "dyn", rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    ours, ref = load(path).model, _hf(path)
+    assert ours.cfg.max_position_embeddings == 256 and not ours.cfg.rope_scaling
+    toks = torch.randint(0, ours.cfg.vocab_size, (1, 200))
+    with torch.no_grad():
+        assert (ours(toks) - ref(toks).logits).abs().max() < 1e-4
+    yarn = dict(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, max_position_embeddings=131072,
+                rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    with pytest.raises(LocalLLMError, match="remove rope_scaling from config.json and set max_position_embeddings "
+                                            "to 32768 to run the model at its native context"):
+        ModelConfig.from_hf(yarn)
+
+
 def test_kv_cache_decode_matches_full_forward(tiny_ckpt):
     from localllm.model import KVCache
     m = load(tiny_ckpt).model
@@ -77,3 +94,71 @@ def test_quantizing_a_quantized_model_names_it(tiny_quant):
     from localllm.loader import open_checkpoint
     with pytest.raises(LocalLLMError, match=f"quantized localllm model; .*`localllm generate {re.escape(str(tiny_quant))} "):
         open_checkpoint(tiny_quant)
+
+
+def _rewrite(folder, drop=(), add=None, name="model.safetensors"):
+    """Rewrite folder's weights without `drop`, with `add` (name -> tensor)."""
+    from safetensors.torch import load_file, save_file
+    t = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    save_file({**{k: v for k, v in t.items() if k not in drop}, **(add or {})}, str(folder / name))
+    return t
+
+
+def test_checkpoint_layouts_of_real_repos(tmp_path):
+    """What the hub's folders hold: an index that names the shards (and a stray consolidated copy beside them, as in
+    Mistral's repos), eos ids in config.json alone, a damaged generation_config.json, a missing untied head."""
+    import json
+
+    from localllm.errors import LocalLLMError
+    from localllm.loader import open_checkpoint
+    path = make_checkpoint(tmp_path / "a", eos_token_id=[5, 7])
+    (path / "generation_config.json").unlink(missing_ok=True)
+    want = load(path).model(torch.tensor([[1, 2, 3]]))
+    t = _rewrite(path, name="model-00001-of-00001.safetensors")
+    index = {"weight_map": {k: "model-00001-of-00001.safetensors" for k in t}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    from safetensors.torch import save_file
+    save_file({"tok_embeddings.weight": torch.zeros(4, 4)}, str(path / "consolidated.safetensors"))
+    ck = open_checkpoint(path)
+    assert [f.name for f in ck.files] == ["model-00001-of-00001.safetensors"]  # not the consolidated copy
+    assert {5, 7} <= set(ck.eos_ids)  # config.json's, with no generation_config.json
+    assert torch.equal(load(path).model(torch.tensor([[1, 2, 3]])), want)
+    (path / "model.safetensors.index.json").unlink()
+    assert [f.name for f in open_checkpoint(path).files] == ["model-00001-of-00001.safetensors"]
+    (path / "generation_config.json").write_text('{"eos_token_id": [5,')
+    with pytest.raises(LocalLLMError, match="generation_config.json is not valid JSON"):
+        open_checkpoint(path).eos_ids
+    (path / "generation_config.json").unlink()
+    untied = make_checkpoint(tmp_path / "b", tie_word_embeddings=False)
+    _rewrite(untied, drop={"lm_head.weight"})
+    with pytest.raises(LocalLLMError, match="lacks tensor 'lm_head.weight'"):
+        load(untied)
+
+
+def test_a_tied_config_with_its_own_head_uses_the_head(tmp_path, capfd):
+    """As transformers does: a config that says tied, with a lm_head.weight that differs from the embeddings."""
+    from transformers import AutoModelForCausalLM
+    path = make_checkpoint(tmp_path / "t", tie_word_embeddings=True)
+    embed = _rewrite(path)["model.embed_tokens.weight"]
+    _rewrite(path, add={"lm_head.weight": torch.randn_like(embed)})
+    ids = torch.tensor([[1, 2, 3, 4]])
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (load(path).model(ids) - ref(ids).logits).abs().max() < 1e-4
+    assert "differs from them: using lm_head.weight" in capfd.readouterr().err
+
+
+def test_a_template_that_refuses_a_system_message_says_so(tiny_quant):
+    from types import SimpleNamespace
+
+    from localllm.errors import LocalLLMError
+    from localllm.generate import encode_prompt
+    tok = load(tiny_quant).tokenizer
+    tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('Conversation roles must "
+                         "alternate user/assistant/user/assistant/...') }}{% endif %}"
+                         "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    lm = SimpleNamespace(tokenizer=tok, path="m")
+    assert encode_prompt(lm, [{"role": "user", "content": "hi"}])
+    with pytest.raises(LocalLLMError, match="refused these messages .*may not take a system prompt"):
+        encode_prompt(lm, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
