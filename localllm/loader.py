@@ -193,15 +193,20 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
 
 def _read_json(f: Path) -> dict:
     try:
-        return json.loads(f.read_text())
+        d = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LocalLLMError(f"{f} is not valid JSON ({e}); re-download the checkpoint") from None
+    if not isinstance(d, dict):
+        raise LocalLLMError(f"{f} holds no JSON object; re-download the checkpoint")
+    return d
 
 
 def _weight_files(path: Path) -> list[Path]:
-    """The checkpoint's safetensors files: those its index names (sharded), else every one but consolidated*
-    (Mistral's repos hold the whole model again in its own format beside the Hugging Face files)."""
+    """The checkpoint's safetensors files, as transformers picks them: model.safetensors, else the shards its index
+    names, else every one but consolidated* (Mistral's repos hold the whole model again in its own format)."""
     index = path / "model.safetensors.index.json"
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
     if not index.exists():
         return sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
     files = sorted({path / name for name in _read_json(index).get("weight_map", {}).values()})

@@ -124,6 +124,9 @@ def test_checkpoint_layouts_of_real_repos(tmp_path):
     assert [f.name for f in ck.files] == ["model-00001-of-00001.safetensors"]  # not the consolidated copy
     assert {5, 7} <= set(ck.eos_ids)  # config.json's, with no generation_config.json
     assert torch.equal(load(path).model(torch.tensor([[1, 2, 3]])), want)
+    (path / "model.safetensors").write_bytes((path / "model-00001-of-00001.safetensors").read_bytes())
+    assert [f.name for f in open_checkpoint(path).files] == ["model.safetensors"]  # first, as transformers takes it
+    (path / "model.safetensors").unlink()
     (path / "model.safetensors.index.json").unlink()
     assert [f.name for f in open_checkpoint(path).files] == ["model-00001-of-00001.safetensors"]
     (path / "generation_config.json").write_text('{"eos_token_id": [5,')
