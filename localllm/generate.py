@@ -1,7 +1,9 @@
 """Text generation: chat templates, the token loop (sampling.py chooses the tokens), stop strings and streaming."""
 from __future__ import annotations
 
+import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -48,6 +50,8 @@ class Stream:
 
 
 def encode_prompt(lm: LocalModel, prompt: str | list[dict]) -> list[int]:
+    """The token ids of a plain prompt, or of chat messages through the model's chat template. A template that
+    takes no system message (Mistral v0.1/v0.2's) gets it at the start of the first user message, as chat apps do."""
     tok = lm.tokenizer
     if isinstance(prompt, str):
         return tok(prompt, add_special_tokens=True)["input_ids"]
@@ -57,10 +61,29 @@ def encode_prompt(lm: LocalModel, prompt: str | list[dict]) -> list[int]:
     try:
         out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
     except TemplateError as e:  # the template's own check, e.g. Mistral's "roles must alternate"
-        hint = "; it may not take a system prompt: leave it out" if prompt and prompt[0].get("role") == "system" \
-            else ""
-        raise LocalLLMError(f"the model's chat template refused these messages ({e}){hint}") from None
+        folded = _fold_system(prompt)
+        if folded is None:
+            raise LocalLLMError(f"the model's chat template refused these messages ({e})") from None
+        try:
+            out = tok.apply_chat_template(folded, add_generation_prompt=True, tokenize=True)
+        except TemplateError:
+            raise LocalLLMError(f"the model's chat template refused these messages ({e})") from None
+        if tok not in _TOLD_NO_SYSTEM:  # once per tokenizer, not at every reply
+            _TOLD_NO_SYSTEM.add(tok)
+            print("localllm: this model's chat template takes no system message: the system prompt goes at the "
+                  "start of the first user message", file=sys.stderr)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+_TOLD_NO_SYSTEM = weakref.WeakSet()
+
+
+def _fold_system(messages: list[dict]) -> list[dict] | None:
+    """messages with a leading system message joined to the first user message, or None (no system message)."""
+    if len(messages) < 2 or messages[0].get("role") != "system" or messages[1].get("role") != "user":
+        return None
+    first = {**messages[1], "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"}
+    return [first] + messages[2:]
 
 
 class Detokenizer:

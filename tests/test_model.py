@@ -152,7 +152,7 @@ def test_a_tied_config_with_its_own_head_uses_the_head(tmp_path, capfd):
     assert "differs from them: using lm_head.weight" in capfd.readouterr().err
 
 
-def test_a_template_that_refuses_a_system_message_says_so(tiny_quant):
+def test_a_template_that_takes_no_system_message_gets_it_in_the_first_user_message(tiny_quant, capfd):
     from types import SimpleNamespace
 
     from localllm.errors import LocalLLMError
@@ -162,6 +162,13 @@ def test_a_template_that_refuses_a_system_message_says_so(tiny_quant):
                          "alternate user/assistant/user/assistant/...') }}{% endif %}"
                          "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     lm = SimpleNamespace(tokenizer=tok, path="m")
-    assert encode_prompt(lm, [{"role": "user", "content": "hi"}])
-    with pytest.raises(LocalLLMError, match="refused these messages .*may not take a system prompt"):
-        encode_prompt(lm, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    plain = [{"role": "user", "content": "hi"}]
+    assert encode_prompt(lm, plain)
+    folded = encode_prompt(lm, [{"role": "system", "content": "Be brief."}] + plain)  # as chat apps do
+    assert folded == encode_prompt(lm, [{"role": "user", "content": "Be brief.\n\nhi"}])
+    assert "takes no system message" in capfd.readouterr().err
+    encode_prompt(lm, [{"role": "system", "content": "Be brief."}] + plain)
+    assert capfd.readouterr().err == ""  # said once
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(LocalLLMError, match=r"the model's chat template refused these messages \(roles must"):
+        encode_prompt(lm, plain)
