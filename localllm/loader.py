@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -126,7 +127,7 @@ def _no_source(src) -> LocalLLMError:
 
 def _looks_like_hub_id(s: str) -> bool:
     parts = s.split("/")
-    return len(parts) == 2 and all(parts) and not s.startswith((".", "~"))
+    return len(parts) == 2 and all(parts) and not s.startswith((".", "~")) and not s.lower().endswith(".gguf")
 
 
 def _download(repo_id: str) -> Path:
@@ -217,10 +218,34 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+def _refuse_gguf_rope_scaling(f: Path) -> None:
+    """transformers' GGUF import drops llama.cpp's RoPE scaling (Llama 3.1+'s rope_freqs tensor, linear's
+    rope.scaling keys): such a file would run with plain RoPE. Its header names them; one look at its first bytes."""
+    import mmap
+    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        head = m[:min(len(m), 64 << 20)]  # the header (metadata, tokenizer, tensor names) is well inside this
+    kind = "Llama 3.1+ rope_freqs" if b"rope_freqs.weight" in head else None
+    if kind is None and b".rope.scaling.type" in head:
+        from gguf import GGUFReader
+        field = next((v for k, v in GGUFReader(str(f)).fields.items() if k.endswith(".rope.scaling.type")), None)
+        value = bytes(field.parts[field.data[0]]).decode() if field is not None else "none"
+        kind = None if value == "none" else f"{value} rope.scaling"
+    if kind:
+        raise LocalLLMError(f"{f} scales its RoPE ({kind}), which transformers' GGUF import drops: the model would run "
+                            "with plain RoPE; use its Hugging Face checkpoint (safetensors), which localllm runs with "
+                            "its RoPE scaling")
+
+
 def _open_gguf(folder: Path, name: str) -> Checkpoint:
     f = folder / name
     if not f.exists():
-        raise LocalLLMError(f"no GGUF file {f}")
+        here = sorted(p.name for p in folder.glob("*.gguf"))
+        raise LocalLLMError(f"no GGUF file {f}" + (f"; {folder} holds {', '.join(here)}" if here else ""))
+    split = re.search(r"-(\d{5})-of-(\d{5})\.gguf$", name, re.IGNORECASE)
+    if split and int(split[2]) > 1:
+        raise LocalLLMError(f"{f} is part {int(split[1])} of a GGUF split into {int(split[2])} files: merge them "
+                            "(llama.cpp's `llama-gguf-split --merge FIRST_PART merged.gguf`) and pass the merged file")
+    _refuse_gguf_rope_scaling(f)
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
         hf_config = AutoConfig.from_pretrained(str(folder), gguf_file=name)
@@ -231,11 +256,16 @@ def _open_gguf(folder: Path, name: str) -> Checkpoint:
     try:
         with follow_rule_in_transformers():  # transformers shows its own progress bars while it dequantizes
             # config= spares a parse of the file (each takes seconds: the tokenizer's fields)
-            state = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, config=hf_config,
-                                                         dtype=torch.float32).state_dict()
+            model, info = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, config=hf_config,
+                                                               dtype=torch.float32, output_loading_info=True)
     except Exception as e:
         raise LocalLLMError(f"cannot load GGUF weights from {f} ({type(e).__name__}: {str(e)[:160]}); "
                             "the file is corrupt or truncated, re-download it") from None
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # transformers fills them with random values
+        raise LocalLLMError(f"{f} lacks {len(missing)} of the model's tensors (e.g. {missing[0]}): the file is "
+                            "incomplete; re-download it")
+    state = model.state_dict()
     return Checkpoint(config, tokenizer_of(folder, gguf_file=name),
                       {"format": "gguf", "path": str(Path(folder).resolve()), "gguf_file": name}, [f], state.__getitem__,
                       set(state))

@@ -1,0 +1,89 @@
+"""GGUF files as llama.cpp writes them (tiny, float32, written here): what loads, and what is refused in one line."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_checkpoint
+from localllm.errors import LocalLLMError
+from localllm.loader import open_checkpoint
+from localllm.runtime import load
+
+BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+       "lm_head.weight": "output.weight"}
+
+
+def write_gguf(ckpt, out, drop=(), rope_freqs=None, linear=None):
+    """A llama.cpp-style float32 GGUF of a tiny Llama checkpoint folder: its names, its Q/K row order, a BPE
+    tokenizer; `drop` leaves tensors out (GGUF names), rope_freqs / linear write llama.cpp's RoPE scaling."""
+    import gguf
+    from safetensors.torch import load_file
+    cfg = json.loads((ckpt / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), "llama")
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w.add_block_count(cfg["num_hidden_layers"]), w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"]), w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads), w.add_head_count_kv(kv), w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(10000.0), w.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    w.add_vocab_size(cfg["vocab_size"]), w.add_file_type(0)
+    tj = json.loads((ckpt / "tokenizer.json").read_text())
+    vocab = {**tj["model"]["vocab"], **{t["content"]: t["id"] for t in tj["added_tokens"]}}
+    toks = [f"[PAD{i}]" for i in range(cfg["vocab_size"])]
+    for s, i in vocab.items():
+        toks[i] = s
+    special = {t["id"] for t in tj["added_tokens"]}
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("default"), w.add_token_list(toks)
+    w.add_token_types([3 if i in special else 1 if toks[i] in vocab else 4 for i in range(len(toks))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+    w.add_bos_token_id(vocab["<s>"]), w.add_eos_token_id(vocab["<|end|>"]), w.add_add_bos_token(False)
+
+    def permute(x, n):  # llama.cpp's order of q and k rows (transformers undoes it)
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    for k, t in load_file(str(ckpt / "model.safetensors")).items():
+        p = k.split(".")
+        name = TOP.get(k) or f"blk.{p[2]}.{BLOCK['.'.join(p[3:-1])]}.{p[-1]}"
+        x = t.float().numpy()
+        if k.endswith(("q_proj.weight", "k_proj.weight")):
+            x = permute(x, heads if "q_proj" in k else kv)
+        if name not in drop:
+            w.add_tensor(name, np.ascontiguousarray(x, dtype=np.float32))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    if linear is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(linear)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("g") / "ck")
+
+
+def test_a_llama_cpp_gguf_runs_as_its_source(ckpt, tmp_path):
+    f = write_gguf(ckpt, tmp_path / "tiny-F32.gguf")
+    ids = torch.tensor([[3, 17, 42, 99, 5]])
+    with torch.no_grad():
+        assert (load(f).model(ids) - load(ckpt).model(ids)).abs().max() < 1e-4
+
+
+def test_incomplete_split_and_rope_scaled_ggufs_are_refused(ckpt, tmp_path):
+    with pytest.raises(LocalLLMError, match="lacks 1 of the model's tensors .*down_proj.*re-download it"):
+        open_checkpoint(write_gguf(ckpt, tmp_path / "miss.gguf", drop={"blk.1.ffn_down.weight"}))
+    part = tmp_path / "m-00001-of-00002.gguf"
+    part.write_bytes(b"GGUF")
+    with pytest.raises(LocalLLMError, match="part 1 of a GGUF split into 2 files: merge them"):
+        open_checkpoint(part)
+    with pytest.raises(LocalLLMError, match=r"scales its RoPE \(Llama 3.1\+ rope_freqs\)"):
+        open_checkpoint(write_gguf(ckpt, tmp_path / "l3.gguf", rope_freqs=[1.0] * 4 + [4.0] * 4))
+    with pytest.raises(LocalLLMError, match=r"scales its RoPE \(linear rope.scaling\)"):
+        open_checkpoint(write_gguf(ckpt, tmp_path / "lin.gguf", linear=4.0))
+    with pytest.raises(LocalLLMError, match="no GGUF file .*nope.gguf; .* holds l3.gguf, lin.gguf, m-00001"):
+        open_checkpoint(tmp_path, gguf_file="nope.gguf")
+    with pytest.raises(LocalLLMError, match="no such file or folder: nope/x.gguf"):
+        open_checkpoint("nope/x.gguf")  # a mistyped path, not a hub id
