@@ -55,7 +55,7 @@ class ModelConfig:
                 rope_type, cap = "default", native or cfg.get("max_position_embeddings", 4096)
             else:
                 cap = None
-            if rope_type not in ("default", "llama3", "linear"):
+            if rope_type not in ("default", "llama3", "linear", "factors"):  # factors: a GGUF's rope_freqs
                 raise LocalLLMError(
                     f"unsupported RoPE scaling '{rope_type}': localllm supports default, linear, llama3 and dynamic "
                     "RoPE; remove rope_scaling from config.json" + (f" and set max_position_embeddings to {native}"
@@ -105,13 +105,15 @@ class ModelConfig:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim // 2], float32, with Llama-3 or linear scaling applied."""
+    """Inverse RoPE frequencies [head_dim // 2], float32, with Llama-3, linear or a GGUF's per-frequency scaling."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     s = cfg.rope_scaling
     kind = s.get("rope_type")
     if kind == "linear":
         inv = inv / s["factor"]
+    elif kind == "factors":  # llama.cpp's rope_freqs: each frequency divided by its own factor
+        inv = inv / torch.tensor(s["factors"], dtype=torch.float64)
     elif kind == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
         factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)

@@ -218,22 +218,29 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _refuse_gguf_rope_scaling(f: Path) -> None:
-    """transformers' GGUF import drops llama.cpp's RoPE scaling (Llama 3.1+'s rope_freqs tensor, linear's
-    rope.scaling keys): such a file would run with plain RoPE. Its header names them; one look at its first bytes."""
+def _gguf_rope_scaling(f: Path) -> dict:
+    """llama.cpp's RoPE scaling, which transformers' GGUF import drops: Llama 3.1+'s per-frequency divisors (the
+    rope_freqs tensor) or linear's rope.scaling keys, as ModelConfig's rope_scaling ({} for none). Their names are in
+    the header: one look at its first bytes, and the (slow) parse only where they are."""
     import mmap
     with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
         head = m[:min(len(m), 64 << 20)]  # the header (metadata, tokenizer, tensor names) is well inside this
-    kind = "Llama 3.1+ rope_freqs" if b"rope_freqs.weight" in head else None
-    if kind is None and b".rope.scaling.type" in head:
-        from gguf import GGUFReader
-        field = next((v for k, v in GGUFReader(str(f)).fields.items() if k.endswith(".rope.scaling.type")), None)
-        value = bytes(field.parts[field.data[0]]).decode() if field is not None else "none"
-        kind = None if value == "none" else f"{value} rope.scaling"
-    if kind:
-        raise LocalLLMError(f"{f} scales its RoPE ({kind}), which transformers' GGUF import drops: the model would run "
-                            "with plain RoPE; use its Hugging Face checkpoint (safetensors), which localllm runs with "
-                            "its RoPE scaling")
+    if b"rope_freqs.weight" not in head and b".rope.scaling.type" not in head:
+        return {}
+    from gguf import GGUFReader
+    r = GGUFReader(str(f))
+    freqs = next((t for t in r.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        return {"rope_type": "factors", "factors": [float(v) for v in freqs.data]}
+    value = lambda key: next(v for k, v in r.fields.items() if k.endswith(key))  # noqa: E731
+    kind = bytes(value(".rope.scaling.type").parts[value(".rope.scaling.type").data[0]]).decode()
+    if kind == "none":
+        return {}
+    if kind != "linear":
+        raise LocalLLMError(f"{f} scales its RoPE by {kind}, which localllm does not run (default, linear and Llama "
+                            "3.1+ RoPE); pick another file of the model")
+    field = value(".rope.scaling.factor")
+    return {"rope_type": "linear", "factor": float(field.parts[field.data[0]][0])}
 
 
 def _open_gguf(folder: Path, name: str) -> Checkpoint:
@@ -245,14 +252,17 @@ def _open_gguf(folder: Path, name: str) -> Checkpoint:
     if split and int(split[2]) > 1:
         raise LocalLLMError(f"{f} is part {int(split[1])} of a GGUF split into {int(split[2])} files: merge them "
                             "(llama.cpp's `llama-gguf-split --merge FIRST_PART merged.gguf`) and pass the merged file")
-    _refuse_gguf_rope_scaling(f)
+    scaling = _gguf_rope_scaling(f)
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
         hf_config = AutoConfig.from_pretrained(str(folder), gguf_file=name)
     except Exception as e:
         raise LocalLLMError(f"cannot read GGUF file {f} ({type(e).__name__}: {str(e)[:160]}); it is corrupt, "
                             "truncated or of an architecture transformers cannot import") from None
-    config = ModelConfig.from_hf(hf_config.to_dict())
+    hf = hf_config.to_dict()
+    if scaling:  # transformers' import leaves it out (its own model of this file runs without it)
+        hf["rope_parameters"] = {**(hf.get("rope_parameters") or hf.get("rope_scaling") or {}), **scaling}
+    config = ModelConfig.from_hf(hf)
     try:
         with follow_rule_in_transformers():  # transformers shows its own progress bars while it dequantizes
             # config= spares a parse of the file (each takes seconds: the tokenizer's fields)

@@ -28,7 +28,8 @@ def write_gguf(ckpt, out, drop=(), rope_freqs=None, linear=None):
     w.add_block_count(cfg["num_hidden_layers"]), w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"]), w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads), w.add_head_count_kv(kv), w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(10000.0), w.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0
+    w.add_rope_freq_base(float(theta)), w.add_rope_dimension_count(cfg["hidden_size"] // heads)
     w.add_vocab_size(cfg["vocab_size"]), w.add_file_type(0)
     tj = json.loads((ckpt / "tokenizer.json").read_text())
     vocab = {**tj["model"]["vocab"], **{t["content"]: t["id"] for t in tj["added_tokens"]}}
@@ -72,18 +73,43 @@ def test_a_llama_cpp_gguf_runs_as_its_source(ckpt, tmp_path):
         assert (load(f).model(ids) - load(ckpt).model(ids)).abs().max() < 1e-4
 
 
-def test_incomplete_split_and_rope_scaled_ggufs_are_refused(ckpt, tmp_path):
+def llama3_factors(cfg: dict) -> list[float]:
+    """What llama.cpp's converter writes as rope_freqs for a Llama-3.1-scaled checkpoint: each frequency's divisor."""
+    import math
+    rp = cfg.get("rope_parameters") or cfg["rope_scaling"]
+    d = cfg["hidden_size"] // cfg["num_attention_heads"]
+    f, lo, hi, old = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"], rp["original_max_position_embeddings"]
+    out = []
+    for i in range(0, d, 2):
+        wavelen = 2 * math.pi * (rp.get("rope_theta") or cfg.get("rope_theta") or 10000.0) ** (i / d)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        out.append(1.0 if wavelen < old / hi else f if wavelen > old / lo else 1 / ((1 - smooth) / f + smooth))
+    return out
+
+
+def test_rope_scaled_ggufs_run_with_their_scaling(tmp_path):
+    """transformers' GGUF import drops llama.cpp's RoPE scaling; localllm reads it back and runs as the source."""
+    ids = torch.tensor([[3, 17, 42, 99, 5, 7, 11]])
+    for name, kw in [("l3", {"arch": "llama3"}), ("lin", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}})]:
+        src = make_checkpoint(tmp_path / name, **kw)
+        cfg = json.loads((src / "config.json").read_text())
+        extra = {"rope_freqs": llama3_factors(cfg)} if name == "l3" else {"linear": 4.0}
+        f = write_gguf(src, tmp_path / f"{name}.gguf", **extra)
+        plain = write_gguf(src, tmp_path / f"{name}-plain.gguf")
+        with torch.no_grad():
+            want = load(src).model(ids)
+            assert (load(f).model(ids) - want).abs().max() < 1e-4, name
+            assert (load(plain).model(ids) - want).abs().max() > 1e-2, name  # the scaling matters here
+
+
+def test_incomplete_and_split_ggufs_are_refused(ckpt, tmp_path):
     with pytest.raises(LocalLLMError, match="lacks 1 of the model's tensors .*down_proj.*re-download it"):
         open_checkpoint(write_gguf(ckpt, tmp_path / "miss.gguf", drop={"blk.1.ffn_down.weight"}))
     part = tmp_path / "m-00001-of-00002.gguf"
     part.write_bytes(b"GGUF")
     with pytest.raises(LocalLLMError, match="part 1 of a GGUF split into 2 files: merge them"):
         open_checkpoint(part)
-    with pytest.raises(LocalLLMError, match=r"scales its RoPE \(Llama 3.1\+ rope_freqs\)"):
-        open_checkpoint(write_gguf(ckpt, tmp_path / "l3.gguf", rope_freqs=[1.0] * 4 + [4.0] * 4))
-    with pytest.raises(LocalLLMError, match=r"scales its RoPE \(linear rope.scaling\)"):
-        open_checkpoint(write_gguf(ckpt, tmp_path / "lin.gguf", linear=4.0))
-    with pytest.raises(LocalLLMError, match="no GGUF file .*nope.gguf; .* holds l3.gguf, lin.gguf, m-00001"):
+    with pytest.raises(LocalLLMError, match="no GGUF file .*nope.gguf; .* holds m-00001-of-00002.gguf, miss.gguf"):
         open_checkpoint(tmp_path, gguf_file="nope.gguf")
     with pytest.raises(LocalLLMError, match="no such file or folder: nope/x.gguf"):
         open_checkpoint("nope/x.gguf")  # a mistyped path, not a hub id
