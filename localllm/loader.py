@@ -94,7 +94,7 @@ def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Che
     """Open `src`: a .gguf file, a folder (safetensors or GGUF), or a Hugging Face hub id."""
     path = Path(src).expanduser()
     if path.is_file():
-        if path.suffix != ".gguf":
+        if path.suffix.lower() != ".gguf":
             raise LocalLLMError(f"{path} is a file but not a .gguf; pass a .gguf file or a checkpoint folder")
         return _open_gguf(path.parent, path.name)
     if path.is_dir():
@@ -257,8 +257,14 @@ def _open_gguf(folder: Path, name: str) -> Checkpoint:
         from transformers import AutoConfig, AutoModelForCausalLM
         hf_config = AutoConfig.from_pretrained(str(folder), gguf_file=name)
     except Exception as e:
-        raise LocalLLMError(f"cannot read GGUF file {f} ({type(e).__name__}: {str(e)[:160]}); it is corrupt, "
-                            "truncated or of an architecture transformers cannot import") from None
+        raise LocalLLMError(f"cannot read GGUF file {f} ({type(e).__name__}: {str(e)[:160]}); it is corrupt or "
+                            "truncated (re-download it), or of an architecture transformers cannot import (localllm "
+                            "runs Llama, Mistral and Qwen2 GGUFs)") from None
+    try:  # before the weights, which take minutes to dequantize on a large model
+        tokenizer = tokenizer_of(folder, gguf_file=name)
+    except LocalLLMError:
+        raise LocalLLMError(f"{f} holds no tokenizer transformers can read (its tokenizer.ggml.* keys): put the "
+                            "model's tokenizer.json and tokenizer_config.json beside it") from None
     hf = hf_config.to_dict()
     if scaling:  # transformers' import leaves it out (its own model of this file runs without it)
         hf["rope_parameters"] = {**(hf.get("rope_parameters") or hf.get("rope_scaling") or {}), **scaling}
@@ -276,6 +282,6 @@ def _open_gguf(folder: Path, name: str) -> Checkpoint:
         raise LocalLLMError(f"{f} lacks {len(missing)} of the model's tensors (e.g. {missing[0]}): the file is "
                             "incomplete; re-download it")
     state = model.state_dict()
-    return Checkpoint(config, tokenizer_of(folder, gguf_file=name),
+    return Checkpoint(config, tokenizer,
                       {"format": "gguf", "path": str(Path(folder).resolve()), "gguf_file": name}, [f], state.__getitem__,
                       set(state))

@@ -17,7 +17,7 @@ TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "o
        "lm_head.weight": "output.weight"}
 
 
-def write_gguf(ckpt, out, drop=(), rope_freqs=None, linear=None):
+def write_gguf(ckpt, out, drop=(), rope_freqs=None, linear=None, tokenizer=True):
     """A llama.cpp-style float32 GGUF of a tiny Llama checkpoint folder: its names, its Q/K row order, a BPE
     tokenizer; `drop` leaves tensors out (GGUF names), rope_freqs / linear write llama.cpp's RoPE scaling."""
     import gguf
@@ -31,16 +31,17 @@ def write_gguf(ckpt, out, drop=(), rope_freqs=None, linear=None):
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0
     w.add_rope_freq_base(float(theta)), w.add_rope_dimension_count(cfg["hidden_size"] // heads)
     w.add_vocab_size(cfg["vocab_size"]), w.add_file_type(0)
-    tj = json.loads((ckpt / "tokenizer.json").read_text())
-    vocab = {**tj["model"]["vocab"], **{t["content"]: t["id"] for t in tj["added_tokens"]}}
-    toks = [f"[PAD{i}]" for i in range(cfg["vocab_size"])]
-    for s, i in vocab.items():
-        toks[i] = s
-    special = {t["id"] for t in tj["added_tokens"]}
-    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("default"), w.add_token_list(toks)
-    w.add_token_types([3 if i in special else 1 if toks[i] in vocab else 4 for i in range(len(toks))])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
-    w.add_bos_token_id(vocab["<s>"]), w.add_eos_token_id(vocab["<|end|>"]), w.add_add_bos_token(False)
+    if tokenizer:
+        tj = json.loads((ckpt / "tokenizer.json").read_text())
+        vocab = {**tj["model"]["vocab"], **{t["content"]: t["id"] for t in tj["added_tokens"]}}
+        toks = [f"[PAD{i}]" for i in range(cfg["vocab_size"])]
+        for s, i in vocab.items():
+            toks[i] = s
+        special = {t["id"] for t in tj["added_tokens"]}
+        w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("default"), w.add_token_list(toks)
+        w.add_token_types([3 if i in special else 1 if toks[i] in vocab else 4 for i in range(len(toks))])
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+        w.add_bos_token_id(vocab["<s>"]), w.add_eos_token_id(vocab["<|end|>"]), w.add_add_bos_token(False)
 
     def permute(x, n):  # llama.cpp's order of q and k rows (transformers undoes it)
         return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
@@ -109,7 +110,10 @@ def test_incomplete_and_split_ggufs_are_refused(ckpt, tmp_path):
     part.write_bytes(b"GGUF")
     with pytest.raises(LocalLLMError, match="part 1 of a GGUF split into 2 files: merge them"):
         open_checkpoint(part)
-    with pytest.raises(LocalLLMError, match="no GGUF file .*nope.gguf; .* holds m-00001-of-00002.gguf, miss.gguf"):
+    with pytest.raises(LocalLLMError, match="holds no tokenizer transformers can read .*put the model's tokenizer"):
+        open_checkpoint(write_gguf(ckpt, tmp_path / "notok.gguf", tokenizer=False))
+    with pytest.raises(LocalLLMError, match="no GGUF file .*nope.gguf; .* holds m-00001-of-00002.gguf, miss.gguf, "
+                                            "notok.gguf"):
         open_checkpoint(tmp_path, gguf_file="nope.gguf")
     with pytest.raises(LocalLLMError, match="no such file or folder: nope/x.gguf"):
         open_checkpoint("nope/x.gguf")  # a mistyped path, not a hub id
