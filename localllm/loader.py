@@ -96,6 +96,9 @@ def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Che
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise LocalLLMError(f"{path} is a file but not a .gguf; pass a .gguf file or a checkpoint folder")
+        if gguf_file and gguf_file != path.name:
+            raise LocalLLMError(f"--gguf-file {gguf_file} names another file than {path}: pass the file, or its "
+                                "folder with --gguf-file")
         return _open_gguf(path.parent, path.name)
     if path.is_dir():
         if (path / MANIFEST).exists():

@@ -115,5 +115,7 @@ def test_incomplete_and_split_ggufs_are_refused(ckpt, tmp_path):
     with pytest.raises(LocalLLMError, match="no GGUF file .*nope.gguf; .* holds m-00001-of-00002.gguf, miss.gguf, "
                                             "notok.gguf"):
         open_checkpoint(tmp_path, gguf_file="nope.gguf")
+    with pytest.raises(LocalLLMError, match="--gguf-file other.gguf names another file than"):
+        open_checkpoint(tmp_path / "miss.gguf", gguf_file="other.gguf")
     with pytest.raises(LocalLLMError, match="no such file or folder: nope/x.gguf"):
         open_checkpoint("nope/x.gguf")  # a mistyped path, not a hub id
