@@ -61,13 +61,14 @@ def encode_prompt(lm: LocalModel, prompt: str | list[dict]) -> list[int]:
     try:
         out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
     except TemplateError as e:  # the template's own check, e.g. Mistral's "roles must alternate"
+        refused = LocalLLMError(f"the model's chat template refused these messages ({e})")
         folded = _fold_system(prompt)
         if folded is None:
-            raise LocalLLMError(f"the model's chat template refused these messages ({e})") from None
+            raise refused from None
         try:
             out = tok.apply_chat_template(folded, add_generation_prompt=True, tokenize=True)
         except TemplateError:
-            raise LocalLLMError(f"the model's chat template refused these messages ({e})") from None
+            raise refused from None
         if tok not in _TOLD_NO_SYSTEM:  # once per tokenizer, not at every reply
             _TOLD_NO_SYSTEM.add(tok)
             print("localllm: this model's chat template takes no system message: the system prompt goes at the "

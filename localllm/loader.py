@@ -226,24 +226,35 @@ def _gguf_rope_scaling(f: Path) -> dict:
     rope_freqs tensor) or linear's rope.scaling keys, as ModelConfig's rope_scaling ({} for none). Their names are in
     the header: one look at its first bytes, and the (slow) parse only where they are."""
     import mmap
+    if f.stat().st_size == 0:
+        return {}  # (nothing to map: transformers' reading refuses it)
     with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        head = m[:min(len(m), 64 << 20)]  # the header (metadata, tokenizer, tensor names) is well inside this
-    if b"rope_freqs.weight" not in head and b".rope.scaling.type" not in head:
-        return {}
+        head = min(len(m), 64 << 20)  # the header (metadata, tokenizer, tensor names) is well inside this
+        if all(m.find(key, 0, head) < 0 for key in (b"rope_freqs.weight", b".rope.scaling.type")):
+            return {}
     from gguf import GGUFReader
-    r = GGUFReader(str(f))
-    freqs = next((t for t in r.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:
-        return {"rope_type": "factors", "factors": [float(v) for v in freqs.data]}
-    value = lambda key: next(v for k, v in r.fields.items() if k.endswith(key))  # noqa: E731
-    kind = bytes(value(".rope.scaling.type").parts[value(".rope.scaling.type").data[0]]).decode()
+    try:
+        r = GGUFReader(str(f))
+        freqs = next((t for t in r.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:
+            return {"rope_type": "factors", "factors": [float(v) for v in freqs.data]}
+        field = lambda key: next(v.parts[v.data[0]] for k, v in r.fields.items() if k.endswith(key))  # noqa: E731
+        kind = bytes(field(".rope.scaling.type")).decode()
+        factor = float(field(".rope.scaling.factor")[0]) if kind == "linear" else None
+    except Exception as e:  # noqa: BLE001 - whatever a damaged file raises
+        raise _unreadable_gguf(f, e) from None
     if kind == "none":
         return {}
     if kind != "linear":
         raise LocalLLMError(f"{f} scales its RoPE by {kind}, which localllm does not run (default, linear and Llama "
                             "3.1+ RoPE); pick another file of the model")
-    field = value(".rope.scaling.factor")
-    return {"rope_type": "linear", "factor": float(field.parts[field.data[0]][0])}
+    return {"rope_type": "linear", "factor": factor}
+
+
+def _unreadable_gguf(f: Path, e: Exception) -> LocalLLMError:
+    return LocalLLMError(f"cannot read GGUF file {f} ({type(e).__name__}: {str(e)[:160]}); it is corrupt or truncated "
+                         "(re-download it), or of an architecture transformers cannot import (localllm runs Llama, "
+                         "Mistral and Qwen2 GGUFs)")
 
 
 def _open_gguf(folder: Path, name: str) -> Checkpoint:
@@ -260,9 +271,7 @@ def _open_gguf(folder: Path, name: str) -> Checkpoint:
         from transformers import AutoConfig, AutoModelForCausalLM
         hf_config = AutoConfig.from_pretrained(str(folder), gguf_file=name)
     except Exception as e:
-        raise LocalLLMError(f"cannot read GGUF file {f} ({type(e).__name__}: {str(e)[:160]}); it is corrupt or "
-                            "truncated (re-download it), or of an architecture transformers cannot import (localllm "
-                            "runs Llama, Mistral and Qwen2 GGUFs)") from None
+        raise _unreadable_gguf(f, e) from None
     try:  # before the weights, which take minutes to dequantize on a large model
         tokenizer = tokenizer_of(folder, gguf_file=name)
     except LocalLLMError:

@@ -115,6 +115,9 @@ def test_incomplete_and_split_ggufs_are_refused(ckpt, tmp_path):
     with pytest.raises(LocalLLMError, match="no GGUF file .*nope.gguf; .* holds m-00001-of-00002.gguf, miss.gguf, "
                                             "notok.gguf"):
         open_checkpoint(tmp_path, gguf_file="nope.gguf")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(LocalLLMError, match="cannot read GGUF file .*empty.gguf.*re-download it"):
+        open_checkpoint(tmp_path / "empty.gguf")
     with pytest.raises(LocalLLMError, match="--gguf-file other.gguf names another file than"):
         open_checkpoint(tmp_path / "miss.gguf", gguf_file="other.gguf")
     with pytest.raises(LocalLLMError, match="no such file or folder: nope/x.gguf"):
