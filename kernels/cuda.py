@@ -150,11 +150,29 @@ def allow_shared(func, nbytes: int) -> None:
         func.max_dynamic_shared_size_bytes = nbytes
 
 
-def launch(func, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, early: bool = False) -> None:
+# Devices whose next launch is a plain one whatever it asks (launch's plain_next): a held GEMV after a compensating
+# one (kernels.gemv). Its early launch made the 8B decode ~11 us a call slower (H200, W3, gate_up k_chunk 2 in every
+# block: 2.19 ms a step against 1.86 with down launched plain, 1.71 without QDEC; kernels/NOTES.md, session 52).
+_plain_next: set[int] = set()
+
+
+def next_is_plain(device: int) -> bool:
+    """Whether the next launch on `device` will be plain (no early start): its input is then ready when it starts."""
+    return device in _plain_next or not early_launch(device)
+
+
+def launch(func, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, early: bool = False,
+           plain_next: bool = False) -> None:
     """Launch a kernel of kernel() on torch's current stream. early=True: programmatic dependent launch (sm_90+),
     the kernel may start while the previous one in the stream still runs; it must execute griddepcontrol.wait
-    before it reads or writes memory that earlier kernels touch (weights it may prefetch before)."""
-    if not (early and early_launch(torch.cuda.current_device())):
+    before it reads or writes memory that earlier kernels touch (weights it may prefetch before). plain_next: the
+    next launch on this device is a plain one (in stream order, as a graph captures it)."""
+    dev = torch.cuda.current_device()
+    early = early and not next_is_plain(dev)
+    _plain_next.discard(dev)
+    if plain_next:
+        _plain_next.add(dev)
+    if not early:
         func(grid, block, args, stream=stream(), shared_mem=shared_mem)
         return
     grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))

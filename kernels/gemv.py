@@ -234,9 +234,9 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     hold_next: this GEMV and the next kernel are GEMVs of HOLD_BYTES or more (the next launches as this one's blocks
     end their streams); default: the next kernel is taken to be a GEMV of w's size (the benchmarks' repeated calls).
     held: the kernel before this one holds its launch (hold_next), so x is ready when it starts; default: the one before
-    is taken to be a GEMV of w's size. Without early launches (cuda.early_launch) every GEMV is held. A held GEMV
-    at one block per SM, and every QDEC GEMV (its selection waits for x), stages x before it requests its first
-    weights (x_first).
+    is taken to be a GEMV of w's size. Without early launches (cuda.early_launch), and after a compensating GEMV that
+    holds it (it then launches plain: cuda.next_is_plain), every GEMV is held. A held GEMV at one block per SM, and
+    every QDEC GEMV (its selection waits for x), stages x before it requests its first weights (x_first).
     comp: QDEC, y += R_hat[:, S] f(x)[S] (S chosen in the kernel); needs decode_variant and the grid that
     comp.state was numbered with."""
     N, K = w.out_features, w.in_features
@@ -263,7 +263,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     grid = grid_of(N, x.device, blocks_per_sm)
     repeated = w.nbytes >= HOLD_BYTES  # the defaults: this GEMV's neighbours are GEMVs of w's size
     hold_next = repeated if hold_next is None else hold_next
-    held = not cuda.early_launch(x.device.index or 0) or (repeated if held is None else held)
+    held = cuda.next_is_plain(x.device.index or 0) or (repeated if held is None else held)
     x_first = (held or qw > 0) and blocks_per_sm == 1
     null = np.uint64(0)
     if qw:
@@ -278,7 +278,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         cuda.ptr(out), np.int32(N), np.int32(K), np.int32(G), np.uint32(0x64006400),
         null if norm is None else cuda.ptr(norm[0]), np.float32(norm[1] if norm else 0.0), np.int32(glu),
         np.int32(hold_next), np.int32(x_first), *extra),
-        shared_mem=smem, early=True)
+        shared_mem=smem, early=True, plain_next=qw > 0 and hold_next)
     return out
 
 

@@ -81,3 +81,36 @@ def test_kernel_source_changes_with_its_headers(tmp_path, monkeypatch):
     qdec = tmp_path / "qdec.cuh"
     qdec.write_text(qdec.read_text() + "\n// an edit\n")
     assert cuda.source("gemv") != before
+
+
+def test_the_launch_after_a_compensating_gemv_is_plain(monkeypatch):
+    """kernels.cuda.launch: where early launch is on, a launch asked with plain_next makes the next launch on the
+    device a plain one, then early launches resume; next_is_plain says so beforehand (a GEMV stages x first then).
+    (An early launch after a compensating GEMV cost the 8B decode ~11 us a call on the H200.)"""
+    from localllm.kernels import cuda
+    ran = []
+    monkeypatch.setattr(cuda.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda.torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 0})())
+    monkeypatch.setattr(cuda, "early_launch", lambda dev: True)
+    monkeypatch.setattr(cuda, "stream", lambda: None)
+    monkeypatch.setattr(cuda, "_libcuda", lambda: type("L", (), {"cuLaunchKernelEx": lambda *a: ran.append("early")
+                                                                  or 0})())
+
+    class Func:
+        kernel = type("K", (), {"ptr": 0})()
+
+        def __call__(self, *a, **kw):
+            ran.append("plain")
+    f = Func()
+    cuda._plain_next.clear()
+    cuda.launch(f, (1,), (32,), (), early=True)
+    assert ran == ["early"] and not cuda.next_is_plain(0)
+    cuda.launch(f, (1,), (32,), (), early=True, plain_next=True)  # a compensating GEMV
+    assert ran[-1] == "early" and cuda.next_is_plain(0)
+    cuda.launch(f, (1,), (32,), (), early=True)
+    assert ran[-1] == "plain" and not cuda.next_is_plain(0)
+    cuda.launch(f, (1,), (32,), (), early=True)
+    cuda.launch(f, (1,), (32,), (), early=False)
+    assert ran[-2:] == ["early", "plain"]
+    monkeypatch.setattr(cuda, "early_launch", lambda dev: False)
+    assert cuda.next_is_plain(0)
