@@ -26,9 +26,11 @@ QDEC_MODES = ("off", "exact", "approx", "static", "random")
 
 @dataclass
 class QdecSettings:
-    """How QDEC runs, shared by every Linear of a model. k_chunk: channels compensated per 1024 inputs."""
+    """How QDEC runs, shared by every Linear of a model. k_chunk: channels compensated per 1024 inputs. blocks: per
+    kind, the blocks compensated where not all are (a tuning profile whose budget does not cover every block)."""
     mode: str = "off"
     k_chunk: dict = field(default_factory=lambda: {k: 0 for k in KINDS})
+    blocks: dict = field(default_factory=dict)  # kind -> frozenset of block indices; a kind not here: every block
     generator: torch.Generator | None = None  # randomness of boundary-bucket / random picks
     # observer(linear, x [T, K], idx [T, k]): called with each CPU compensation's input and selected channels
     # (measurements such as the recall of the selection; localllm.outliers)
@@ -37,8 +39,11 @@ class QdecSettings:
     # GPU the int8 GEMM of kernels/prefill_a8.cu): not QDEC, but read by every Linear like it
     act8: bool = False
 
-    def k_for(self, kind: str) -> int:
-        return 0 if self.mode == "off" else self.k_chunk.get(kind, 0)
+    def k_for(self, kind: str, block: int | None = None) -> int:
+        """k_chunk of `kind`'s layers, or of its layer in `block` (0 where that block is not compensated)."""
+        if self.mode == "off" or (block is not None and kind in self.blocks and block not in self.blocks[kind]):
+            return 0
+        return self.k_chunk.get(kind, 0)
 
 
 class Linear(nn.Module):
@@ -50,6 +55,7 @@ class Linear(nn.Module):
         super().__init__()
         assert (weight is None) != (quant is None), "give dense weights or quantized weights"
         self.kind = kind
+        self.block: int | None = None  # the block it belongs to (build_block), for QdecSettings.blocks
         self.quant = quant  # on the CPU; on a GPU it becomes `packed` (place())
         self.packed = None
         self.residual = residual
@@ -89,6 +95,12 @@ class Linear(nn.Module):
             self._dequantized = self.quant.dequantize()
         return self._dequantized
 
+    def weighted_energy(self, v: torch.Tensor) -> float:
+        """sum_n sum_c v[c] W_hat[n, c]^2 (v [K]: the inputs' mean squares, so the output energy E|W_hat x|^2 of
+        uncorrelated inputs); on a GPU dequantized a slice of rows at a time, as prompts are."""
+        slices = [self.dense()] if self.packed is None else self._dequantized_slices()
+        return sum(float(w.float().square().sum(0) @ v.to(w.device, torch.float32)) for w in slices)
+
     def place(self, device: torch.device, dtype: torch.dtype) -> None:
         """Move to `device`; dense weights and bias take `dtype`. Packed weights stay packed: on a GPU they become
         the kernels' Packed form (the CPU QuantWeight is dropped)."""
@@ -107,7 +119,7 @@ class Linear(nn.Module):
         """y = W f(x) (+ residual, same shape as y): f = `norm` (an RMSNorm), silu(gate) * up when `glu` (x =
         [gate | up]), or nothing. x: [..., K] (or [..., 2K] with glu) -> [..., N]. On a GPU, one token at a time,
         the GEMV kernel applies f and adds the residual itself."""
-        k = self.settings.k_for(self.kind)
+        k = self.settings.k_for(self.kind, self.block)
         compensate = k > 0 and self.residual is not None
         if self.packed is not None:
             if x.shape[:-1].numel() == 1:  # decode: the GEMV kernel, with QDEC inside when it is on
@@ -141,16 +153,22 @@ class Linear(nn.Module):
             y = y + qdec.compensate(x2, idx, self.residual).to(y.dtype).reshape(y.shape)
         return y
 
-    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x W_hat^T on the GPU: W_hat dequantized to fp16 a slice of rows at a time (at most DEQUANT_ELEMS weights:
-        an 8B model's output head would be 1 GB whole), each slice multiplied by cuBLAS."""
+    def _dequantized_slices(self):
+        """W_hat on the GPU as fp16 slices of rows, each at most DEQUANT_ELEMS weights (an 8B model's output head
+        would be 1 GB whole)."""
         from .kernels.gemv import dequantize
         w = self.packed
         T = w.out_features // 16
         step = max(1, DEQUANT_ELEMS // (16 * w.in_features))
         if step >= T:
-            return F.linear(x, dequantize(w))
-        return torch.cat([F.linear(x, dequantize(w.tiles(t, min(T, t + step)))) for t in range(0, T, step)], dim=-1)
+            yield dequantize(w)
+            return
+        for t in range(0, T, step):
+            yield dequantize(w.tiles(t, min(T, t + step)))
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W_hat^T on the GPU, a slice of W_hat's rows at a time (cuBLAS)."""
+        return torch.cat([F.linear(x, w) for w in self._dequantized_slices()], dim=-1)
 
     @staticmethod
     def input_of(x: torch.Tensor, norm: "RMSNorm | None" = None, glu: bool = False) -> torch.Tensor:
@@ -410,5 +428,7 @@ def holds(kind: str, nbytes: int, next_nbytes: int) -> bool:
 def build_block(cfg: ModelConfig, layer: int, t: dict, settings: QdecSettings) -> Block:
     """A block from its tensors: norms + per-kind dicts of Linear arguments (see Linear.__init__)."""
     lins = {k: Linear(k, settings=settings, **t[k]) for k in KINDS}
+    for lin in lins.values():
+        lin.block = layer
     return Block(cfg, layer, RMSNorm(t["attn_norm"], cfg.rms_norm_eps), lins["qkv"], lins["o"],
                  RMSNorm(t["mlp_norm"], cfg.rms_norm_eps), lins["gate_up"], lins["down"])

@@ -468,6 +468,7 @@ def measure_pareto(r: Run) -> dict:
 
 def _pareto_width(r: Run, bits: int) -> dict:
     from .model import KINDS
+    from .tuner.timing import setting
     from .tuner.tune import tune
     lm = r.load(bits, device="cuda")
     res = tune(lm, list(r.o.budgets), evaluate=False, write=False)
@@ -476,15 +477,15 @@ def _pareto_width(r: Run, bits: int) -> dict:
     points, seen = [], {}
     for row in res.rows:
         c = row.choice
-        key = (tuple(sorted(c.k_chunk.items())), tuple(sorted(c.n_tb.items())))
         if not c.compensates:
             ppl = off
-        elif key in seen:
-            ppl = seen[key]
+        elif c.key in seen:
+            ppl = seen[c.key]
         else:
-            lm.set_qdec({"mode": "approx", "k_chunk": dict(c.k_chunk), "n_tb": dict(c.n_tb)})
-            ppl = seen[key] = r.perplexity(lm, f"GPU eval W{bits} {row.budget:.1%}")
+            lm.set_qdec(setting(c))
+            ppl = seen[c.key] = r.perplexity(lm, f"GPU eval W{bits} {row.budget:.1%}")
         points.append({"budget": row.budget, "n_tb_max": c.n_tb_max, "k_chunk": {k: c.k_chunk[k] for k in KINDS},
+                       "blocks": {k: list(b) for k, b in c.blocks.items()},
                        "predicted": c.predicted, "slowdown": row.slowdown, "ms": 1e3 * row.decode,
                        "ms_off": 1e3 * row.decode_off, "ppl": ppl})
     result = {"ms_off": 1e3 * res.problem.step_time, "ppl_off": off, "points": points}

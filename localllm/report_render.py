@@ -383,7 +383,8 @@ def pareto_md(pd: dict, report: dict, folder: Path) -> list[str]:
                         textcoords="offset points")
         out.append(f"| W{bits} | off | | | {d['ms_off']:.3f} | {_f(d['ppl_off'])} |")
         for p in d["points"]:
-            ks = ", ".join(str(p["k_chunk"][k]) for k in KINDS)
+            ks = ", ".join(str(p["k_chunk"][k]) for k in KINDS) + "".join(
+                f"; {k} in {len(b)} blocks" for k, b in p.get("blocks", {}).items())
             out.append(f"| W{bits} | {100 * p['budget']:g}% | {p['n_tb_max'] or '-'} / ({ks}) | "
                        f"{100 * p['slowdown']:+.1f}% | {p['ms']:.3f} | {_f(p['ppl'])} |")
     ax.set_yscale("log")

@@ -17,9 +17,10 @@ from .tuner.profile import DEFAULT_BUDGET
 DEFAULT_K_CHUNK = 8  # channels per 1024 compensated when QDEC is on and no tuning profile applies
 
 
-def _describe_k(ks: dict) -> str:
+def _describe_k(ks: dict, blocks: dict | None = None) -> str:
     vals = set(ks.values())
-    return f"k_chunk {vals.pop()}" if len(vals) == 1 else "k_chunk " + ", ".join(f"{k} {v}" for k, v in ks.items())
+    out = f"k_chunk {vals.pop()}" if len(vals) == 1 else "k_chunk " + ", ".join(f"{k} {v}" for k, v in ks.items())
+    return out + "".join(f" ({k} in blocks {', '.join(map(str, sorted(b)))} only)" for k, b in (blocks or {}).items())
 
 
 @dataclass
@@ -111,7 +112,8 @@ class LocalModel:
 
     def set_qdec(self, qdec: str | int | dict = "on", budget: float | None = None) -> None:
         """qdec: "on", "off", a k_chunk for every layer type, or a dict {"mode": "exact"|"approx"|"static"|"random",
-        "k_chunk": int | {kind: int}, "n_tb": int | {kind: int} (GPU only; default: qdec.default_n_tb)}.
+        "k_chunk": int | {kind: int}, "n_tb": int | {kind: int} (GPU only; default: qdec.default_n_tb), "blocks":
+        {kind: [block indices]} (optional: a kind's layers compensated in these blocks only)}.
 
         "on" on a GPU: the tuning profile of this GPU and model for the slowdown budget (`budget`, a fraction, kept
         in self.budget; see tuner.profile.select), else DEFAULT_K_CHUNK with a one-line warning when the profiles
@@ -133,11 +135,12 @@ class LocalModel:
         if isinstance(qdec, int) and not isinstance(qdec, bool):
             placed = self._apply("approx", qdec)
         elif isinstance(qdec, dict):
-            placed = self._apply(qdec.get("mode", "approx"), qdec.get("k_chunk", DEFAULT_K_CHUNK), qdec.get("n_tb"))
+            placed = self._apply(qdec.get("mode", "approx"), qdec.get("k_chunk", DEFAULT_K_CHUNK), qdec.get("n_tb"),
+                                 qdec.get("blocks"))
         else:
             raise LocalLLMError(f"qdec={qdec!r} is not understood; use 'on', 'off', a k_chunk integer or a dict")
         if placed and self.settings.mode != "off":
-            self.qdec_source = f"{_describe_k(self.settings.k_chunk)} (set by hand)"
+            self.qdec_source = f"{_describe_k(self.settings.k_chunk, self.settings.blocks)} (set by hand)"
         self.qdec_overhead = None
 
     def _set_on(self) -> None:
@@ -159,7 +162,8 @@ class LocalModel:
             layers = sel.profile["layers"]
             try:
                 placed = self._apply("approx", {k: v["k_chunk"] for k, v in layers.items()},
-                                     {k: v["n_tb"] for k, v in layers.items()})
+                                     {k: v["n_tb"] for k, v in layers.items()},
+                                     {k: v["blocks"] for k, v in layers.items() if "blocks" in v})
             except LocalLLMError as e:
                 print(f"localllm: warning: tuning profile {sel.path} does not fit this model ({e}); using the default "
                       f"k_chunk {DEFAULT_K_CHUNK}: re-run `localllm tune {self.path}`", file=sys.stderr)
@@ -184,13 +188,20 @@ class LocalModel:
         finally:  # the new profile, or (tuning failed) the default as before
             self.set_qdec("on")
 
-    def _apply(self, mode: str, k: int | dict, n_tb: int | dict | None = None) -> bool:
+    def _apply(self, mode: str, k: int | dict, n_tb: int | dict | None = None, blocks: dict | None = None) -> bool:
         """Check and apply a QDEC setting (on a GPU: place every compensated layer's launch). False: the launches
         could not be placed (host memory), QDEC is off and qdec_source says why."""
         s = self.settings
         if mode not in QDEC_MODES[1:]:
             raise LocalLLMError(f"QDEC mode '{mode}' is unknown; use one of {', '.join(QDEC_MODES[1:])}")
         ks = {kind: k for kind in KINDS} if isinstance(k, int) else {kind: int(k.get(kind, 0)) for kind in KINDS}
+        n = len(self.model.blocks)
+        bad = [kind for kind, b in (blocks or {}).items() if kind not in KINDS or not all(
+            isinstance(i, int) and 0 <= i < n for i in b)]
+        if bad:
+            raise LocalLLMError(f"QDEC blocks for {', '.join(map(str, bad))}: give layer kinds ({', '.join(KINDS)}) "
+                                f"and block indices within 0..{n - 1}")
+        blocks = {kind: frozenset(b) for kind, b in (blocks or {}).items()}
         # approximate top-k needs a calibrated bucket boundary for k; the other modes go up to a whole chunk
         kmax = self.manifest["calibration"]["kmax"] if mode == "approx" else 1024
         if any(not 0 <= v <= kmax for v in ks.values()):
@@ -198,7 +209,7 @@ class LocalModel:
         nts = {kind: n_tb for kind in KINDS} if n_tb is None or isinstance(n_tb, int) else \
             {kind: n_tb.get(kind) for kind in KINDS}
         if not any(ks.values()):  # nothing to compensate
-            s.mode, s.k_chunk, self.qdec_source = "off", ks, "QDEC off (k_chunk 0 everywhere)"
+            s.mode, s.k_chunk, s.blocks, self.qdec_source = "off", ks, {}, "QDEC off (k_chunk 0 everywhere)"
             return True
         if self.model.device.type == "cuda":
             if mode != "approx":
@@ -207,16 +218,18 @@ class LocalModel:
             self._check_shared_memory(ks)  # a k_chunk this GPU cannot run is the caller's error, not a fallback
             self._check_n_tb(ks, nts)
             try:
-                self._place_qdec(ks, nts)
+                self._place_qdec(ks, nts, blocks)
             except LocalLLMError as e:  # compensation is an improvement, not a requirement: run without it
                 print(f"localllm: {e}; running without QDEC", file=sys.stderr)
                 s.mode, self.qdec_source = "off", f"QDEC off ({e})"
                 return False
-        s.mode, s.k_chunk = mode, ks
+        s.mode, s.k_chunk, s.blocks = mode, ks, blocks
         return True
 
-    def _compensated(self, ks: dict) -> list:
-        return [lin for lin in self.model.linears() if lin.residual is not None and ks[lin.kind] > 0]
+    def _compensated(self, ks: dict, blocks: dict | None = None) -> list:
+        blocks = blocks or {}
+        return [lin for lin in self.model.linears() if lin.residual is not None and ks[lin.kind] > 0
+                and (lin.kind not in blocks or lin.block in blocks[lin.kind])]
 
     def _check_shared_memory(self, ks: dict) -> None:
         """Refuse a k_chunk whose QDEC GEMV needs more shared memory per block than this GPU has."""
@@ -241,13 +254,13 @@ class LocalModel:
                 raise LocalLLMError(f"n_tb={n} is not viable for the {lin.kind} layers on this GPU; use one of "
                                     f"{ok}")
 
-    def _place_qdec(self, ks: dict, nts: dict | None = None) -> None:
+    def _place_qdec(self, ks: dict, nts: dict | None = None, blocks: dict | None = None) -> None:
         """Give every compensated GPU layer its QDEC launch: residuals pinned in host memory (once), its flags, the
         model's shared buffer of partial corrections, and k_chunk / n_tb (nts: per kind, None for the default)."""
         from .kernels import qdec
         from .kernels.gemv import grid_of
         dev = self.model.device
-        lins = self._compensated(ks)
+        lins = self._compensated(ks, blocks)
         todo = [lin for lin in lins if lin.host_residual is None]
         if todo:
             from .progress import progress
@@ -437,5 +450,6 @@ def describe(lm: LocalModel) -> dict:
         "kv_cache": {"bits": lm.kv_bits, "bytes_per_token": {b: kvquant.bytes_per_token(c, b) for b in kvquant.KV_BITS},
                      "smooth_attention": m.get("smooth_attention")},
         "tuning_profiles": sorted(p.name for p in Path(lm.path).glob("profiles/*.json")) if m else [],
-        "qdec": {"mode": lm.settings.mode, "k_chunk": lm.settings.k_chunk, "source": lm.qdec_source},
+        "qdec": {"mode": lm.settings.mode, "k_chunk": lm.settings.k_chunk, "source": lm.qdec_source,
+                 "blocks": {k: sorted(b) for k, b in lm.settings.blocks.items()}},
     }

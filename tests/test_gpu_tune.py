@@ -113,3 +113,36 @@ def test_cli_tune_prints_the_table(model_copy, capsys):
     out = capsys.readouterr().out
     assert "n_tb_max / (k_qkv, k_o, k_gu, k_d)" in out and "50%" in out and "wrote " in out
     assert (model_copy / "profiles").is_dir()
+
+
+def test_qdec_on_some_blocks_on_the_gpu(tiny_quant):
+    """A setting for some blocks (what a tune on a GPU whose compensating call costs more than a small budget gives):
+    launches are placed for those layers only, graph replays equal eager steps, and the block order the tuner
+    reads on the GPU is the CPU's."""
+    from localllm.decode import Decoder
+    from localllm.runtime import load
+    from localllm.tuner import blocks
+    cpu, gpu = load(tiny_quant, qdec="off"), load(tiny_quant, device="cuda", qdec="off")
+    for kind in ("gate_up", "down"):
+        lins = lambda lm: [getattr(b, kind) for b in lm.model.blocks]  # noqa: E731
+        assert blocks.order(lins(gpu), 8) == blocks.order(lins(cpu), 8)
+        for a, b in zip(lins(gpu), lins(cpu)):
+            assert blocks.gain(a, 8) == pytest.approx(blocks.gain(b, 8), rel=1e-2)
+    ids = torch.randint(0, gpu.model.cfg.vocab_size, (8,)).tolist()
+
+    def run(q, use_graph):
+        gpu.set_qdec(q)
+        dec = Decoder(gpu.model, 16, use_graph=use_graph)
+        out = [dec.prefill(ids[:1]).float().cpu()]
+        with torch.no_grad():
+            for pos in range(1, len(ids)):
+                out.append(dec.step(torch.tensor(ids[pos], device="cuda"), pos).float().cpu())
+        return torch.stack(out)
+
+    some = {"k_chunk": {"gate_up": 8, "down": 8}, "blocks": {"gate_up": [1], "down": [0]}}
+    got = run(some, use_graph=False)
+    assert {(lin.kind, lin.block) for lin in gpu.model.linears() if lin.comp is not None} == {("gate_up", 1),
+                                                                                                ("down", 0)}
+    assert torch.equal(run(some, use_graph=True), got)
+    assert not torch.equal(got, run("off", use_graph=False))
+    assert not torch.equal(got, run({"k_chunk": {"gate_up": 8, "down": 8}}, use_graph=False))

@@ -24,24 +24,33 @@ BUDGETS = (0.025, 0.05, 0.1, 0.2)
 
 class FakeBench:
     """GEMV times from the knee model; the decode step costs `factor` times the GEMV time a setting adds (the
-    GEMV timings miss part of it) plus `extra` seconds whenever QDEC is on."""
+    GEMV timings miss part of it) plus `extra` seconds whenever QDEC is on and `per_call` seconds per compensated
+    layer. Blocks rank by gain in reverse order (the last block first)."""
 
-    def __init__(self, p, factor=1.0, extra=0.0):
-        self.p, self.factor, self.extra = p, factor, extra
+    def __init__(self, p, factor=1.0, extra=0.0, per_call=0.0):
+        self.p, self.factor, self.extra, self.per_call = p, factor, extra, per_call
         self.gemv_time = Memo(knee(p.layers))
-        self.decodes, self.ppl = [], []
+        self.decodes, self.ppl, self.orders = [], [], []
 
     def decode_time(self, c):
         self.decodes.append(c)
         if c is None:
             return self.p.step_time
-        added = sum(lay.count * (self.gemv_time(lay.kind, c.n_tb[lay.kind], c.k_chunk[lay.kind])
-                                 - self.gemv_time(lay.kind, 0, 0)) for lay in self.p.layers)
-        return self.p.step_time + self.factor * added + self.extra
+        added = 0.0
+        for lay in self.p.layers:
+            if c.k_chunk[lay.kind]:
+                calls = len(c.blocks.get(lay.kind, range(lay.count)))
+                added += calls * (self.factor * (self.gemv_time(lay.kind, c.n_tb[lay.kind], c.k_chunk[lay.kind])
+                                                 - self.gemv_time(lay.kind, 0, 0)) + self.per_call)
+        return self.p.step_time + added + self.extra
 
     def perplexity(self, c):
         self.ppl.append(c)
-        return 20.0 if c is None else 20.0 - 0.01 * self.p.rows(c.k_chunk) / 1000
+        return 20.0 if c is None else 20.0 - 0.01 * self.p.rows(c.k_chunk, c.blocks) / 1000
+
+    def block_order(self, kind, k_chunk):
+        self.orders.append((kind, k_chunk))
+        return tuple(reversed(range(self.p.layer(kind).count)))
 
 
 def test_measured_slowdown_fits_every_budget_first_try_when_the_timings_are_right():
@@ -89,6 +98,34 @@ def test_measures_the_least_setting_before_settling_on_nothing():
     assert r.choice.k_chunk == cheapest.k_chunk and r.slowdown <= budget and r.tries > 1
     assert r.slowdown == pytest.approx(2 * e)
     assert not run(p, FakeBench(p, extra=2 * e * p.step_time), [budget], evaluate=False).rows[0].choice.compensates
+
+
+def test_fewer_blocks_when_even_the_least_setting_is_over():
+    """A fixed cost per compensating call (the H200: ~4 us a call against a 1.7 ms step) that puts even the least
+    setting over the budget on every block: it runs on the blocks with the most to gain, as many as fit, measured."""
+    p = problem()
+    cheapest = least(p, knee(p.layers), 0.05)
+    (kind,) = [k for k, v in cheapest.k_chunk.items() if v]
+    n = p.layer(kind).count
+    per_call = 0.05 * p.step_time / 10.5  # 10 calls fit 5%
+    bench = FakeBench(p, per_call=per_call)
+    res = run(p, bench, [0.05, 0.1], evaluate=True)
+    for r, most in zip(res.rows, (10, 21)):
+        c = r.choice
+        assert c.k_chunk == cheapest.k_chunk and set(c.blocks) == {kind} and r.slowdown <= r.budget
+        m = len(c.blocks[kind])
+        assert most - 3 <= m <= most and c.blocks[kind] == tuple(range(n - m, n))  # the order's first m, sorted
+        assert r.slowdown == pytest.approx(bench.decode_time(c) / p.step_time - 1)
+        assert c.predicted == pytest.approx(cheapest.predicted * m / n)
+        d = profile_of(r, res, H100, "abc", 3, None)
+        assert P.problems(d) is None and d["layers"][kind]["blocks"] == list(c.blocks[kind])
+        assert all("blocks" not in v for k, v in d["layers"].items() if k != kind)
+        assert f"({kind} in {m} of {n} blocks)" in table(res, "t")
+    assert res.rows[0].perplexity > res.rows[1].perplexity  # more blocks, more rows
+    assert bench.orders and all(o == (kind, cheapest.k_chunk[kind]) for o in bench.orders)
+    # not even one block fits: nothing
+    r = run(p, FakeBench(p, per_call=0.06 * p.step_time), [0.05], evaluate=False).rows[0]
+    assert not r.choice.compensates and r.slowdown == 0
 
 
 def test_table_and_profiles():
@@ -213,8 +250,11 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
     monkeypatch.setattr(LocalModel, "_check_shared_memory", lambda self, ks: None)
     monkeypatch.setattr(LocalModel, "_check_n_tb", lambda self, ks, nts: None)
-    monkeypatch.setattr(LocalModel, "_place_qdec", lambda self, ks, nts=None: placed.update(
-        {k: (ks[k], (nts or {}).get(k)) for k in ks}))
+    def place(self, ks, nts=None, blocks=None):
+        placed.update({k: (ks[k], (nts or {}).get(k)) for k in ks})
+        placed["blocks"] = blocks
+
+    monkeypatch.setattr(LocalModel, "_place_qdec", place)
     return placed
 
 
@@ -239,6 +279,43 @@ def test_runtime_uses_the_profile_of_this_gpu_and_model(model_copy, fake_gpu, ca
     P.write(model_copy, a_profile(budget=0.01, model_id=mid, ks=(0, 0, 0, 0), slowdown=0.0))
     lm.set_qdec("on", budget=0.01)
     assert lm.settings.mode == "off" and "no compensation fits" in lm.qdec_source and lm.qdec_overhead == 0.0
+    # a profile that compensates some blocks of a kind (format 2), and one of format 1 (every block)
+    d = a_profile(budget=0.03, model_id=mid, ks=(0, 0, 4, 0), slowdown=0.02)
+    d["layers"]["gate_up"]["blocks"] = [1]
+    P.write(model_copy, d)
+    lm.set_qdec("on", budget=0.03)
+    assert lm.settings.k_for("gate_up", 1) == 4 and lm.settings.k_for("gate_up", 0) == 0
+    assert lm.qdec_source.endswith("(measured +2.0%, gate_up in 1 block)")
+    assert fake_gpu["blocks"] == {"gate_up": frozenset({1})}
+    d = {**a_profile(budget=0.04, model_id=mid, ks=(0, 0, 2, 0), slowdown=0.03), "format": 1}
+    P.write(model_copy, d)
+    lm.set_qdec("on", budget=0.04)
+    assert lm.settings.k_for("gate_up", 0) == 2 and not lm.settings.blocks and fake_gpu["blocks"] == {}
+    assert capsys.readouterr().err == ""
+
+
+def test_qdec_on_some_blocks_only(model_copy):
+    """set_qdec's blocks: a kind compensated in the blocks given only (the CPU path; the GPU places launches for the
+    same layers); a block that does not exist is refused in one line."""
+    from localllm.runtime import load
+    lm = load(model_copy, qdec="off", device="cpu")
+    seen = []
+    lm.settings.observer = lambda lin, x, idx: seen.append((lin.kind, lin.block))
+    ids = torch.tensor([[1, 5, 9, 3]])
+
+    def logits(q):
+        lm.set_qdec(q)
+        seen.clear()
+        with torch.inference_mode():
+            return lm.model(ids).float()
+    off, some = logits("off"), logits({"k_chunk": {"gate_up": 8}, "blocks": {"gate_up": [1]}})
+    assert seen == [("gate_up", 1)] and "gate_up in blocks 1 only" in lm.qdec_source
+    every = logits({"k_chunk": {"gate_up": 8}})
+    assert sorted(seen) == [("gate_up", b) for b in range(len(lm.model.blocks))]
+    assert not torch.equal(some, off) and not torch.equal(some, every)
+    with pytest.raises(LocalLLMError, match=r"block indices within 0\.\.") as e:
+        lm.set_qdec({"k_chunk": 8, "blocks": {"gate_up": [len(lm.model.blocks)]}})
+    assert "\n" not in str(e.value)
 
 
 def test_runtime_warns_and_uses_the_default_for_another_gpu_or_model(model_copy, fake_gpu, capsys):
@@ -362,3 +439,24 @@ def test_qdec_1_is_k_chunk_1_not_on(tiny_quant):
     assert lm.settings.k_chunk == {k: 1 for k in KINDS} and lm.qdec_source == "k_chunk 1 (set by hand)"
     lm.set_qdec(True)
     assert lm.settings.k_chunk["o"] == 8
+
+
+def test_block_order_by_estimated_gain(model_copy):
+    """tuner.blocks: each layer's share of output energy that compensating its k_chunk most active channels per chunk
+    adds back, against float64 from the dense W_hat and R_hat; blocks ranked by it."""
+    from localllm.qdec import chunk_bounds, k_for_chunk
+    from localllm.runtime import load
+    from localllm.tuner import blocks
+    lm = load(model_copy, qdec="off", device="cpu")
+    for kind in KINDS:
+        lins = [getattr(b, kind) for b in lm.model.blocks]
+        for k in (8, 300):  # one channel, and a few, of the tiny inputs (a partial chunk takes k * size / 1024)
+            want = {}
+            for lin in lins:
+                sq = lin.stats.sq_mean.double()
+                r2 = lin.residual.dequantize().double().square().sum(0)
+                top = torch.cat([sq[s:e].topk(k_for_chunk(k, e - s)).indices + s
+                                 for s, e in chunk_bounds(lin.in_features)])
+                want[lin.block] = float((sq[top] * r2[top]).sum() / (sq * lin.dense().double().square().sum(0)).sum())
+                assert blocks.gain(lin, k) == pytest.approx(want[lin.block], rel=1e-4)
+            assert blocks.order(lins, k) == tuple(sorted(want, key=lambda b: -want[b]))

@@ -22,7 +22,8 @@ from localllm import atomic
 from localllm.errors import LocalLLMError
 from localllm.model import KINDS
 
-FORMAT = 1
+FORMAT = 2  # 2: layers.<kind>.blocks, the blocks compensated where not all are (format 1 profiles still read)
+READS = (1, 2)
 DEFAULT_BUDGET = 0.05  # the slowdown budget the runtime looks for when none is given
 DIR = "profiles"
 
@@ -107,8 +108,8 @@ def problems(d) -> str | None:
     """What makes `d` not a usable profile, or None."""
     if not isinstance(d, dict):
         return "not a JSON object"
-    if d.get("format") != FORMAT:
-        return f"format {d.get('format')!r}, this localllm reads format {FORMAT}"
+    if d.get("format") not in READS:
+        return f"format {d.get('format')!r}, this localllm reads formats {', '.join(map(str, READS))}"
     gpu = d.get("gpu")
     if not isinstance(gpu, dict) or not isinstance(gpu.get("name"), str) or not _is_int(gpu.get("sm_count"), 1):
         return "no gpu name and sm_count"
@@ -122,6 +123,9 @@ def problems(d) -> str | None:
     for kind, v in layers.items():
         if not isinstance(v, dict) or not _is_int(v.get("k_chunk"), 0) or not _is_int(v.get("n_tb"), 1):
             return f"layers.{kind} needs an integer k_chunk >= 0 and n_tb >= 1"
+        b = v.get("blocks")
+        if b is not None and (not isinstance(b, list) or not all(_is_int(i, 0) for i in b) or len(set(b)) < len(b)):
+            return f"layers.{kind}.blocks must be a list of distinct block indices"
     if d.get("slowdown") is not None and not _is_num(d["slowdown"]):
         return "slowdown is not a number"
     return None
@@ -189,7 +193,9 @@ def source_of(profile: dict) -> str:
     if not any(v["k_chunk"] for v in profile["layers"].values()):
         return f"{where}: no compensation fits it"
     s = profile.get("slowdown")
-    return f"{where} (measured {100 * s:+.1f}%)" if s is not None else f"{where} (slowdown not measured)"
+    some = "".join(f", {k} in {len(v['blocks'])} block{'s' * (len(v['blocks']) != 1)}"
+                   for k, v in profile["layers"].items() if "blocks" in v)
+    return f"{where} (measured {100 * s:+.1f}%{some})" if s is not None else f"{where} (slowdown not measured{some})"
 
 
 @dataclass

@@ -21,7 +21,8 @@ Phase 2 starts from the uniform k of Phase 1 and, round after round, offers ever
 in order of the time that step adds (cheapest first); a step that would break the budget freezes that kind for
 good. It ends when no kind is open.
 
-least() is the cheapest setting that compensates at all: what tune.run measures before it settles on nothing.
+least() is the cheapest setting that compensates at all: what tune.run measures before it settles on nothing, and
+where even that is over the budget, on fewer blocks (some_blocks: those with the most to gain).
 
 Every oracle point is measured once (Memo); several budgets tuned together share the points (search_budgets), and
 a larger budget never gets fewer compensated channels than a smaller one: a smaller budget's setting fits a larger
@@ -88,9 +89,15 @@ class Problem:
                 out.append((v, a))
         return out
 
-    def rows(self, k_chunk: dict[str, int]) -> int:
-        """Residual rows fetched per decode step: the measure of how much a setting compensates."""
-        return sum(lay.count * k_total(k_chunk.get(lay.kind, 0), lay.K) for lay in self.layers)
+    def rows(self, k_chunk: dict[str, int], blocks: dict[str, tuple[int, ...]] | None = None) -> int:
+        """Residual rows fetched per decode step: the measure of how much a setting compensates (blocks: per kind,
+        the blocks compensated where not all are)."""
+        blocks = blocks or {}
+        return sum(len(blocks.get(lay.kind, range(lay.count))) * k_total(k_chunk.get(lay.kind, 0), lay.K)
+                   for lay in self.layers)
+
+    def layer(self, kind: str) -> Layer:
+        return next(lay for lay in self.layers if lay.kind == kind)
 
 
 @dataclass(frozen=True)
@@ -103,10 +110,17 @@ class Choice:
     steps: int  # Phase 1's uniform k
     fallback: tuple[str, ...] = ()  # kinds the fallback fixed at k_chunk 0, in order
     carried_from: float | None = None  # the smaller budget whose setting this is (search_budgets)
+    blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per kind, its compensated blocks if not all
 
     @property
     def compensates(self) -> bool:
         return any(self.k_chunk.values())
+
+    @property
+    def key(self) -> tuple:
+        """What the decode step runs: equal keys, equal settings."""
+        return tuple(sorted(self.k_chunk.items())) + tuple(sorted(self.n_tb.items())) + \
+            tuple(sorted(self.blocks.items()))
 
 
 class Memo:
@@ -253,6 +267,17 @@ def least(problem: Problem, time: Oracle, budget: float) -> Choice:
     return Choice(budget, v, n_tb, only(lay.kind, k), cost.slowdown(n_tb, only(lay.kind, k)), 0)
 
 
+def some_blocks(problem: Problem, choice: Choice, order: tuple[int, ...], m: int) -> Choice:
+    """`choice`, which compensates one kind, on the first m blocks of `order` (that kind's blocks, the most to gain
+    first: tuner.blocks.order) only; its predicted slowdown scaled to them."""
+    (kind,) = [k for k, v in choice.k_chunk.items() if v]
+    count = problem.layer(kind).count
+    if not 1 <= m <= count or len(set(order)) != len(order) or len(order) != count:
+        raise ValueError(f"{kind}: {m} of {count} blocks, order {order}")
+    return replace(choice, blocks={kind: tuple(sorted(order[:m]))} if m < count else {},
+                   predicted=choice.predicted * m / count)
+
+
 def nothing(problem: Problem, budget: float, fallback: tuple[str, ...] = ()) -> Choice:
     """The setting that compensates nothing (k_chunk 0 everywhere)."""
     n_tb = {lay.kind: lay.n_tb_under(problem.n_tb_limit) for lay in problem.layers}
@@ -265,7 +290,7 @@ def carry_forward(problem: Problem, choices: Iterable[Choice]) -> list[Choice]:
     out: list[Choice] = []
     best: Choice | None = None
     for c in sorted(choices, key=lambda c: c.budget):
-        if best is not None and problem.rows(best.k_chunk) > problem.rows(c.k_chunk):
+        if best is not None and problem.rows(best.k_chunk, best.blocks) > problem.rows(c.k_chunk, c.blocks):
             c = replace(best, budget=c.budget,
                         carried_from=best.budget if best.carried_from is None else best.carried_from)
         out.append(c)

@@ -138,6 +138,12 @@ class GemvTimer:
         return time_graph(calls, self.reps)
 
 
+def setting(choice: Choice) -> dict:
+    """The LocalModel.set_qdec argument of a tuner setting."""
+    return {"mode": "approx", "k_chunk": dict(choice.k_chunk), "n_tb": dict(choice.n_tb),
+            "blocks": {k: list(b) for k, b in choice.blocks.items()}}
+
+
 class GpuBench:
     """tuner.tune.Bench on the GPU for a LocalModel loaded with device='cuda'."""
 
@@ -151,8 +157,12 @@ class GpuBench:
             self.tokens = len(self.ids) - 1
 
     def _set(self, choice: Choice | None) -> None:
-        self.lm.set_qdec("off" if choice is None else
-                         {"mode": "approx", "k_chunk": dict(choice.k_chunk), "n_tb": dict(choice.n_tb)})
+        self.lm.set_qdec("off" if choice is None else setting(choice))
+
+    def block_order(self, kind: str, k_chunk: int) -> tuple[int, ...]:
+        from .blocks import order
+        return order([lin for lin in self.lm.model.linears() if lin.kind == kind and lin.residual is not None],
+                     k_chunk)
 
     def decode_time(self, choice: Choice | None) -> float:
         from localllm.bench import decode_time

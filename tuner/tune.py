@@ -2,19 +2,22 @@
 
 For each budget, ascending: the search picks a setting on the GEMV timings; the decode step is then timed with it
 (a captured graph, as generation runs) and compared with the step without QDEC timed just before (a pair, so
-clock drift over the tune does not enter the ratio). When the measured slowdown is over
-the budget (the GEMV timings miss something: overlap, launch order, the QDEC variant's own cost), the search runs
-again with its target cut by the measured overshoot, and the step is timed again, up to MAX_TRIES times. Before a
-budget settles on no compensation (nothing predicted to fit, or still over after the tries), the cheapest setting
-that compensates (search.least) is timed once and kept if it measures within the budget: the GEMV timings miss
-costs that do not grow with k_chunk (H100, 8B W3: the compensating gate_up loses the plain GEMV's two blocks per
-SM), so a shrinking target can drop below the least setting while that setting itself fits. So every reported
-setting was measured to fit its budget. Each setting's pair is timed once per tune (another budget or try that
-lands on it reuses the pair). A larger budget then never ends with fewer compensated rows than a smaller one
+clock drift over the tune does not enter the ratio). When the measured slowdown is over the budget (the GEMV
+timings miss something: overlap, launch order, the QDEC variant's own cost), the search runs again with its target
+cut by the measured overshoot, and the step is timed again, up to MAX_TRIES times. Before a budget settles on no
+compensation (nothing predicted to fit, or still over after the tries), the cheapest setting that compensates
+(search.least) is timed once and kept if it measures within the budget: the GEMV timings miss costs that do not
+grow with k_chunk (H100, 8B W3: the compensating gate_up loses the plain GEMV's two blocks per SM), so a shrinking
+target can drop below the least setting while that setting itself fits. When it is over the budget too, it is
+tried on fewer blocks of its kind, those with the most to gain (tuner.blocks), as many as the measured cost per
+block allows, up to MAX_TRIES times (H200, 8B W3: nothing else fits 2.5% and 5%, as a compensating GEMV costs ~4-5
+us more than the plain one however few channels it takes, against a ~1.7 ms step). So every reported setting was
+measured to fit its budget. Each setting's pair is timed once per tune (another budget or try that lands on it
+reuses the pair). A larger budget then never ends with fewer compensated rows than a smaller one
 (search.carry_forward, on measured settings).
 
-run() is the procedure over a Bench (three timing/quality functions), so it is tested on the CPU with fakes;
-tune() is the GPU glue (tuner.timing) and writes the profiles.
+run() is the procedure over a Bench (timing, quality and block-order functions), so it is tested on the CPU with
+fakes; tune() is the GPU glue (tuner.timing) and writes the profiles.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from typing import Protocol
 from localllm.model import KINDS
 
 from . import profile as profiles
-from .search import Choice, Memo, Problem, carry_forward, least, nothing, search
+from .search import Choice, Memo, Problem, carry_forward, least, nothing, search, some_blocks
 
 MAX_TRIES = 4
 SHRINK = 0.9  # a retry aims this much under the target the overshoot suggests
@@ -38,6 +41,8 @@ class Bench(Protocol):
     def decode_time(self, choice: Choice | None) -> float: ...  # seconds per decode step; None: QDEC off
 
     def perplexity(self, choice: Choice | None) -> float: ...
+
+    def block_order(self, kind: str, k_chunk: int) -> tuple[int, ...]: ...  # tuner.blocks.order of the kind
 
 
 @dataclass
@@ -86,11 +91,27 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
 
     def timed(c: Choice) -> tuple[float, float]:
         """(decode with c, decode without QDEC just before), each setting's pair timed once per tune."""
-        key = (tuple(c.k_chunk.items()), tuple(c.n_tb.items()))
-        if key not in measured:
+        if c.key not in measured:
             say(f"tuning {profiles.percent(c.budget)}%: decode step")
-            measured[key] = measure(c)
-        return measured[key]
+            measured[c.key] = measure(c)
+        return measured[c.key]
+
+    def on_fewer_blocks(c: Choice, slow: float, tries: int) -> Row | None:
+        """c (one kind, measured at `slow` over the budget on all its blocks) on as many of the kind's blocks, those
+        with the most to gain, as measure within the budget; None when not even one does."""
+        (kind,) = [k for k, v in c.k_chunk.items() if v]
+        order = bench.block_order(kind, c.k_chunk[kind])
+        m = problem.layer(kind).count
+        for tries in range(tries + 1, tries + 1 + MAX_TRIES):
+            m = min(m - 1, int(m * c.budget / slow * SHRINK))
+            if m < 1:
+                return None
+            cm = some_blocks(problem, c, order, m)
+            on, off = timed(cm)
+            slow = on / off - 1
+            if slow <= c.budget:
+                return Row(cm, on, off, slow, tries)
+        return None
 
     for budget in sorted(set(budgets)):
         target, row, none, tries = budget, None, nothing(problem, budget), 0
@@ -109,10 +130,11 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
                 target = target * budget / slow * SHRINK
         if row is None:  # nothing predicted to fit, or still over: the least setting, measured, before nothing
             c = replace(least(problem, memo, budget), budget=budget)
-            on, off = timed(c) if c.compensates else (base, base)
-            slow = on / off - 1
-            row = Row(c, on, off, slow, tries + 1) if c.compensates and slow <= budget else \
-                Row(none, base, base, 0.0, tries)
+            if c.compensates:
+                on, off = timed(c)
+                slow, tries = on / off - 1, tries + 1
+                row = Row(c, on, off, slow, tries) if slow <= budget else on_fewer_blocks(c, slow, tries)
+            row = row or Row(none, base, base, 0.0, tries)
         rows.append(row)
     by_budget = {r.budget: r for r in rows}
     final = []
@@ -125,14 +147,13 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
         ppl_off = bench.perplexity(None)
         seen: dict[tuple, float] = {}
         for r in final:
-            key = tuple(sorted(r.choice.k_chunk.items())) + tuple(sorted(r.choice.n_tb.items()))
             if not r.choice.compensates:
                 r.perplexity = ppl_off
                 continue
-            if key not in seen:
+            if r.choice.key not in seen:
                 say(f"tuning {profiles.percent(r.budget)}%: perplexity")
-                seen[key] = bench.perplexity(r.choice)
-            r.perplexity = seen[key]
+                seen[r.choice.key] = bench.perplexity(r.choice)
+            r.perplexity = seen[r.choice.key]
     return Result(problem, final, ppl_off, len(memo.points), time.perf_counter() - t0)
 
 
@@ -147,7 +168,8 @@ def profile_of(row: Row, result: Result, gpu: dict, model_id: str, bits: int | N
         "bits": bits,
         "budget": c.budget,
         "n_tb_max": c.n_tb_max,
-        "layers": {k: {"k_chunk": c.k_chunk[k], "n_tb": c.n_tb[k]} for k in KINDS},
+        "layers": {k: {"k_chunk": c.k_chunk[k], "n_tb": c.n_tb[k],
+                       **({"blocks": list(c.blocks[k])} if k in c.blocks else {})} for k in KINDS},
         "slowdown": row.slowdown,
         "predicted_slowdown": c.predicted,
         "decode_ms": {"off": 1e3 * row.decode_off, "qdec": 1e3 * row.decode},
@@ -175,6 +197,7 @@ def table(result: Result, title: str) -> str:
         setting = f"{c.n_tb_max if c.compensates else '-'} / ({ks})"
         note = f"  (= {profiles.percent(c.carried_from)}%'s)" if c.carried_from is not None else \
             "  (nothing fits)" if not c.compensates else ""
+        note += "".join(f"  ({k} in {len(b)} of {result.problem.layer(k).count} blocks)" for k, b in c.blocks.items())
         lines.append(f"{profiles.percent(r.budget) + '%':>7}  {setting:<36} {100 * c.predicted:+8.1f}% "
                      f"{100 * r.slowdown:+8.1f}% {1e3 * r.decode:9.3f}"
                      + (f" {r.perplexity:10.3f}" if ev and r.perplexity is not None else "") + note)
