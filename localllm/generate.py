@@ -189,7 +189,7 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     qdec: None keeps the model's setting; "on" / "off" / a k_chunk / a dict (see LocalModel.set_qdec).
     kv_bits: None keeps the model's KV cache width; 16, 8 or 4 (see LocalModel.set_kv_bits).
     cancel: a threading.Event another thread may set to stop the reply before its next token (stats.finish_reason
-    "cancelled"); on the CPU also within a layer while the prompt is read (a GPU queues the prompt's kernels at once,
+    "cancelled"); on the CPU also between layers while the prompt is read (a GPU queues the prompt's kernels at once,
     and they finish first).
     The same seed gives the same text."""
     lm = model if isinstance(model, LocalModel) else load(model)

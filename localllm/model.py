@@ -41,9 +41,12 @@ class QdecSettings:
 
     def k_for(self, kind: str, block: int | None = None) -> int:
         """k_chunk of `kind`'s layers, or of its layer in `block` (0 where that block is not compensated)."""
-        if self.mode == "off" or (block is not None and kind in self.blocks and block not in self.blocks[kind]):
-            return 0
-        return self.k_chunk.get(kind, 0)
+        return 0 if self.mode == "off" or not in_blocks(self.blocks, kind, block) else self.k_chunk.get(kind, 0)
+
+
+def in_blocks(blocks: dict, kind: str, block: int | None) -> bool:
+    """Whether the `kind` layer of `block` is among `blocks` (as QdecSettings.blocks: a kind not there, every block)."""
+    return block is None or kind not in blocks or block in blocks[kind]
 
 
 class Linear(nn.Module):

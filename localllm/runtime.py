@@ -10,7 +10,7 @@ import torch
 from . import kvquant, modelfile, ops
 from .errors import LocalLLMError
 from .loader import MANIFEST, Checkpoint, open_checkpoint, tokenizer_of
-from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block
+from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block, in_blocks
 from .tuner import profile as tuning
 from .tuner.profile import DEFAULT_BUDGET
 
@@ -227,9 +227,8 @@ class LocalModel:
         return True
 
     def _compensated(self, ks: dict, blocks: dict | None = None) -> list:
-        blocks = blocks or {}
         return [lin for lin in self.model.linears() if lin.residual is not None and ks[lin.kind] > 0
-                and (lin.kind not in blocks or lin.block in blocks[lin.kind])]
+                and in_blocks(blocks or {}, lin.kind, lin.block)]
 
     def _check_shared_memory(self, ks: dict) -> None:
         """Refuse a k_chunk whose QDEC GEMV needs more shared memory per block than this GPU has."""

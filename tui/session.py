@@ -80,7 +80,7 @@ class Reply:
 
     def run(self, session: "ChatSession", emit: Callable[[str], None], stop: threading.Event) -> None:
         """Generate, calling emit(piece) for each text piece; `stop` set: end after the current token (the piece
-        decoded meanwhile is not shown), on the CPU also within a layer while the prompt is read. Errors end up in
+        decoded meanwhile is not shown), on the CPU also between layers while the prompt is read. Errors end up in
         `error`, as one line."""
         with session.model_lock:
             try:

@@ -113,8 +113,13 @@ class Choice:
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per kind, its compensated blocks if not all
 
     @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds it compensates."""
+        return tuple(k for k, v in self.k_chunk.items() if v)
+
+    @property
     def compensates(self) -> bool:
-        return any(self.k_chunk.values())
+        return bool(self.kinds)
 
     @property
     def key(self) -> tuple:
@@ -270,7 +275,7 @@ def least(problem: Problem, time: Oracle, budget: float) -> Choice:
 def some_blocks(problem: Problem, choice: Choice, order: tuple[int, ...], m: int) -> Choice:
     """`choice`, which compensates one kind, on the first m blocks of `order` (that kind's blocks, the most to gain
     first: tuner.blocks.order) only; its predicted slowdown scaled to them."""
-    (kind,) = [k for k, v in choice.k_chunk.items() if v]
+    (kind,) = choice.kinds
     count = problem.layer(kind).count
     if not 1 <= m <= count or len(set(order)) != len(order) or len(order) != count:
         raise ValueError(f"{kind}: {m} of {count} blocks, order {order}")

@@ -99,7 +99,7 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
     def on_fewer_blocks(c: Choice, slow: float, tries: int) -> Row | None:
         """c (one kind, measured at `slow` over the budget on all its blocks) on as many of the kind's blocks, those
         with the most to gain, as measure within the budget; None when not even one does."""
-        (kind,) = [k for k, v in c.k_chunk.items() if v]
+        (kind,) = c.kinds
         order = bench.block_order(kind, c.k_chunk[kind])
         m = problem.layer(kind).count
         for tries in range(tries + 1, tries + 1 + MAX_TRIES):
