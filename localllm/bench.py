@@ -499,6 +499,11 @@ def bench_e2e_qdec(bits: int = 3, k_chunk: int = 8, kv_bits: int = 16) -> None:
         torch.cuda.empty_cache()
 
 
+# calibration.qdec_value of the demo model quantized to 3 bits (RTN) on the CPU, 2026-11-29
+DEMO_QDEC_VALUE = {"metric": "kl", "tokens": 1024, "mode": "approx", "k_chunk": 8, "off": 1.7828,
+                   "kl": {"qkv": 1.5988, "o": 1.7441, "gate_up": 1.4906, "down": 1.4607}}
+
+
 def bench_tune(bits: int = 3, budgets=(0.025, 0.05, 0.1, 0.2)) -> None:
     """`localllm tune` on an 8B-shaped random model (random pinned residuals, calibration-like b0/b15), without
     the perplexity column and without writing profiles: the tuner's table on this GPU and how long it takes."""
@@ -510,6 +515,11 @@ def bench_tune(bits: int = 3, budgets=(0.025, 0.05, 0.1, 0.2)) -> None:
     res = tune(lm, budgets, evaluate=False, write=False)
     print(f"\n{table(res, f'QDEC tuner on {torch.cuda.get_device_name()}, Llama-3-8B shapes W{bits}, random weights')}")
     print(f"model set-up {t1 - t0:.0f} s (random weights, pinning residuals); tuning {res.seconds:.0f} s")
+    # what a model quantized with qdec_value gets (tuner.search.allocate): the demo model's measured value per kind
+    lm.manifest["calibration"]["qdec_value"] = DEMO_QDEC_VALUE
+    res = tune(lm, budgets, evaluate=False, write=False)
+    title = "The same, with the demo model W3's value per kind (allocate; random residuals: the blocks differ little)"
+    print(f"\n{table(res, title)}")
 
 
 def greedy_tokens(model, ids: list[int], n: int, kv_bits: int = 16) -> list[int]:

@@ -97,6 +97,11 @@ def cmd_info(a) -> None:
     if d["calibration"]:
         c = d["calibration"]
         print(f"calibration  {c['tokens']} tokens of {c['text']}, k_chunk up to {c['kmax']}")
+        v = c.get("qdec_value")
+        if v:  # what the tuner spreads a budget by (tuner.search.allocate)
+            taken = ", ".join(f"{k} {kl - v['off']:+.3f}" for k, kl in v["kl"].items())
+            print(f"QDEC value   KL from the source {v['off']:.3f} with QDEC off; each kind at k_chunk {v['k_chunk']} "
+                  f"in every block: {taken}")
     else:
         print("calibration  none")
     if d.get("quantized_on"):

@@ -41,6 +41,9 @@ def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):
     out = capsys.readouterr().out
     assert "pinned host" in out and "GPU memory" in out and "no profiles" in out and "output head 8-bit" in out
     assert f"quantized on {d['quantized_on']['device']} in " in out
+    v = d["calibration"]["qdec_value"]  # what each kind's QDEC took away, as quantize measured it
+    assert f"QDEC value   KL from the source {v['off']:.3f}" in out
+    assert f"gate_up {v['kl']['gate_up'] - v['off']:+.3f}" in out
 
 
 def test_quantize_then_generate(tiny_ckpt, tmp_path, capsys):

@@ -52,6 +52,10 @@ def test_quantize_on_gpu_matches_cpu(tiny_ckpt, tmp_path, method, bits):
         assert torch.allclose(kg, kc, rtol=1e-3)
         if (kc[0] - kc[1]).abs() > 1e-2 * kc.max():  # a near tie may order the blocks either way
             assert mg["quant"]["block_bits"] == mc["quant"]["block_bits"]
+    vc, vg = (m["calibration"]["qdec_value"] for m in (mc, mg))  # what each kind's QDEC buys, measured on each
+    if method == "rtn":  # (the other methods' picks may tip, above, and move it further)
+        assert vg["off"] == pytest.approx(vc["off"], rel=0.02)
+        assert vg["kl"] == pytest.approx(vc["kl"], rel=0.05)
     cpu, gpu = (load(on[dev], qdec="off") for dev in ("cpu", "cuda"))  # both on the CPU, to compare
     for i, (bc, bg) in enumerate(zip(cpu.model.blocks, gpu.model.blocks)):
         for kind in KINDS:

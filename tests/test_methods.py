@@ -634,3 +634,28 @@ def test_a_gpu_out_of_memory_halves_the_row_blocks_then_names_the_fix(monkeypatc
     assert next(quant._row_blocks(1 << 20, 1024, device=torch.device("cuda"))).stop == 16 * 4096  # restored after
     with pytest.raises(torch.OutOfMemoryError):
         GpuMemoryFit(torch.device("cpu"))("quantizing block 3", lambda: step(0))
+
+# ----------------------------------------------------------------------------------------- QDEC's value per kind
+
+def test_qdec_value_is_the_kl_that_eval_measures(tiny_quant, tiny_ckpt):
+    """quantize records, per kind, the KL divergence from the source with that kind compensated (approx, every
+    block) beside QDEC off; the same numbers as `localllm eval --reference` on the same tokens."""
+    from localllm.evaluate import Reference, losses
+    from localllm.quantize import calibration_text, calibration_tokens
+    m = json.loads((tiny_quant / "localllm.json").read_text())
+    v, c = m["calibration"]["qdec_value"], m["calibration"]
+    assert v["metric"] == "kl" and v["mode"] == "approx" and set(v["kl"]) == set(KINDS)
+    lm = load(tiny_quant, qdec="off")
+    text, name = calibration_text(None)
+    toks, _ = calibration_tokens(lm.tokenizer, text, name, v["tokens"] + c["seq_len"], c["seq_len"])
+    ids = toks.flatten()[: v["tokens"] + 1].tolist()  # the measured sequences; the next one's first token
+    assert len(ids) == v["tokens"] + 1
+    ref = Reference(load(tiny_ckpt, qdec="off"), lm)
+    kl = lambda: losses(lm, ids, c["seq_len"], reference=ref)[1]  # noqa: E731
+    assert kl() == pytest.approx(v["off"], rel=1e-3)
+    for kind in KINDS:
+        lm.set_qdec({"mode": "approx", "k_chunk": {kind: v["k_chunk"]}})
+        # (the model file's fp16 embeddings move x by rounding, and the selection is discrete: a few channels flip)
+        assert kl() == pytest.approx(v["kl"][kind], rel=2e-2), kind
+    # what the residuals buy: each kind compensated takes some of the divergence away
+    assert all(v["kl"][kind] < v["off"] for kind in KINDS)

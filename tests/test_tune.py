@@ -2,6 +2,7 @@
 names, atomic writes, what is never overwritten), how the runtime picks a profile or warns, and the CLI."""
 import json
 import os
+from dataclasses import replace
 import shutil
 import subprocess
 import sys
@@ -27,8 +28,8 @@ class FakeBench:
     GEMV timings miss part of it) plus `extra` seconds whenever QDEC is on and `per_call` seconds per compensated
     layer. Blocks rank by gain in reverse order (the last block first)."""
 
-    def __init__(self, p, factor=1.0, extra=0.0, per_call=0.0):
-        self.p, self.factor, self.extra, self.per_call = p, factor, extra, per_call
+    def __init__(self, p, factor=1.0, extra=0.0, per_call=0.0, values=None):
+        self.p, self.factor, self.extra, self.per_call, self.values = p, factor, extra, per_call, values
         self.gemv_time = Memo(knee(p.layers))
         self.decodes, self.ppl, self.orders = [], [], []
 
@@ -51,6 +52,16 @@ class FakeBench:
     def block_order(self, kind, k_chunk):
         self.orders.append((kind, k_chunk))
         return tuple(reversed(range(self.p.layer(kind).count)))
+
+    def block_values(self, kind, k_chunk):
+        return None if self.values is None else self.values(kind, k_chunk)
+
+
+def concentrated(p):
+    """Values as on the demo model: down and gate_up worth most, in a few blocks; o next to nothing."""
+    w = {"qkv": 0.3, "o": 0.03, "gate_up": 0.7, "down": 0.9}
+    return lambda kind, k: {b: w[kind] * (3.0 if b % 5 == 0 else 0.2) * k / (k + 4)
+                            for b in range(p.layer(kind).count)}
 
 
 def test_measured_slowdown_fits_every_budget_first_try_when_the_timings_are_right():
@@ -75,6 +86,34 @@ def test_steps_back_when_the_decode_step_is_slower_than_predicted():
     assert any(r.tries > 1 for r in res.rows)
     rows = [p.rows(r.choice.k_chunk) for r in res.rows]
     assert rows == sorted(rows) and rows[-1] > 0
+
+
+@pytest.mark.parametrize("factor,per_call", [(1.0, 0.0), (2.0, 0.0), (1.0, 4e-6)])
+def test_with_measured_values_the_budget_goes_where_it_buys_most(factor, per_call):
+    """A model whose quantize measured what each kind buys: allocate() chooses, the decode step is measured and the
+    setting stepped back where it is over, and a larger budget never ends with less value."""
+    from localllm.tuner.search import allocate
+    p = problem()
+    values = concentrated(p)
+    bench = FakeBench(p, factor=factor, per_call=per_call, values=values)
+    res = run(p, bench, BUDGETS)
+    assert not bench.orders  # the row-count search's fallback is not used
+    for r in res.rows:
+        c = r.choice
+        assert r.slowdown <= r.budget and c.compensates and c.value > 0
+        hot = set(range(0, 32, 5))
+        assert all(hot <= set(b) or set(b) <= hot for b in c.blocks.values())  # the blocks worth most first
+        assert c.value == pytest.approx(sum(sum(values(k, c.k_chunk[k])[b] for b in c.blocks.get(k, range(32)))
+                                            for k in c.kinds))
+    first = res.rows[0]
+    if first.tries == 1:  # nothing measured yet: allocate() at the budget itself
+        assert first.choice == replace(allocate(p, bench.gemv_time, first.budget, values), budget=first.budget)
+    v = [r.choice.value for r in res.rows]
+    assert v == sorted(v)
+    assert (factor == 1.0 and per_call == 0) == all(r.tries == 1 for r in res.rows)
+    d = profile_of(res.rows[0], res, H100, "abc", 3, None)
+    assert d["search"]["value"] == pytest.approx(res.rows[0].choice.value)
+    assert d["layers"][res.rows[0].choice.kinds[0]]["k_chunk"] > 0
 
 
 def test_no_compensation_when_nothing_measured_fits():

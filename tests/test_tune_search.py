@@ -291,3 +291,79 @@ def test_least_is_the_cheapest_compensating_setting(model):
     assert 2 * k > lay.k_max or added(lay, c.n_tb[kind], 2 * k) > one * (1 + LEAST_SLACK)
     assert c.predicted == pytest.approx(added(lay, c.n_tb[kind], k) / p.step_time)
     assert not least(problem(k_max={kind: 0 for kind in SHAPES}), t, 0.05).compensates
+
+
+# ------------------------------------------------------------------------------- allocate(): value per budget
+
+def small_problem(rng, counts=(3, 2, 3, 2)):
+    """Four kinds of a few blocks each with small n_tb sets, so every combination can be enumerated."""
+    lays = tuple(Layer(kind, N, K, c, (1, 2, 4), rng.choice((2, 4, 8))) for (kind, (N, K)), c in
+                 zip(SHAPES.items(), counts))
+    gemvs = sum(lay.count * base(lay) for lay in lays)
+    return Problem(lays, 4, 1.5 * gemvs)
+
+
+def random_values(rng, p):
+    """Per kind and block a gain that grows with k_chunk (concave, as a larger k_chunk adds smaller channels)."""
+    w = {(lay.kind, b): rng.uniform(0.0, 1.0) for lay in p.layers for b in range(lay.count)}
+    return lambda kind, k: {b: w[kind, b] * math.log1p(k) for b in range(p.layer(kind).count)}
+
+
+def brute_force(p, oracle, budget, values):
+    """The most value over every (k_chunk of LADDER, n_tb, block subset) per kind, by enumeration."""
+    from itertools import combinations, product
+
+    from localllm.tuner.search import LADDER
+    step = p.step_time
+    per_kind = []
+    for lay in p.layers:
+        opts = [(0.0, 0.0)]
+        for k in (k for k in LADDER if k <= lay.k_max):
+            # (any block subset takes the n_tb of least time per call: every other costs more for the same value)
+            per_call = min(max(0.0, oracle(lay.kind, n, k) - oracle(lay.kind, 0, 0)) for n in lay.n_tb)
+            v = values(lay.kind, k)
+            for m in range(1, lay.count + 1):
+                for bl in combinations(range(lay.count), m):
+                    opts.append((m * per_call, sum(v[b] for b in bl)))
+        per_kind.append(set(opts))
+    return max(sum(o[1] for o in combo) for combo in product(*per_kind) if sum(o[0] for o in combo) <= budget * step)
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_allocate_finds_the_most_value_that_fits(trial):
+    from localllm.tuner.search import allocate
+    rng = random.Random(f"{os.getpid()}-{trial}")
+    p = small_problem(rng)
+    oracle = Memo(noisy(p.layers, rng.random()))  # each point measured once, for both searches
+    values = random_values(rng, p)
+    for budget in (0.0, 0.02, 0.05, 0.1, 0.3, 1.0):
+        c = allocate(p, oracle, budget, values)
+        best = brute_force(p, oracle, budget, values)
+        assert c.predicted <= budget + 1e-12
+        assert (c.value or 0.0) == pytest.approx(best, rel=1e-9, abs=1e-12)
+        if c.compensates:  # the setting is what its value and predicted slowdown say
+            on = {kind: c.blocks.get(kind, range(p.layer(kind).count)) for kind in c.kinds}
+            v = sum(sum(values(kind, c.k_chunk[kind])[b] for b in on[kind]) for kind in c.kinds)
+            added = sum(len(on[kind]) * max(0.0, oracle(kind, c.n_tb[kind], c.k_chunk[kind]) - oracle(kind, 0, 0))
+                        for kind in c.kinds)  # a point below the base adds 0
+            assert c.value == pytest.approx(v) and c.predicted == pytest.approx(added / p.step_time)
+        else:
+            assert best == 0.0 or budget == 0.0
+
+
+def test_allocate_takes_a_larger_k_chunk_on_fewer_blocks_where_the_value_is_there():
+    """A fixed cost per compensating call (the H200's ~4 us) and value in a few blocks: those blocks at a large
+    k_chunk, not every block at a small one; and no value in a kind: that kind never."""
+    from localllm.tuner.search import allocate
+    p = problem(layers=8, k_max={"o": 0})
+    per_call = 0.01 * p.step_time  # the fixed part
+    oracle = lambda kind, n, k: base(p.layer(kind)) + (per_call + 1e-9 * k * n if k else 0)  # noqa: E731
+    hot = {"gate_up": {1, 5}, "down": {2}}
+
+    def values(kind, k):
+        return {b: (1.0 if b in hot.get(kind, ()) else 0.01) * min(k, 16) if kind != "qkv" else 0.0
+                for b in range(8)}
+    c = allocate(p, oracle, 0.035, values)
+    assert c.kinds == ("gate_up", "down") and c.blocks == {"gate_up": (1, 5), "down": (2,)}
+    assert c.k_chunk["gate_up"] == c.k_chunk["down"] == 16 and c.n_tb["gate_up"] == 1
+    assert c.value == pytest.approx(48.0) and c.predicted == pytest.approx(0.03, rel=1e-2)

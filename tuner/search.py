@@ -21,6 +21,13 @@ Phase 2 starts from the uniform k of Phase 1 and, round after round, offers ever
 in order of the time that step adds (cheapest first); a step that would break the budget freezes that kind for
 good. It ends when no kind is open.
 
+allocate() is the search for models whose quantize measured what compensating each kind buys (the manifest's
+calibration.qdec_value; tuner.blocks.values): it spends the budget where the predicted KL divergence taken away is
+largest, per kind a k_chunk from LADDER, the n_tb that makes it cheapest, and the blocks with the most to gain, as
+many as pay (an exact search over every kind's (k_chunk, blocks) on the GEMV timings). On the demo model (W3, on the
+H200) it put each budget on gate_up at k_chunk 16 and down at 32 in a few of their best blocks, where the search
+above gave gate_up alone k_chunk 16 in more: 2-3x the KL taken away at the same measured cost (README).
+
 least() is the cheapest setting that compensates at all: what tune.run measures before it settles on nothing, and
 where even that is over the budget, on fewer blocks (some_blocks: those with the most to gain).
 
@@ -37,6 +44,8 @@ from dataclasses import dataclass, field, replace
 from localllm.qdec import k_total
 
 Oracle = Callable[[str, int, int], float]
+Values = Callable[[str, int], dict[int, float]]  # (kind, k_chunk) -> per block, the KL divergence taken away
+LADDER = (1, 2, 4, 8, 16, 32)  # the k_chunks allocate() weighs (each within the kind's bound)
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,10 @@ class Problem:
     def layer(self, kind: str) -> Layer:
         return next(lay for lay in self.layers if lay.kind == kind)
 
+    def calls(self, choice: "Choice") -> int:
+        """Compensating GEMV calls per decode step."""
+        return sum(len(choice.blocks.get(kind, range(self.layer(kind).count))) for kind in choice.kinds)
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -111,6 +124,7 @@ class Choice:
     fallback: tuple[str, ...] = ()  # kinds the fallback fixed at k_chunk 0, in order
     carried_from: float | None = None  # the smaller budget whose setting this is (search_budgets)
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per kind, its compensated blocks if not all
+    value: float | None = None  # allocate(): the predicted KL divergence taken away (None: the row-count search)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -245,6 +259,56 @@ def search(problem: Problem, time: Oracle, budget: float) -> Choice:
     return Choice(budget, v, n_tb, k, cost.slowdown(n_tb, k), steps, tuple(fallback))
 
 
+def allocate(problem: Problem, time: Oracle, budget: float, values: Values, per_call: float = 0.0) -> Choice:
+    """The setting of most value within the budget, on the GEMV timings (plus per_call seconds for each compensating
+    call, what tune.run measured them to miss): per kind one k_chunk of LADDER at the n_tb where it adds the least
+    time per call, on the blocks of most value at that k_chunk (values), as many as any; over all kinds, the
+    combination of most value whose added time fits (each kind's options cut to those no other option beats in both
+    time and value, then merged kind by kind the same way)."""
+    if not budget >= 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    memo = time if isinstance(time, Memo) else Memo(time)
+    cost = _Cost(problem, memo, budget)
+    limit = budget * cost.step
+    best: list[tuple[float, float, tuple]] = [(0.0, 0.0, ())]  # (added seconds, value, options taken)
+    for lay in problem.layers:
+        options = []
+        for k in (k for k in LADDER if k <= lay.k_max):
+            n_tb = min([n for n in lay.n_tb if n <= problem.n_tb_limit] or [lay.n_tb[0]],
+                       key=lambda n: (memo(lay.kind, n, k), n))  # noqa: B023
+            call = max(0.0, memo(lay.kind, n_tb, k) - cost.base[lay.kind]) + per_call
+            v = values(lay.kind, k)
+            order = sorted(v, key=lambda b: (-v[b], b))  # noqa: B023
+            total = 0.0
+            for m, b in enumerate(order, 1):
+                total += v[b]
+                options.append((m * call, total, (lay.kind, k, n_tb, tuple(sorted(order[:m])))))
+        options = _frontier(options)
+        best = _frontier(best + [(c + oc, v + ov, taken + (o,)) for c, v, taken in best for oc, ov, o in options
+                                 if c + oc <= limit])
+    added, value, taken = best[-1]
+    if value <= 0:
+        return nothing(problem, budget)
+    k = {lay.kind: 0 for lay in problem.layers}
+    n_tb = {lay.kind: lay.n_tb_under(problem.n_tb_limit) for lay in problem.layers}
+    blocks = {}
+    for kind, kc, nt, bl in taken:
+        k[kind], n_tb[kind] = kc, nt
+        if len(bl) < problem.layer(kind).count:
+            blocks[kind] = bl
+    return Choice(budget, max(n_tb[kind] for kind, *_ in taken), n_tb, k, added / cost.step, 0, blocks=blocks,
+                  value=value)
+
+
+def _frontier(options: list[tuple[float, float, object]]) -> list[tuple[float, float, object]]:
+    """The (time, value, ...) options that no other beats in both, by ascending time (so ascending value)."""
+    out = []
+    for o in sorted(options, key=lambda o: (o[0], -o[1])):
+        if not out or o[1] > out[-1][1]:
+            out.append(o)
+    return out
+
+
 LEAST_SLACK = 0.25  # least(): a larger k_chunk is taken while it adds at most this much more than k_chunk 1
 
 
@@ -290,12 +354,15 @@ def nothing(problem: Problem, budget: float, fallback: tuple[str, ...] = ()) -> 
 
 
 def carry_forward(problem: Problem, choices: Iterable[Choice]) -> list[Choice]:
-    """By ascending budget: where a larger budget's setting compensates fewer rows than a smaller budget's, take
-    the smaller budget's (it fits the larger budget too)."""
+    """By ascending budget: where a larger budget's setting compensates less than a smaller budget's (predicted
+    value where allocate() chose, else rows), take the smaller budget's (it fits the larger budget too)."""
+    choices = list(choices)
+    valued = any(c.value is not None for c in choices)
+    amount = lambda c: (c.value or 0.0) if valued else problem.rows(c.k_chunk, c.blocks)  # noqa: E731
     out: list[Choice] = []
     best: Choice | None = None
     for c in sorted(choices, key=lambda c: c.budget):
-        if best is not None and problem.rows(best.k_chunk, best.blocks) > problem.rows(c.k_chunk, c.blocks):
+        if best is not None and amount(best) > amount(c):
             c = replace(best, budget=c.budget,
                         carried_from=best.budget if best.carried_from is None else best.carried_from)
         out.append(c)

@@ -159,10 +159,18 @@ class GpuBench:
     def _set(self, choice: Choice | None) -> None:
         self.lm.set_qdec("off" if choice is None else setting(choice))
 
+    def _lins(self, kind: str) -> list:
+        return [lin for lin in self.lm.model.linears() if lin.kind == kind and lin.residual is not None]
+
     def block_order(self, kind: str, k_chunk: int) -> tuple[int, ...]:
         from .blocks import order
-        return order([lin for lin in self.lm.model.linears() if lin.kind == kind and lin.residual is not None],
-                     k_chunk)
+        return order(self._lins(kind), k_chunk)
+
+    @functools.cache  # noqa: B019 (one bench per tune)
+    def block_values(self, kind: str, k_chunk: int) -> dict[int, float] | None:
+        from .blocks import values
+        measured = self.lm.manifest.get("calibration", {}).get("qdec_value")
+        return None if measured is None else values(self._lins(kind), k_chunk, measured)
 
     def decode_time(self, choice: Choice | None) -> float:
         from localllm.bench import decode_time

@@ -1,19 +1,24 @@
 """`localllm tune`: search (tuner.search) over GEMV timings, then check each budget's setting end to end.
 
-For each budget, ascending: the search picks a setting on the GEMV timings; the decode step is then timed with it
-(a captured graph, as generation runs) and compared with the step without QDEC timed just before (a pair, so
-clock drift over the tune does not enter the ratio). When the measured slowdown is over the budget (the GEMV
-timings miss something: overlap, launch order, the QDEC variant's own cost), the search runs again with its target
-cut by the measured overshoot, and the step is timed again, up to MAX_TRIES times. Before a budget settles on no
-compensation (nothing predicted to fit, or still over after the tries), the cheapest setting that compensates
-(search.least) is timed once and kept if it measures within the budget: the GEMV timings miss costs that do not
-grow with k_chunk (H100, 8B W3: the compensating gate_up loses the plain GEMV's two blocks per SM), so a shrinking
-target can drop below the least setting while that setting itself fits. When it is over the budget too, it is
-tried on fewer blocks of its kind, those with the most to gain (tuner.blocks), as many as the measured cost per
-block allows, up to MAX_TRIES times (H200, 8B W3: nothing else fits 2.5% and 5%, as a compensating GEMV costs ~4-5
-us more than the plain one however few channels it takes, against a ~1.7 ms step). So every reported setting was
-measured to fit its budget. Each setting's pair is timed once per tune (another budget or try that lands on it
-reuses the pair). A larger budget then never ends with fewer compensated rows than a smaller one
+For each budget, ascending: the search picks a setting on the GEMV timings (search.allocate where the model's
+quantize measured what each kind buys, calibration.qdec_value; else search.search, the paper's); the decode step is
+then timed with it (a captured graph, as generation runs) and compared with the step without QDEC timed just before
+(a pair, so clock drift over the tune does not enter the ratio). When the measured slowdown is over the budget (the
+GEMV timings miss something: overlap, launch order, the QDEC variant's own cost), the search runs again with its
+target cut by the measured overshoot (allocate: by SHRINK, and the overshoot spread over the compensating calls as a
+cost per call the GEMV timings miss, kept for the later budgets), and the step is timed again, up to MAX_TRIES times.
+
+The row-count search only: before a budget settles on no compensation (nothing predicted to fit, or still over after
+the tries), the cheapest setting that compensates (search.least) is timed once and kept if it measures within the
+budget: the GEMV timings miss costs that do not grow with k_chunk (H100, 8B W3: the compensating gate_up loses the
+plain GEMV's two blocks per SM), so a shrinking target can drop below the least setting while that setting itself
+fits. When it is over the budget too, it is tried on fewer blocks of its kind, those with the most to gain
+(tuner.blocks), as many as the measured cost per block allows, up to MAX_TRIES times (H200, 8B W3: nothing else fits
+2.5% and 5%, as a compensating GEMV costs ~4-5 us more than the plain one however few channels it takes, against a
+~1.7 ms step). allocate weighs fewer blocks itself.
+
+So every reported setting was measured to fit its budget. Each setting's pair is timed once per tune (another budget
+or try that lands on it reuses the pair). A larger budget then never ends with less compensation than a smaller one
 (search.carry_forward, on measured settings).
 
 run() is the procedure over a Bench (timing, quality and block-order functions), so it is tested on the CPU with
@@ -29,7 +34,7 @@ from typing import Protocol
 from localllm.model import KINDS
 
 from . import profile as profiles
-from .search import Choice, Memo, Problem, carry_forward, least, nothing, search, some_blocks
+from .search import Choice, Memo, Problem, allocate, carry_forward, least, nothing, search, some_blocks
 
 MAX_TRIES = 4
 SHRINK = 0.9  # a retry aims this much under the target the overshoot suggests
@@ -43,6 +48,9 @@ class Bench(Protocol):
     def perplexity(self, choice: Choice | None) -> float: ...
 
     def block_order(self, kind: str, k_chunk: int) -> tuple[int, ...]: ...  # tuner.blocks.order of the kind
+
+    # tuner.blocks.values of the kind; None: the model has no measured qdec_value (quantized before it was measured)
+    def block_values(self, kind: str, k_chunk: int) -> dict[int, float] | None: ...
 
 
 @dataclass
@@ -113,12 +121,17 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
                 return Row(cm, on, off, slow, tries)
         return None
 
+    kinds = [lay.kind for lay in problem.layers if lay.k_max > 0]
+    valued = bool(kinds) and bench.block_values(kinds[0], 1) is not None
+    per_call = 0.0  # allocate(): what each compensating call measured beyond its GEMV timing (learned, kept)
     for budget in sorted(set(budgets)):
         target, row, none, tries = budget, None, nothing(problem, budget), 0
         while row is None and tries < MAX_TRIES:
             tries += 1
             say(f"tuning {profiles.percent(budget)}%: search" + (f" (try {tries})" if tries > 1 else ""))
-            c = replace(search(problem, memo, target), budget=budget)
+            c = allocate(problem, memo, target, bench.block_values, per_call) if valued else \
+                search(problem, memo, target)
+            c = replace(c, budget=budget)
             if not c.compensates:
                 none = c
                 break
@@ -126,15 +139,18 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
             slow = on / off - 1
             if slow <= budget:
                 row = Row(c, on, off, slow, tries)
+            elif valued:  # the missing time spread over the calls, and some room
+                per_call = max(per_call, per_call + (slow - c.predicted) * base / problem.calls(c))
+                target = target * SHRINK
             else:
                 target = target * budget / slow * SHRINK
-        if row is None:  # nothing predicted to fit, or still over: the least setting, measured, before nothing
+        if row is None and not valued:  # nothing predicted to fit, or still over: the least setting, measured
             c = replace(least(problem, memo, budget), budget=budget)
             if c.compensates:
                 on, off = timed(c)
                 slow, tries = on / off - 1, tries + 1
                 row = Row(c, on, off, slow, tries) if slow <= budget else on_fewer_blocks(c, slow, tries)
-            row = row or Row(none, base, base, 0.0, tries)
+        row = row or Row(none, base, base, 0.0, tries)
         rows.append(row)
     by_budget = {r.budget: r for r in rows}
     final = []
@@ -175,7 +191,8 @@ def profile_of(row: Row, result: Result, gpu: dict, model_id: str, bits: int | N
         "decode_ms": {"off": 1e3 * row.decode_off, "qdec": 1e3 * row.decode},
         "perplexity": None if row.perplexity is None else
         {"off": result.perplexity_off, "qdec": row.perplexity, "tokens": tokens},
-        "search": {"phase1_steps": c.steps, "fallback": list(c.fallback), "tries": row.tries,
+        "search": {"objective": "rows" if c.value is None else "kl", "value": c.value,
+                   "phase1_steps": c.steps, "fallback": list(c.fallback), "tries": row.tries,
                    "carried_from": c.carried_from, "points": result.points, "seconds": round(result.seconds, 1)},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "localllm_version": __version__,
@@ -198,6 +215,7 @@ def table(result: Result, title: str) -> str:
         note = f"  (= {profiles.percent(c.carried_from)}%'s)" if c.carried_from is not None else \
             "  (nothing fits)" if not c.compensates else ""
         note += "".join(f"  ({k} in {len(b)} of {result.problem.layer(k).count} blocks)" for k, b in c.blocks.items())
+        note += f"  (predicted KL taken away {c.value:.3f})" if c.value is not None else ""
         lines.append(f"{profiles.percent(r.budget) + '%':>7}  {setting:<36} {100 * c.predicted:+8.1f}% "
                      f"{100 * r.slowdown:+8.1f}% {1e3 * r.decode:9.3f}"
                      + (f" {r.perplexity:10.3f}" if ev and r.perplexity is not None else "") + note)
