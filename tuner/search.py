@@ -25,8 +25,8 @@ allocate() is the search for models whose quantize measured what compensating ea
 calibration.qdec_value; tuner.blocks.values): it spends the budget where the predicted KL divergence taken away is
 largest, per kind a k_chunk from LADDER, the n_tb that makes it cheapest, and the blocks with the most to gain, as
 many as pay (an exact search over every kind's (k_chunk, blocks) on the GEMV timings). On the demo model (W3, on the
-H200) it put each budget on gate_up at k_chunk 16 and down at 32 in a few of their best blocks, where the search
-above gave gate_up alone k_chunk 16 in more: 2-3x the KL taken away at the same measured cost (README).
+H200) it put each budget on gate_up and down at k_chunk 8-32 in a few of their best blocks, where the search above
+gave gate_up alone k_chunk 16 in more: 2-4x the KL taken away at about the same measured cost (README).
 
 least() is the cheapest setting that compensates at all: what tune.run measures before it settles on nothing, and
 where even that is over the budget, on fewer blocks (some_blocks: those with the most to gain).
@@ -45,7 +45,7 @@ from localllm.qdec import k_total
 
 Oracle = Callable[[str, int, int], float]
 Values = Callable[[str, int], dict[int, float]]  # (kind, k_chunk) -> per block, the KL divergence taken away
-LADDER = (1, 2, 4, 8, 16, 32)  # the k_chunks allocate() weighs (each within the kind's bound)
+LADDER = (1, 2, 4, 8, 16, 32, 64)  # the k_chunks allocate() weighs (each within the kind's bound)
 
 
 @dataclass(frozen=True)
