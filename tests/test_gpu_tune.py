@@ -80,9 +80,12 @@ def test_tune_tiny_model_writes_profiles_that_load_uses(model_copy, capsys):
     want = {k: v["k_chunk"] for k, v in d["layers"].items()}
     if any(want.values()):
         assert lm2.settings.mode == "approx" and lm2.settings.k_chunk == want
+        only = {k: set(v["blocks"]) for k, v in d["layers"].items() if "blocks" in v}  # kinds on some blocks
         for lin in lm2.model.linears():
-            if want[lin.kind]:
+            if want[lin.kind] and lin.block in only.get(lin.kind, {lin.block}):
                 assert lin.comp.n_tb == d["layers"][lin.kind]["n_tb"] and lin.comp.k_chunk == want[lin.kind]
+            else:
+                assert lin.comp is None
     else:
         assert lm2.settings.mode == "off" and "no compensation fits" in lm2.qdec_source
     # generation runs with the tuned setting
