@@ -2,10 +2,10 @@
 names, atomic writes, what is never overwritten), how the runtime picks a profile or warns, and the CLI."""
 import json
 import os
-from dataclasses import replace
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
