@@ -216,6 +216,10 @@ def cmd_tune(a) -> None:
                      f"on {torch.cuda.get_device_name(lm.model.device)}"))
     for path, old in res.paths:
         print(f"{'replaced' if old else 'wrote'} {path}" + (f" (tuned {old.get('created', '?')})" if old else ""))
+    if "qdec_value" not in lm.manifest.get("calibration", {}):
+        print(f"note: {lm.path} was quantized before localllm measured what QDEC buys per layer type, so this tune "
+              "counted residual rows; quantize it again for a budget spent where it buys the most (README, \"Where "
+              "a budget buys the most\")")
 
 
 def _ints(flag: str, text: str) -> tuple:

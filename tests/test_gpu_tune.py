@@ -115,7 +115,14 @@ def test_cli_tune_prints_the_table(model_copy, capsys):
     assert main(["tune", str(model_copy), "--budget", "50%", "--no-eval", "--reps", "5"]) == 0
     out = capsys.readouterr().out
     assert "n_tb_max / (k_qkv, k_o, k_gu, k_d)" in out and "50%" in out and "wrote " in out
-    assert (model_copy / "profiles").is_dir()
+    assert (model_copy / "profiles").is_dir() and "quantize it again" not in out
+    # a model quantized before quantize measured QDEC's value per kind: the row-count search, and a note saying so
+    m = json.loads((model_copy / "localllm.json").read_text())
+    del m["calibration"]["qdec_value"]
+    (model_copy / "localllm.json").write_text(json.dumps(m))
+    assert main(["tune", str(model_copy), "--budget", "50%", "--no-eval", "--reps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "replaced " in out and "quantize it again" in out and "predicted KL taken away" not in out
 
 
 def test_qdec_on_some_blocks_on_the_gpu(tiny_quant):
