@@ -370,7 +370,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     settings = QdecSettings()
     # QDEC's value per kind (qdec_value): the first sequences through the source blocks and through the quantized
     # blocks with one kind compensated, beside the calibration's own (QDEC off)
-    n_value = max(1, min(toks.shape[0], sensitivity_tokens // toks.shape[1]))
+    n_value, value_k = max(1, min(toks.shape[0], sensitivity_tokens // toks.shape[1])), min(VALUE_K_CHUNK, kmax)
     streams = {"source": h[:n_value], **{kind: h[:n_value] for kind in KINDS}} if residuals else None
     tensors = ({}, {}, {})
     found = []
@@ -394,7 +394,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
             for acc, part in zip(saved, modelfile.block_state(i, blk)):
                 acc.update({name: v.cpu() for name, v in part.items()})
             return out, saved, info, None if streams is None else value_streams(cfg, i, t, blk, streams, rope, pos,
-                                                                                  mask, min(VALUE_K_CHUNK, kmax))
+                                                                                  mask, value_k)
 
         h, saved, info, streams = fit(f"quantizing block {i}", one_block)
         found.append(info)
@@ -417,7 +417,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         tensors[0]["lm_head"] = lm_head.half()
     calibration = {**calib, "kmax": kmax, "model_state": "quantized, QDEC off"}
     if streams is not None:
-        calibration["qdec_value"] = qdec_value(OutputHead(ckpt, dev), streams, h[:n_value], min(VALUE_K_CHUNK, kmax))
+        calibration["qdec_value"] = qdec_value(OutputHead(ckpt, dev), streams, h[:n_value], value_k)
     manifest = {
         "source": {**ckpt.source, "sha256": fingerprint},
         "config": cfg.to_dict(),

@@ -499,3 +499,22 @@ def test_block_order_by_estimated_gain(model_copy):
                 want[lin.block] = float((sq[top] * r2[top]).sum() / (sq * lin.dense().double().square().sum(0)).sum())
                 assert blocks.gain(lin, k) == pytest.approx(want[lin.block], rel=1e-4)
             assert blocks.order(lins, k) == tuple(sorted(want, key=lambda b: -want[b]))
+
+
+def test_block_values_add_up_to_the_measured_kl_per_kind(tiny_quant):
+    """tuner.blocks: a kind's measured KL taken away (quantize's qdec_value), split over its blocks by their gain, adds
+    back up to the measurement at the measured k_chunk; at any other k_chunk each block's value is its gain there times
+    the same weight."""
+    from localllm.runtime import load
+    from localllm.tuner.blocks import gain, kind_weight, values
+    from localllm.tuner.timing import compensable
+    lm = load(tiny_quant, qdec="off")
+    measured = lm.manifest["calibration"]["qdec_value"]
+    for kind in KINDS:
+        lins = compensable(lm, kind)
+        assert [lin.block for lin in lins] == list(range(lm.model.cfg.num_layers))
+        w = kind_weight(lins, measured)
+        v = values(lins, measured["k_chunk"], w)
+        assert sum(v.values()) == pytest.approx(max(measured["off"] - measured["kl"][kind], 0.0))
+        for k in (1, 32):
+            assert values(lins, k, w) == pytest.approx({lin.block: w * gain(lin, k) for lin in lins})

@@ -15,7 +15,8 @@ worse than block order.
 The share does not compare kinds: per unit of it, compensating o took 0.1 of the KL divergence away that down did
 (demo model, W3, k_chunk 8 in every block; KL from the source on the evaluation text: off 1.58, gate_up -0.29,
 down -0.21, qkv -0.22, o -0.02). So quantize measures each kind's KL taken away with the kind compensated in every
-block (the manifest's calibration.qdec_value), and values() splits it over the blocks in proportion to their gain.
+block (the manifest's calibration.qdec_value), and values() splits it over the blocks in proportion to their gain
+(kind_weight).
 """
 from __future__ import annotations
 
@@ -38,12 +39,15 @@ def order(lins, k_chunk: int) -> tuple[int, ...]:
     return tuple(sorted(g, key=lambda b: (-g[b], b)))
 
 
-def values(lins, k_chunk: int, measured: dict) -> dict[int, float]:
-    """Per block of `lins` (one kind's Linears): the KL divergence from the source that compensating its layer at
-    k_chunk is predicted to take away, w * gain(lin, k_chunk), w the kind's measured KL taken away (measured: the
-    manifest's calibration.qdec_value) over the sum of its blocks' gain at the measured k_chunk."""
-    kind = lins[0].kind
-    whole = max(measured["off"] - measured["kl"][kind], 0.0)
+def kind_weight(lins, measured: dict) -> float:
+    """KL divergence taken away per unit of gain for `lins` (one kind's Linears): the kind's measured KL taken away
+    (measured: the manifest's calibration.qdec_value) over the sum of its blocks' gain at the measured k_chunk."""
+    whole = max(measured["off"] - measured["kl"][lins[0].kind], 0.0)
     ref = sum(gain(lin, measured["k_chunk"]) for lin in lins)
-    w = whole / ref if ref > 0 else 0.0
-    return {lin.block: w * gain(lin, k_chunk) for lin in lins}
+    return whole / ref if ref > 0 else 0.0
+
+
+def values(lins, k_chunk: int, weight: float) -> dict[int, float]:
+    """Per block of `lins` (one kind's Linears): the KL divergence from the source that compensating its layer at
+    k_chunk is predicted to take away, weight * gain(lin, k_chunk) (weight: kind_weight)."""
+    return {lin.block: weight * gain(lin, k_chunk) for lin in lins}

@@ -28,6 +28,11 @@ from .search import Choice, Layer, Problem, largest_k
 DECODE_RUNS = 3  # decode-step timings per setting (median)
 
 
+def compensable(lm, kind: str) -> list:
+    """The `kind` layers of a LocalModel that have residuals, in block order."""
+    return [lin for lin in lm.model.linears() if lin.kind == kind and lin.residual is not None]
+
+
 def problem_of(lm, sm_count: int | None = None, smem: int | None = None, grid_of=None) -> Problem:
     """The search problem of a LocalModel: per kind its shape, count, viable n_tb and k_chunk bound. On a GPU the
     defaults come from the device; sm_count, smem (bytes per block) and grid_of (N -> GEMV grid) make it usable
@@ -45,7 +50,7 @@ def problem_of(lm, sm_count: int | None = None, smem: int | None = None, grid_of
     kmax = min(lm.manifest["calibration"]["kmax"], CHUNK)
     layers = []
     for kind in KINDS:
-        lins = [lin for lin in lm.model.linears() if lin.kind == kind and lin.residual is not None]
+        lins = compensable(lm, kind)
         if not lins:
             continue
         # mixed bits (--bits 3.5): the widest layer of the kind needs the most shared memory
@@ -159,18 +164,21 @@ class GpuBench:
     def _set(self, choice: Choice | None) -> None:
         self.lm.set_qdec("off" if choice is None else setting(choice))
 
-    def _lins(self, kind: str) -> list:
-        return [lin for lin in self.lm.model.linears() if lin.kind == kind and lin.residual is not None]
-
     def block_order(self, kind: str, k_chunk: int) -> tuple[int, ...]:
         from .blocks import order
-        return order(self._lins(kind), k_chunk)
+        return order(compensable(self.lm, kind), k_chunk)
 
     @functools.cache  # noqa: B019 (one bench per tune)
+    def _kind_weight(self, kind: str) -> float | None:
+        from .blocks import kind_weight
+        measured = self.lm.manifest.get("calibration", {}).get("qdec_value")
+        return None if measured is None else kind_weight(compensable(self.lm, kind), measured)
+
+    @functools.cache  # noqa: B019
     def block_values(self, kind: str, k_chunk: int) -> dict[int, float] | None:
         from .blocks import values
-        measured = self.lm.manifest.get("calibration", {}).get("qdec_value")
-        return None if measured is None else values(self._lins(kind), k_chunk, measured)
+        w = self._kind_weight(kind)
+        return None if w is None else values(compensable(self.lm, kind), k_chunk, w)
 
     def decode_time(self, choice: Choice | None) -> float:
         from localllm.bench import decode_time
