@@ -288,12 +288,17 @@ def weight_bytes(model) -> int:
 
 def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 200, kv_bits: int = 16) -> float:
     """Seconds per decode step: the captured graph replayed back to back (no sampling, no host sync)."""
+    return replay_time(captured_decoder(model, prompt, ctx, kv_bits), reps)
+
+
+def captured_decoder(model, prompt: int = 16, ctx: int = 256, kv_bits: int = 16):
+    """A Decoder after a prompt of `prompt` tokens, its step graph captured at the next position (replay_time)."""
     from .decode import Decoder
     dec = Decoder(model, ctx, kv_bits=kv_bits)
     with torch.inference_mode():
         logits = dec.prefill(list(range(1, prompt + 1)))
         dec.step(logits.argmax(), prompt)  # captures the graph
-        return _replay_time(dec, reps)
+    return dec
 
 
 def sampled_decode_time(model, params, prompt: int = 16, ctx: int = 256, n: int = 128) -> float:
@@ -315,7 +320,7 @@ def sampled_decode_time(model, params, prompt: int = 16, ctx: int = 256, n: int 
     return dt
 
 
-def _replay_time(dec, reps: int, warmup: int = 20) -> float:
+def replay_time(dec, reps: int = 200, warmup: int = 20) -> float:
     """Seconds per replay of dec's graph, after `warmup` untimed ones (the first replays after a model is built read
     ~1% slower: steady decoding is what is measured)."""
     for _ in range(warmup):
@@ -690,7 +695,7 @@ def bench_kv(bits: int = 4, contexts=KV_CONTEXTS) -> list[dict]:
             fill_cache(dec.cache)
             with torch.inference_mode():
                 dec.step(torch.tensor(1, device="cuda"), ctx - 1)  # captures the graph at the last position
-                t = _replay_time(dec, 20)
+                t = replay_time(dec, 20)
             row["tok/s"][ctx] = 1 / t
             row["of_roofline"][ctx] = (wbytes + bytes_per_token(cfg, kv) * ctx) / bw / t
             del dec

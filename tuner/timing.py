@@ -7,7 +7,10 @@ down, the residual add for o and down) and decode's launch order (Linear.held: w
 kernels.gemv.gemv would otherwise guess from the weight size), timed by localllm.bench.time_graph (median replay over
 CUDA events). The inputs are random with the spread the calibration saw per channel, and b0 / b15 are the layer's
 calibration boundaries, as the runtime sets them. The decode step (decode_time) is the captured graph of generation, with QDEC
-off or at a setting (LocalModel.set_qdec with per-kind n_tb), the median of a few runs.
+off or at a setting (LocalModel.set_qdec with per-kind n_tb), the median of a few timings of one capture (the graph
+without QDEC is captured once per tune). H200, value search, 2026-11-29: demo shapes 12-13 s -> 4 s, 8B shapes
+33-42 s -> 13-14 s, from a 50 ms warm-up per GEMV point (now per kind), a new decoder (prompt, capture) per timing,
+200 replays a timing (now 100) and tuner.blocks.gain dequantizing each layer at every ask (now once).
 
 n_tb: kernels.qdec.viable_n_tb, the number of compensating blocks, each taking ceil(chunks / n_tb) whole
 1024-channel chunks (Appendix A's rule over the chunks). They are among the GEMV's own blocks (one per SM) and
@@ -26,6 +29,8 @@ from localllm.model import KINDS
 from .search import Choice, Layer, Problem, largest_k
 
 DECODE_RUNS = 3  # decode-step timings per setting (median)
+DECODE_REPS = 100  # graph replays per timing (H200, 8B W3: repeated timings of one graph agree within 0.05%)
+WARM_S = 0.002  # untimed replays before a GEMV point's timing, once its kind's first point warmed its layers
 
 
 def compensable(lm, kind: str) -> list:
@@ -102,6 +107,7 @@ class GemvTimer:
                 s["state"] = qdec.new_state(s["lin"].in_features, s["lin"].out_features, dev)
         self.part = qdec.new_part([(s["lin"].in_features, s["lin"].out_features)
                                    for sets in self.sets.values() for s in sets], dev)
+        self.warm: set[str] = set()  # kinds whose layers have been replayed to the steady state
 
     @staticmethod
     def _inputs(kind: str, blk, lin, dev, gen) -> dict:
@@ -140,7 +146,11 @@ class GemvTimer:
                                  float(lin.stats.kth[k_chunk - 1]), s["grid"])
             calls.append(functools.partial(gemv, s["x"], lin.packed, out=s["out"], residual=s["residual"],
                                            norm=s["norm"], glu=s["glu"], held=lin.held, comp=comp))
-        return time_graph(calls, self.reps)
+        # the first point of a kind replays its layers until they reach decode's steady state (time_graph's warm_s);
+        # the later points find them there, as the tuner times one point after another: a few replays do
+        warm_s = WARM_S if kind in self.warm else 0.05
+        self.warm.add(kind)
+        return time_graph(calls, self.reps, warm_s=warm_s)
 
 
 def setting(choice: Choice) -> dict:
@@ -155,6 +165,7 @@ class GpuBench:
     def __init__(self, lm, reps: int = 20, tokens: int = 512, ctx: int = 256):
         self.lm, self.ctx = lm, min(ctx, lm.model.cfg.max_position_embeddings)
         self.gemv_time = GemvTimer(lm, reps)
+        self._off = None  # the decode graph without QDEC (decode_time)
         self.ids, self.tokens = None, 0
         if tokens:
             from localllm.evaluate import read_text, tokenize
@@ -181,9 +192,17 @@ class GpuBench:
         return None if w is None else values(compensable(self.lm, kind), k_chunk, w)
 
     def decode_time(self, choice: Choice | None) -> float:
-        from localllm.bench import decode_time
+        """Median of DECODE_RUNS timings of one captured decode graph. The graph without QDEC is captured once per
+        tune and timed again beside every setting (the pair's ratio is what counts); a setting's own graph once."""
+        from localllm.bench import captured_decoder, replay_time
         self._set(choice)
-        return statistics.median(decode_time(self.lm.model, ctx=self.ctx) for _ in range(DECODE_RUNS))
+        if choice is None:
+            if self._off is None:
+                self._off = captured_decoder(self.lm.model, ctx=self.ctx)
+            dec = self._off
+        else:
+            dec = captured_decoder(self.lm.model, ctx=self.ctx)
+        return statistics.median(replay_time(dec, DECODE_REPS) for _ in range(DECODE_RUNS))
 
     def perplexity(self, choice: Choice | None) -> float:
         from localllm.evaluate import perplexity
