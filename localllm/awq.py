@@ -8,7 +8,8 @@ use; both normalized), alpha from a grid, minimizing the layer's output error ||
 calibration inputs, for gate_up the error that reaches the MLP's output through SwiGLU and the unquantized down (alpha
 = 0 is plain RTN, so the search never does worse than RTN there). Qwen2.5-Coder-1.5B, whole text, perplexity / KL from
 the source, before -> with both: 3 bits 22.38 / 0.263 -> 21.82 / 0.247 (RTN 22.28 / 0.356), 4 bits 18.10 / 0.0582 ->
-17.84 / 0.0538 (RTN 17.71 / 0.0598); the demo model lost some (README). The 1 / s is folded into whatever produces x:
+17.84 / 0.0538 (RTN 17.71 / 0.0598); the demo model lost some (docs/quantization.md). The 1 / s is folded into
+whatever produces x:
 
     qkv, gate_up   the preceding RMSNorm weight (both read the same normed input, so one s each)
     o              the v rows of qkv (attention output = softmax weights x V, linear in V); under GQA one v channel

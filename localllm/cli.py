@@ -218,8 +218,8 @@ def cmd_tune(a) -> None:
         print(f"{'replaced' if old else 'wrote'} {path}" + (f" (tuned {old.get('created', '?')})" if old else ""))
     if "qdec_value" not in lm.manifest.get("calibration", {}):
         print(f"note: {lm.path} was quantized before localllm measured what QDEC buys per layer type, so this tune "
-              "counted residual rows; quantize it again for a budget spent where it buys the most (README, \"Where "
-              "a budget buys the most\")")
+              "counted residual rows; quantize it again for a budget spent where it buys the most (README, \"QDEC "
+              "on a GPU: tuning\")")
 
 
 def _ints(flag: str, text: str) -> tuple:
@@ -251,7 +251,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-file", help="which GGUF file of a folder to load")
     p.add_argument("--device", default="auto", help="auto (GPU when usable), cpu or cuda")
     p.add_argument("--prefill-int8", action="store_true",
-                   help="prompts with 8-bit activations on the int8 tensor cores (off by default; README)")
+                   help="prompts with 8-bit activations on the int8 tensor cores (off by default; docs/gpu.md)")
     _kv_bits_option(p)
 
 

@@ -26,7 +26,8 @@ the demo model 14% perplexity, 8 bits nothing measurable.
 
 Where: the blocks are quantized and calibrated on the GPU where torch sees one (device "auto"; torch's CUDA alone, no
 CuPy), else on the CPU; the same computation in the same precision, so the same result up to rounding, 4-60x faster
-(README, `localllm bench quantize`). Each block's tensors move to the device in turn, and what is saved comes back.
+(docs/quantization.md, `localllm bench quantize`). Each block's tensors move to the device in turn, and what is saved
+comes back.
 A block that runs out of GPU memory is quantized again with smaller row blocks (GpuMemoryFit).
 
 SmoothAttention (on unless smooth_attention=False): before a block is quantized, its key scaling factors are measured
