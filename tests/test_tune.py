@@ -501,6 +501,21 @@ def test_block_order_by_estimated_gain(model_copy):
                 want[lin.block] = float((sq[top] * r2[top]).sum() / (sq * lin.dense().double().square().sum(0)).sum())
                 assert blocks.gain(lin, k) == pytest.approx(want[lin.block], rel=1e-4)
             assert blocks.order(lins, k) == tuple(sorted(want, key=lambda b: -want[b]))
+    # what gain() keeps per layer follows statistics that grew, and a new residual
+    lin = lm.model.blocks[0].down
+
+    def fresh(lin):
+        sq, r2 = lin.stats.sq_mean.double(), lin.residual.dequantize().double().square().sum(0)
+        top = torch.cat([sq[s:e].topk(k_for_chunk(8, e - s)).indices + s for s, e in chunk_bounds(lin.in_features)])
+        return float((sq[top] * r2[top]).sum() / (sq * lin.dense().double().square().sum(0)).sum())
+    for change in ("stats", "residual"):
+        before = blocks.gain(lin, 8)
+        if change == "stats":
+            lin.stats.update(torch.randn(64, lin.in_features) * torch.rand(lin.in_features) * 10)
+        else:
+            lin.residual = type(lin.residual)(lin.residual.packed.flip(0).contiguous(), lin.residual.scales)
+        g = blocks.gain(lin, 8)
+        assert g == pytest.approx(fresh(lin), rel=1e-4) and abs(g - before) > 1e-3 * before
 
 
 def test_block_values_add_up_to_the_measured_kl_per_kind(tiny_quant):

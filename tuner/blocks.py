@@ -34,9 +34,10 @@ _parts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _ranked(lin, k_chunk: int) -> dict:
     """The layer's denominator, and per 1024-channel chunk its channels by descending mean x^2 (at least k_chunk's
     share) with the squared norm of R_hat's row at each; grown when a larger k_chunk asks."""
-    p = _parts.get(lin)
-    if p is None or p["of"] != (lin.stats, lin.residual, lin.packed):
-        p = {"of": (lin.stats, lin.residual, lin.packed), "k": 0, "chunks": [],
+    p, of = _parts.get(lin), (lin.stats, lin.residual, lin.packed)
+    # computed from these very objects, with the statistics as they were then (ActStats.update adds to them), else again
+    if p is None or any(a is not b for a, b in zip(p["of"], of)) or p["count"] != lin.stats.count:
+        p = {"of": of, "count": lin.stats.count, "k": 0, "chunks": [],
              "den": max(lin.weighted_energy(lin.stats.sq_mean), 1e-30)}
         _parts[lin] = p
     if k_chunk > p["k"]:
