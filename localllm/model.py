@@ -98,11 +98,18 @@ class Linear(nn.Module):
             self._dequantized = self.quant.dequantize()
         return self._dequantized
 
-    def weighted_energy(self, v: torch.Tensor) -> float:
-        """sum_n sum_c v[c] W_hat[n, c]^2 (v [K]: the inputs' mean squares, so the output energy E|W_hat x|^2 of
-        uncorrelated inputs); on a GPU dequantized a slice of rows at a time, as prompts are."""
-        slices = [self.dense()] if self.packed is None else self._dequantized_slices()
-        return sum(float(w.float().square().sum(0) @ v.to(w.device, torch.float32)) for w in slices)
+    def weighted_energy(self, v: torch.Tensor, rows: slice | None = None) -> float:
+        """sum_n sum_c v[c] W_hat[n, c]^2 over the output rows n in `rows` (None: all; v [K]: the inputs' mean
+        squares, so the output energy E|W_hat x|^2 of uncorrelated inputs); on a GPU dequantized a slice of rows at a
+        time, as prompts are."""
+        first, last = (0, self.out_features) if rows is None else rows.indices(self.out_features)[:2]
+        total, start = 0.0, 0
+        for w in [self.dense()] if self.packed is None else self._dequantized_slices():
+            a, b = max(first - start, 0), min(last - start, w.shape[0])
+            if a < b:
+                total += float(w[a:b].float().square().sum(0) @ v.to(w.device, torch.float32))
+            start += w.shape[0]
+        return total
 
     def place(self, device: torch.device, dtype: torch.dtype) -> None:
         """Move to `device`; dense weights and bias take `dtype`. Packed weights stay packed: on a GPU they become

@@ -125,7 +125,7 @@ def test_cli_tune_prints_the_table(model_copy, capsys):
     assert "replaced " in out and "quantize it again" in out and "predicted KL taken away" not in out
 
 
-def test_qdec_on_some_blocks_on_the_gpu(tiny_quant):
+def test_qdec_on_some_blocks_on_the_gpu(tiny_quant, monkeypatch):
     """A setting for some blocks (what a tune on a GPU whose compensating call costs more than a small budget gives):
     launches are placed for those layers only, graph replays equal eager steps, and the block order the tuner
     reads on the GPU is the CPU's."""
@@ -133,11 +133,18 @@ def test_qdec_on_some_blocks_on_the_gpu(tiny_quant):
     from localllm.runtime import load
     from localllm.tuner import blocks
     cpu, gpu = load(tiny_quant, qdec="off"), load(tiny_quant, device="cuda", qdec="off")
-    for kind in ("gate_up", "down"):
+    for kind in ("gate_up", "down", "qkv"):  # qkv: its v rows, a row range of the GPU's dequantized slices
         lins = lambda lm: [getattr(b, kind) for b in lm.model.blocks]  # noqa: E731
-        assert blocks.order(lins(gpu), 8) == blocks.order(lins(cpu), 8)
+        rows = blocks.counted_rows(cpu.model.cfg, kind)
+        assert blocks.order(lins(gpu), 8, rows) == blocks.order(lins(cpu), 8, rows)
         for a, b in zip(lins(gpu), lins(cpu)):
-            assert blocks.gain(a, 8) == pytest.approx(blocks.gain(b, 8), rel=1e-2)
+            assert blocks.gain(a, 8, rows) == pytest.approx(blocks.gain(b, 8, rows), rel=1e-2)
+            want = b.weighted_energy(b.stats.sq_mean, rows)
+            assert a.weighted_energy(a.stats.sq_mean.cuda(), rows) == pytest.approx(want, rel=1e-2)
+            # the same from slices of 16 rows (as an 8B output head is dequantized), the row range cut across them
+            monkeypatch.setattr("localllm.model.DEQUANT_ELEMS", 16 * a.in_features)
+            assert a.weighted_energy(a.stats.sq_mean.cuda(), rows) == pytest.approx(want, rel=1e-2)
+            monkeypatch.undo()
     ids = torch.randint(0, gpu.model.cfg.vocab_size, (8,)).tolist()
 
     def run(q, use_graph):

@@ -481,13 +481,15 @@ def test_qdec_1_is_k_chunk_1_not_on(tiny_quant):
 
 
 def test_block_order_by_estimated_gain(model_copy):
-    """tuner.blocks: each layer's share of output energy that compensating its k_chunk most active channels per chunk
-    adds back, against float64 from the dense W_hat and R_hat; blocks ranked by it."""
+    """tuner.blocks: each layer's share of output energy (qkv: of its v rows) that compensating its k_chunk most active
+    channels per chunk adds back, against float64 from the dense W_hat and R_hat; blocks ranked by it."""
     from localllm.qdec import chunk_bounds, k_for_chunk
     from localllm.runtime import load
     from localllm.tuner import blocks
     lm = load(model_copy, qdec="off", device="cpu")
-    for kind in KINDS:
+    cfg = lm.model.cfg
+    assert blocks.counted_rows(cfg, "qkv") == slice(cfg.q_size + cfg.kv_size, cfg.q_size + 2 * cfg.kv_size)
+    for kind, rows in [(kind, blocks.counted_rows(cfg, kind)) for kind in KINDS] + [("qkv", None)]:
         lins = [getattr(b, kind) for b in lm.model.blocks]
         # a few channels of the tiny inputs (a partial chunk takes k * size / 1024), then more, then one: gain()
         # keeps each layer's ranked channels and takes a smaller k_chunk's from the larger one's
@@ -495,12 +497,15 @@ def test_block_order_by_estimated_gain(model_copy):
             want = {}
             for lin in lins:
                 sq = lin.stats.sq_mean.double()
-                r2 = lin.residual.dequantize().double().square().sum(0)
+                r = rows or slice(None)
+                r2 = lin.residual.dequantize().double()[r].square().sum(0)
                 top = torch.cat([sq[s:e].topk(k_for_chunk(k, e - s)).indices + s
                                  for s, e in chunk_bounds(lin.in_features)])
-                want[lin.block] = float((sq[top] * r2[top]).sum() / (sq * lin.dense().double().square().sum(0)).sum())
-                assert blocks.gain(lin, k) == pytest.approx(want[lin.block], rel=1e-4)
-            assert blocks.order(lins, k) == tuple(sorted(want, key=lambda b: -want[b]))
+                den = (sq * lin.dense().double()[r].square().sum(0)).sum()
+                want[lin.block] = float((sq[top] * r2[top]).sum() / den)
+                assert lin.weighted_energy(lin.stats.sq_mean, rows) == pytest.approx(float(den), rel=1e-5)
+                assert blocks.gain(lin, k, rows) == pytest.approx(want[lin.block], rel=1e-4)
+            assert blocks.order(lins, k, rows) == tuple(sorted(want, key=lambda b: -want[b]))
     # what gain() keeps per layer follows statistics that grew, and a new residual
     lin = lm.model.blocks[0].down
 
@@ -523,15 +528,15 @@ def test_block_values_add_up_to_the_measured_kl_per_kind(tiny_quant):
     back up to the measurement at the measured k_chunk; at any other k_chunk each block's value is its gain there times
     the same weight."""
     from localllm.runtime import load
-    from localllm.tuner.blocks import gain, kind_weight, values
+    from localllm.tuner.blocks import counted_rows, gain, kind_weight, values
     from localllm.tuner.timing import compensable
     lm = load(tiny_quant, qdec="off")
     measured = lm.manifest["calibration"]["qdec_value"]
     for kind in KINDS:
-        lins = compensable(lm, kind)
+        lins, rows = compensable(lm, kind), counted_rows(lm.model.cfg, kind)
         assert [lin.block for lin in lins] == list(range(lm.model.cfg.num_layers))
-        w = kind_weight(lins, measured)
-        v = values(lins, measured["k_chunk"], w)
+        w = kind_weight(lins, measured, rows)
+        v = values(lins, measured["k_chunk"], w, rows)
         assert sum(v.values()) == pytest.approx(max(measured["off"] - measured["kl"][kind], 0.0))
         for k in (1, 32):
-            assert values(lins, k, w) == pytest.approx({lin.block: w * gain(lin, k) for lin in lins})
+            assert values(lins, k, w, rows) == pytest.approx({lin.block: w * gain(lin, k, rows) for lin in lins})

@@ -176,20 +176,22 @@ class GpuBench:
         self.lm.set_qdec("off" if choice is None else setting(choice))
 
     def block_order(self, kind: str, k_chunk: int) -> tuple[int, ...]:
-        from .blocks import order
-        return order(compensable(self.lm, kind), k_chunk)
+        from .blocks import counted_rows, order
+        return order(compensable(self.lm, kind), k_chunk, counted_rows(self.lm.model.cfg, kind))
 
     @functools.cache  # noqa: B019 (one bench per tune)
     def _kind_weight(self, kind: str) -> float | None:
-        from .blocks import kind_weight
+        from .blocks import counted_rows, kind_weight
         measured = self.lm.manifest.get("calibration", {}).get("qdec_value")
-        return None if measured is None else kind_weight(compensable(self.lm, kind), measured)
+        return None if measured is None else \
+            kind_weight(compensable(self.lm, kind), measured, counted_rows(self.lm.model.cfg, kind))
 
     @functools.cache  # noqa: B019
     def block_values(self, kind: str, k_chunk: int) -> dict[int, float] | None:
-        from .blocks import values
+        from .blocks import counted_rows, values
         w = self._kind_weight(kind)
-        return None if w is None else values(compensable(self.lm, kind), k_chunk, w)
+        return None if w is None else \
+            values(compensable(self.lm, kind), k_chunk, w, counted_rows(self.lm.model.cfg, kind))
 
     def decode_time(self, choice: Choice | None) -> float:
         """Median of DECODE_RUNS timings of one captured decode graph. The graph without QDEC is captured once per
