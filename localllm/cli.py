@@ -102,6 +102,11 @@ def cmd_info(a) -> None:
             taken = ", ".join(f"{k} {kl - v['off']:+.3f}" for k, kl in v["kl"].items())
             print(f"QDEC value   KL from the source {v['off']:.3f} with QDEC off; each kind at k_chunk {v['k_chunk']} "
                   f"in every block: {taken}")
+            if fo := v.get("blocks"):  # quantize's first-order value of each block (tuner.blocks.first_order)
+                best = ", ".join(f"{k} {max(range(len(b)), key=lambda i: b[i][fo['k_chunks'].index(v['k_chunk'])])}"
+                                 for k, b in fo["kl"].items())
+                print(f"             per block to first order, at k_chunk {', '.join(map(str, fo['k_chunks']))}; "
+                      f"the most valuable block of each kind: {best}")
     else:
         print("calibration  none")
     if d.get("quantized_on"):

@@ -170,6 +170,41 @@ def _load_checked(path: Path, name: str, meta: dict, verify: bool) -> dict:
         raise LocalLLMError(f"{f} is corrupt ({e}); re-run `localllm quantize`") from None
 
 
+def saved_block(cfg: ModelConfig, i: int, bits: int, quant: dict, files: tuple[dict, dict, dict],
+                settings: QdecSettings, take=None, stats_error=None) -> Block:
+    """Block i from the tensors block_state saved (files: the model's, the residuals' and the calibration's dicts;
+    quant: the manifest's "quant"), on the device the tensors are on. take(d, name, shape, file name) checks each
+    tensor (default: none)."""
+    take = take or (lambda d, name, shape, fname: d[name])
+    w, res, cal = files
+    layout = quant["layout"]
+    lut, grouped = layout in (LUT_LAYOUT, LUT_GROUP_LAYOUT), layout != LUT_LAYOUT
+    g = quant["group_size"] if grouped else None
+    D, p = cfg.hidden_size, f"blocks.{i}."
+    t = {"attn_norm": take(w, p + "attn_norm", (D,), FILES[0]), "mlp_norm": take(w, p + "mlp_norm", (D,), FILES[0])}
+    for kind in KINDS:
+        N, K = linear_shape(cfg, kind)
+        q = p + kind + "."
+        qweight = take(w, q + "qweight", (N // 16, K * bits // 2), FILES[0])
+        groups = (N, math.ceil(K / g)) if grouped else None
+        if lut:
+            scales, offsets = (take(w, q + n, groups, FILES[0]) if grouped else None for n in ("scales", "offsets"))
+            qt = QuantLUT(qweight, take(w, q + "lut", (N, 2**bits), FILES[0]), bits, K, scales, offsets, g)
+        else:
+            qt = QuantWeight(qweight, take(w, q + "scales", groups, FILES[0]), take(w, q + "zeros", groups, FILES[0]),
+                             bits, g, K)
+        bias = take(w, q + "bias", (N,), FILES[0]) if kind == "qkv" and cfg.qkv_bias else None
+        residual = None
+        if res:
+            residual = QuantResidual(take(res, q + "packed", (K, N // 8), FILES[1]),
+                                     take(res, q + "scales", (N,), FILES[1]))
+        stats = ActStats.from_state({k[len(q):]: v for k, v in cal.items() if k.startswith(q)}) if cal else None
+        if stats is not None and stats.sq_mean.shape != (K,):
+            raise LocalLLMError(stats_error(q[:-1]) if stats_error else f"statistics of {q[:-1]} do not match")
+        t[kind] = {"quant": qt, "bias": bias, "residual": residual, "stats": stats}
+    return build_block(cfg, i, t, settings)
+
+
 def load(path: str | Path, verify: bool = True, settings: QdecSettings | None = None) -> tuple[Transformer, dict]:
     """Load a quantized model folder -> (model on CPU, manifest)."""
     path = Path(path).expanduser()
@@ -177,9 +212,6 @@ def load(path: str | Path, verify: bool = True, settings: QdecSettings | None = 
     cfg = ModelConfig.from_dict(m["config"])
     files = {n: _load_checked(path, n, meta, verify) for n, meta in m["files"].items()}
     w, res, cal = (files.get(n, {}) for n in FILES)
-    layout = m["quant"]["layout"]
-    lut, grouped = layout in (LUT_LAYOUT, LUT_GROUP_LAYOUT), layout != LUT_LAYOUT
-    g = m["quant"]["group_size"] if grouped else None
     bits_of = block_bits(m, cfg.num_layers)
     settings = settings or QdecSettings()
 
@@ -194,32 +226,11 @@ def load(path: str | Path, verify: bool = True, settings: QdecSettings | None = 
     D = cfg.hidden_size
     blocks = []
     for i in range(cfg.num_layers):
-        p, bits = f"blocks.{i}.", bits_of[i]
-        t = {"attn_norm": take(w, p + "attn_norm", (D,), FILES[0]), "mlp_norm": take(w, p + "mlp_norm", (D,), FILES[0])}
-        for kind in KINDS:
-            N, K = linear_shape(cfg, kind)
-            q = p + kind + "."
-            qweight = take(w, q + "qweight", (N // 16, K * bits // 2), FILES[0])
-            groups = (N, math.ceil(K / g)) if grouped else None
-            if lut:
-                scales, offsets = (take(w, q + n, groups, FILES[0]) if grouped else None for n in ("scales", "offsets"))
-                quant = QuantLUT(qweight, take(w, q + "lut", (N, 2**bits), FILES[0]), bits, K, scales, offsets, g)
-            else:
-                quant = QuantWeight(qweight, take(w, q + "scales", groups, FILES[0]),
-                                    take(w, q + "zeros", groups, FILES[0]), bits, g, K)
-            bias = take(w, q + "bias", (N,), FILES[0]) if kind == "qkv" and cfg.qkv_bias else None
-            residual = None
-            if res:
-                residual = QuantResidual(take(res, q + "packed", (K, N // 8), FILES[1]),
-                                         take(res, q + "scales", (N,), FILES[1]))
-            stats = ActStats.from_state({k[len(q):]: v for k, v in cal.items() if k.startswith(q)}) if cal else None
-            if stats is not None and stats.sq_mean.shape != (K,):
-                raise LocalLLMError(f"{path / FILES[2]}: statistics of {q[:-1]} do not match the model; "
-                                    "re-run `localllm quantize`")
-            t[kind] = {"quant": quant, "bias": bias, "residual": residual, "stats": stats}
         if m.get("smooth_attention"):  # the factors folded into qkv: kept for the record, checked like the rest
-            take(w, p + "k_smooth", (cfg.kv_size,), FILES[0])
-        blocks.append(build_block(cfg, i, t, settings))
+            take(w, f"blocks.{i}.k_smooth", (cfg.kv_size,), FILES[0])
+        blocks.append(saved_block(cfg, i, bits_of[i], m["quant"], (w, res, cal), settings, take,
+                                  lambda q: f"{path / FILES[2]}: statistics of {q} do not match the model; re-run "
+                                            "`localllm quantize`"))
     V = cfg.vocab_size
     embed = take(w, "embed", (V, D), FILES[0])
     if hq := m["quant"].get("head"):

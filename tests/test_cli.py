@@ -44,6 +44,9 @@ def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):
     v = d["calibration"]["qdec_value"]  # what each kind's QDEC took away, as quantize measured it
     assert f"QDEC value   KL from the source {v['off']:.3f}" in out
     assert f"gate_up {v['kl']['gate_up'] - v['off']:+.3f}" in out
+    j = v["blocks"]["k_chunks"].index(v["k_chunk"])
+    down = v["blocks"]["kl"]["down"]
+    assert "per block to first order" in out and f"down {max(range(len(down)), key=lambda b: down[b][j])}" in out
 
 
 def test_quantize_then_generate(tiny_ckpt, tmp_path, capsys):

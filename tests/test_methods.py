@@ -659,3 +659,72 @@ def test_qdec_value_is_the_kl_that_eval_measures(tiny_quant, tiny_ckpt):
         assert kl() == pytest.approx(v["kl"][kind], rel=2e-2), kind
     # what the residuals buy: each kind compensated takes some of the divergence away
     assert all(v["kl"][kind] < v["off"] for kind in KINDS)
+
+
+def test_block_values_are_the_first_order_kl_change(tiny_quant, tiny_ckpt):
+    """quantize's per-block values (qdec_value["blocks"], blocks run again in reverse one at a time) equal the same
+    first-order prediction made in one backward pass of the whole loaded model: minus the gradient of KL(source ||
+    model) at each layer's output dotted with the compensation that layer would add."""
+    import torch.nn.functional as F
+    from localllm.evaluate import Reference
+    from localllm.model import select_channels
+    from localllm.qdec import compensate
+    from localllm.quantize import calibration_text, calibration_tokens
+    m = json.loads((tiny_quant / "localllm.json").read_text())
+    v, c = m["calibration"]["qdec_value"], m["calibration"]
+    fo = v["blocks"]
+    lm = load(tiny_quant, qdec="off")
+    L = lm.model.cfg.num_layers
+    assert fo["k_chunks"] == [1, 2, 4, 8, 16, 32, 64] and all(len(fo["kl"][k]) == L for k in KINDS)
+    text, name = calibration_text(None)
+    toks, _ = calibration_tokens(lm.tokenizer, text, name, v["tokens"] + c["seq_len"], c["seq_len"])
+    toks = toks[: v["tokens"] // c["seq_len"]]
+    ref = Reference(load(tiny_ckpt, qdec="off"), lm)
+    lins = [lin for lin in lm.model.linears() if lin.kind != "head"]
+    X, D = {}, {}
+    hooks = [lin.hook_input(lambda lin, x: X.setdefault(lin, []).append(x.detach().reshape(-1, x.shape[-1])))
+             for lin in lins]
+
+    def add_delta(mod, args, kwargs, y):  # a zero added to the output, whose gradient is the output's
+        D.setdefault(mod, []).append(torch.zeros_like(y, requires_grad=True))
+        return y + D[mod][-1]
+    hooks += [lin.register_forward_hook(add_delta, with_kwargs=True) for lin in lins]
+    with torch.enable_grad():
+        kl = 0.0
+        for s, seq in enumerate(toks):
+            w = torch.cat([seq, seq[:1]])  # the last token's successor is not scored: the KL needs no target
+            lp = F.log_softmax(lm.model(seq[None], 0, None)[0].float(), -1)
+            r = ref.log_probs(s * c["seq_len"], w)
+            kl = kl + (r.exp() * (r - lp)).sum()
+        (kl / toks.numel()).backward()
+    for h in hooks:
+        h.remove()
+    lm.settings.mode = "approx"
+    want = {}
+    for lin in lins:
+        x = torch.cat(X[lin])
+        g = torch.cat([d.grad.reshape(-1, d.shape[-1]) for d in D[lin]])
+        for j, k in enumerate(fo["k_chunks"]):
+            want[lin.kind, lin.block, j] = -float((g * compensate(x, select_channels(lin, x, k), lin.residual)).sum()) \
+                / toks.numel()
+    # (the file's fp16 embeddings move x by rounding, and the selection is discrete: a few channels flip)
+    scale = max(abs(w) for w in want.values())
+    assert scale > 0 and sum(abs(fo["kl"][kind][b][j] - w) for (kind, b, j), w in want.items()) < \
+        0.05 * sum(abs(w) for w in want.values())
+    for (kind, b, j), w in want.items():
+        assert fo["kl"][kind][b][j] == pytest.approx(w, rel=0.2, abs=0.05 * scale), (kind, b, fo["k_chunks"][j])
+
+
+def test_quantize_keeps_the_model_when_the_block_values_run_out_of_memory(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """The per-block values are an improvement for the tuner: out of memory measuring them, quantize says so in one
+    line and saves the model without them (the tuner then falls back to its estimate)."""
+    import localllm.quantize as q
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("test")
+    monkeypatch.setattr(q, "first_order_values", oom)
+    out = q.quantize(str(tiny_ckpt), str(tmp_path / "m"), bits=4, group_size=64, calib_tokens=256, seq_len=128)
+    v = json.loads((out / "localllm.json").read_text())["calibration"]["qdec_value"]
+    assert "blocks" not in v and set(v["kl"]) == set(KINDS)
+    assert "ran out of memory measuring QDEC's value per block; the model is saved without it" in capsys.readouterr().err
+    load(out, qdec="off")

@@ -540,3 +540,29 @@ def test_block_values_add_up_to_the_measured_kl_per_kind(tiny_quant):
         assert sum(v.values()) == pytest.approx(max(measured["off"] - measured["kl"][kind], 0.0))
         for k in (1, 32):
             assert values(lins, k, w, rows) == pytest.approx({lin.block: w * gain(lin, k, rows) for lin in lins})
+
+
+def test_first_order_block_values_scale_to_the_measured_kl_per_kind(tiny_quant):
+    """tuner.blocks.first_order: quantize's per-block first-order values, scaled so that a kind's blocks add up to its
+    measured KL taken away at the measured k_chunk; at another k_chunk the same scale; None for a model without them
+    or at a k_chunk quantize did not record."""
+    from localllm.runtime import load
+    from localllm.tuner.blocks import first_order
+    from localllm.tuner.timing import compensable
+    lm = load(tiny_quant, qdec="off")
+    measured = lm.manifest["calibration"]["qdec_value"]
+    fo = measured["blocks"]
+    for kind in KINDS:
+        lins = compensable(lm, kind)
+        whole = max(measured["off"] - measured["kl"][kind], 0.0)
+        at = first_order(lins, measured, measured["k_chunk"])
+        j0 = fo["k_chunks"].index(measured["k_chunk"])
+        if sum(fo["kl"][kind][b][j0] for b in range(len(lins))) <= 0:
+            assert at is None
+            continue
+        assert sum(at.values()) == pytest.approx(whole)
+        scale = whole / sum(fo["kl"][kind][b][j0] for b in range(len(lins)))
+        j = fo["k_chunks"].index(32)
+        assert first_order(lins, measured, 32) == pytest.approx({b: scale * fo["kl"][kind][b][j] for b in at})
+        assert first_order(lins, measured, 3) is None
+        assert first_order(lins, {k: v for k, v in measured.items() if k != "blocks"}, 8) is None

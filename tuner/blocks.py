@@ -16,7 +16,12 @@ The share does not compare kinds: per unit of it, compensating o took 0.1 of the
 (demo model, W3, k_chunk 8 in every block; KL from the source on the evaluation text: off 1.58, gate_up -0.29,
 down -0.21, qkv -0.22, o -0.02). So quantize measures each kind's KL taken away with the kind compensated in every
 block (the manifest's calibration.qdec_value), and values() splits it over the blocks in proportion to their gain
-(kind_weight).
+(kind_weight). For models whose quantize also recorded each block's value to first order (first_order(); one
+backward pass of that KL on the calibration text) the tuner splits it by those instead; the share remains for older
+models. Demo W3, the blocks of most value by each, measured alone on the evaluation text, KL taken away by the best
+4 / 8 / 12 blocks: gate_up 0.158 / 0.203 / 0.240 by first order, 0.095 / 0.135 / 0.176 by the share (best possible
+0.163 / 0.227 / 0.270); qkv 0.120 / 0.182 / 0.215 against 0.092 / 0.147 / 0.129 (v rows); down 0.073 / 0.123 / 0.130
+against 0.125 / 0.130 / 0.124, the one kind where the share picks better at 3-6 blocks.
 
 For qkv the sums run over its v rows only (counted_rows). q and k reach the block's output only through the softmax,
 and SmoothAttention scales their rows by a per-channel factor that q · k does not see (q times lambda, k over it),
@@ -89,3 +94,20 @@ def values(lins, k_chunk: int, weight: float, rows: slice | None = None) -> dict
     """Per block of `lins` (one kind's Linears): the KL divergence from the source that compensating its layer at
     k_chunk is predicted to take away, weight * gain(lin, k_chunk, rows) (weight: kind_weight with the same rows)."""
     return {lin.block: weight * gain(lin, k_chunk, rows) for lin in lins}
+
+
+def first_order(lins, measured: dict, k_chunk: int) -> dict[int, float] | None:
+    """Per block of `lins` (one kind's Linears): quantize's first-order value of compensating its layer at k_chunk
+    (measured["blocks"], localllm.quantize.first_order_values), scaled so that the kind's blocks add up to its
+    measured KL taken away at the measured k_chunk. None where quantize did not record them (models quantized
+    before), at a k_chunk it did not record, or where the kind's blocks add up to nothing to scale."""
+    fo = measured.get("blocks")
+    if not fo or k_chunk not in fo["k_chunks"] or measured["k_chunk"] not in fo["k_chunks"]:
+        return None
+    per = fo["kl"][lins[0].kind]
+    j, j0 = fo["k_chunks"].index(k_chunk), fo["k_chunks"].index(measured["k_chunk"])
+    ref = sum(per[lin.block][j0] for lin in lins)
+    if ref <= 0:
+        return None
+    whole = max(measured["off"] - measured["kl"][lins[0].kind], 0.0)
+    return {lin.block: whole / ref * per[lin.block][j] for lin in lins}

@@ -188,7 +188,12 @@ class GpuBench:
 
     @functools.cache  # noqa: B019
     def block_values(self, kind: str, k_chunk: int) -> dict[int, float] | None:
-        from .blocks import counted_rows, values
+        """Quantize's first-order values where it recorded them, else the kind's value split by the estimate."""
+        from .blocks import counted_rows, first_order, values
+        measured = self.lm.manifest.get("calibration", {}).get("qdec_value")
+        fo = None if measured is None else first_order(compensable(self.lm, kind), measured, k_chunk)
+        if fo is not None:
+            return fo
         w = self._kind_weight(kind)
         return None if w is None else \
             values(compensable(self.lm, kind), k_chunk, w, counted_rows(self.lm.model.cfg, kind))
