@@ -225,25 +225,29 @@ class OutputHead:
         head = ckpt.lm_head()
         self.head = (ckpt.embed() if head is None else head).to(device)
 
+    def _log_probs(self, hb: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(F.linear(self.norm(hb), self.head).float(), dim=-1)
+
+    def _kls(self, ref: list[torch.Tensor], h: torch.Tensor) -> list[torch.Tensor]:
+        """Per sequence: the summed per-token KL divergence of h's next-token distribution from ref's."""
+        return [F.kl_div(self._log_probs(hb), a, log_target=True, reduction="sum") for a, hb in zip(ref, h.split(1))]
+
     def log_probs(self, h: torch.Tensor) -> list[torch.Tensor]:
         """Per sequence of hidden states h [n_seq, T, D]: log-probabilities [1, T, vocab]."""
         with torch.no_grad():
-            return [F.log_softmax(F.linear(self.norm(hb), self.head).float(), dim=-1) for hb in h.split(1)]
+            return [self._log_probs(hb) for hb in h.split(1)]
+
+    def kl(self, ref: list[torch.Tensor], h: torch.Tensor) -> float:
+        """The mean per-token KL divergence of h's next-token distribution from ref (log_probs of the reference)."""
+        with torch.no_grad():
+            return sum(kl.item() for kl in self._kls(ref, h)) / sum(a.shape[1] for a in ref)
 
     def kl_grad(self, ref: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         """The gradient of kl(ref, h) with respect to h."""
         h = h.detach().requires_grad_()
         with torch.enable_grad():
-            kl = sum(F.kl_div(F.log_softmax(F.linear(self.norm(hb), self.head).float(), dim=-1), a, log_target=True,
-                              reduction="sum") for a, hb in zip(ref, h.split(1)))
-            (kl / sum(a.shape[1] for a in ref)).backward()
+            (sum(self._kls(ref, h)) / sum(a.shape[1] for a in ref)).backward()
         return h.grad
-
-    def kl(self, ref: list[torch.Tensor], h: torch.Tensor) -> float:
-        """The mean per-token KL divergence of h's next-token distribution from ref (log_probs of the reference)."""
-        q = self.log_probs(h)
-        return sum(F.kl_div(b, a, log_target=True, reduction="sum").item() for a, b in zip(ref, q)) / \
-            sum(a.shape[1] for a in ref)
 
 
 def kl_sensitivity(ckpt: Checkpoint, toks: torch.Tensor, quantize_one: Callable[[int, dict, torch.Tensor], dict],
@@ -290,13 +294,14 @@ def value_streams(cfg, i: int, t: dict, blk, streams: dict[str, torch.Tensor], r
     return out
 
 
-def qdec_value(head: OutputHead, streams: dict[str, torch.Tensor], off: torch.Tensor, k_chunk: int) -> dict:
+def qdec_value(head: OutputHead, ref: list[torch.Tensor], streams: dict[str, torch.Tensor], off: torch.Tensor,
+               k_chunk: int) -> dict:
     """The manifest's calibration.qdec_value: the KL divergence of the quantized model's next-token distribution
     from the source model's with QDEC off, and with each kind compensated at k_chunk in every block (the others
     off), on the calibration tokens of `streams` (value_streams' final hidden states). What QDEC buys per kind differs
     ~10x (demo model, W3: o's layers take 2% of the divergence away, down's 18%), which tuner.blocks' per-layer
-    estimate does not show across kinds; the tuner spends its budget by it (tuner.blocks.values)."""
-    ref = head.log_probs(streams["source"])
+    estimate does not show across kinds; the tuner spends its budget by it (tuner.blocks.values). ref: the source's
+    log-probabilities (head.log_probs of streams["source"])."""
     return {"metric": "kl", "tokens": off.shape[0] * off.shape[1], "mode": "approx", "k_chunk": k_chunk,
             "off": head.kl(ref, off), "kl": {kind: head.kl(ref, streams[kind]) for kind in KINDS}}
 
@@ -484,17 +489,18 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     calibration = {**calib, "kmax": kmax, "model_state": "quantized, QDEC off"}
     if streams is not None:
         head_src = OutputHead(ckpt, dev)
-        calibration["qdec_value"] = qdec_value(head_src, streams, h[:n_value], value_k)
+        ref = head_src.log_probs(streams["source"])
+        calibration["qdec_value"] = qdec_value(head_src, ref, streams, h[:n_value], value_k)
 
         def block_of(i):  # block i as saved, on the device
             p = f"blocks.{i}."
             files = tuple({k: v.to(dev) for k, v in d.items() if k.startswith(p)} for d in tensors)
             return modelfile.saved_block(cfg, i, block_bits[i], quant, files, QdecSettings())
-        ks = tuple(k for k in BLOCK_VALUE_K_CHUNKS if k <= kmax)
+        # (with qdec_value's own k_chunk, which tuner.blocks.first_order scales by, even below the ladder's)
+        ks = tuple(sorted({k for k in BLOCK_VALUE_K_CHUNKS if k <= kmax} | {value_k}))
         try:
-            calibration["qdec_value"]["blocks"] = first_order_values(
-                cfg, block_of, value_inputs, h[:n_value], head_src, head_src.log_probs(streams["source"]), rope, pos,
-                mask, ks)
+            calibration["qdec_value"]["blocks"] = first_order_values(cfg, block_of, value_inputs, h[:n_value], head_src,
+                                                                     ref, rope, pos, mask, ks)
         except torch.OutOfMemoryError:  # an improvement for the tuner, not a reason to lose the quantized model
             gc.collect()
             if dev.type == "cuda":

@@ -82,12 +82,16 @@ def order(lins, k_chunk: int, rows: slice | None = None) -> tuple[int, ...]:
     return tuple(sorted(g, key=lambda b: (-g[b], b)))
 
 
+def taken_away(measured: dict, kind: str) -> float:
+    """The KL divergence that compensating `kind` in every block took away (measured: calibration.qdec_value)."""
+    return max(measured["off"] - measured["kl"][kind], 0.0)
+
+
 def kind_weight(lins, measured: dict, rows: slice | None = None) -> float:
     """KL divergence taken away per unit of gain for `lins` (one kind's Linears): the kind's measured KL taken away
     (measured: the manifest's calibration.qdec_value) over the sum of its blocks' gain at the measured k_chunk."""
-    whole = max(measured["off"] - measured["kl"][lins[0].kind], 0.0)
     ref = sum(gain(lin, measured["k_chunk"], rows) for lin in lins)
-    return whole / ref if ref > 0 else 0.0
+    return taken_away(measured, lins[0].kind) / ref if ref > 0 else 0.0
 
 
 def values(lins, k_chunk: int, weight: float, rows: slice | None = None) -> dict[int, float]:
@@ -109,5 +113,5 @@ def first_order(lins, measured: dict, k_chunk: int) -> dict[int, float] | None:
     ref = sum(per[lin.block][j0] for lin in lins)
     if ref <= 0:
         return None
-    whole = max(measured["off"] - measured["kl"][lins[0].kind], 0.0)
-    return {lin.block: whole / ref * per[lin.block][j] for lin in lins}
+    weight = taken_away(measured, lins[0].kind) / ref
+    return {lin.block: weight * per[lin.block][j] for lin in lins}

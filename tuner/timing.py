@@ -179,10 +179,14 @@ class GpuBench:
         from .blocks import counted_rows, order
         return order(compensable(self.lm, kind), k_chunk, counted_rows(self.lm.model.cfg, kind))
 
+    @property
+    def _measured(self) -> dict | None:
+        return self.lm.manifest.get("calibration", {}).get("qdec_value")
+
     @functools.cache  # noqa: B019 (one bench per tune)
     def _kind_weight(self, kind: str) -> float | None:
         from .blocks import counted_rows, kind_weight
-        measured = self.lm.manifest.get("calibration", {}).get("qdec_value")
+        measured = self._measured
         return None if measured is None else \
             kind_weight(compensable(self.lm, kind), measured, counted_rows(self.lm.model.cfg, kind))
 
@@ -190,7 +194,7 @@ class GpuBench:
     def block_values(self, kind: str, k_chunk: int) -> dict[int, float] | None:
         """Quantize's first-order values where it recorded them, else the kind's value split by the estimate."""
         from .blocks import counted_rows, first_order, values
-        measured = self.lm.manifest.get("calibration", {}).get("qdec_value")
+        measured = self._measured
         fo = None if measured is None else first_order(compensable(self.lm, kind), measured, k_chunk)
         if fo is not None:
             return fo
