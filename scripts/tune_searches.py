@@ -14,7 +14,7 @@ from localllm.evaluate import Reference, losses, read_text, source_path, tokeniz
 from localllm.model import KINDS
 from localllm.runtime import load
 from localllm.tuner.timing import setting
-from localllm.tuner.tune import table, tune
+from localllm.tuner.tune import describe, table, tune
 
 
 def main() -> None:
@@ -47,8 +47,7 @@ def main() -> None:
     for name, res in results.items():
         for r in res.rows:
             c = r.choice
-            where = ", ".join(f"{k} k{c.k_chunk[k]} in {len(c.blocks.get(k, range(res.problem.layer(k).count)))}"
-                              for k in c.kinds) or "nothing"
+            where = describe(c, res.problem)
             print(f"{name} {100 * r.budget:g}%: {where}, measured {100 * r.slowdown:+.1f}%: "
                   + (score(setting(c)) if c.compensates else "as off"), flush=True)
     for kind in KINDS:

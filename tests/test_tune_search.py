@@ -351,6 +351,24 @@ def test_allocate_finds_the_most_value_that_fits(trial):
             assert best == 0.0 or budget == 0.0
 
 
+@pytest.mark.parametrize("trial", range(4))
+def test_single_is_the_one_call_of_most_value_that_fits(trial):
+    from localllm.tuner.search import LADDER, single
+    rng = random.Random(f"{os.getpid()}-single-{trial}")
+    p = small_problem(rng)
+    oracle = Memo(noisy(p.layers, rng.random()))
+    values = random_values(rng, p)
+    for budget in (0.0, 0.01, 0.05, 1.0):
+        c = single(p, oracle, budget, values)
+        # by enumeration: every kind, k_chunk of LADDER, n_tb and block, one call
+        calls = [(max(0.0, oracle(lay.kind, n, k) - oracle(lay.kind, 0, 0)), values(lay.kind, k)[b])
+                 for lay in p.layers for k in LADDER if k <= lay.k_max for n in lay.n_tb for b in range(lay.count)]
+        best = max((v for t, v in calls if t <= budget * p.step_time), default=0.0)
+        assert (c.value or 0.0) == pytest.approx(best) and c.predicted <= budget + 1e-12
+        if c.compensates:
+            assert p.calls(c) == 1
+
+
 def test_allocate_takes_a_larger_k_chunk_on_fewer_blocks_where_the_value_is_there():
     """A fixed cost per compensating call (the H200's ~4 us) and value in a few blocks: those blocks at a large
     k_chunk, not every block at a small one; and no value in a kind: that kind never."""

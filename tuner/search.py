@@ -29,7 +29,8 @@ H200) it put each budget on gate_up and down at k_chunk 8-32 in a few of their b
 gave gate_up alone k_chunk 16 in more: 2-4x the KL taken away at about the same measured cost (README).
 
 least() is the cheapest setting that compensates at all: what tune.run measures before it settles on nothing, and
-where even that is over the budget, on fewer blocks (some_blocks: those with the most to gain).
+where even that is over the budget, on fewer blocks (some_blocks: those with the most to gain). single() is its
+counterpart for allocate(): the one compensating call of most value.
 
 Every oracle point is measured once (Memo); several budgets tuned together share the points (search_budgets), and
 a larger budget never gets fewer compensated channels than a smaller one: a smaller budget's setting fits a larger
@@ -273,20 +274,45 @@ def allocate(problem: Problem, time: Oracle, budget: float, values: Values, per_
     best: list[tuple[float, float, tuple]] = [(0.0, 0.0, ())]  # (added seconds, value, options taken)
     for lay in problem.layers:
         options = []
-        for k in (k for k in LADDER if k <= lay.k_max):
-            n_tb = min([n for n in lay.n_tb if n <= problem.n_tb_limit] or [lay.n_tb[0]],
-                       key=lambda n: (memo(lay.kind, n, k), n))  # noqa: B023
-            call = max(0.0, memo(lay.kind, n_tb, k) - cost.base[lay.kind]) + per_call
-            v = values(lay.kind, k)
-            order = sorted(v, key=lambda b: (-v[b], b))  # noqa: B023
+        for k, n_tb, call, v, order in _calls(problem, cost, lay, values):
             total = 0.0
             for m, b in enumerate(order, 1):
                 total += v[b]
-                options.append((m * call, total, (lay.kind, k, n_tb, tuple(sorted(order[:m])))))
+                options.append((m * (call + per_call), total, (lay.kind, k, n_tb, tuple(sorted(order[:m])))))
         options = _frontier(options)
         best = _frontier(best + [(c + oc, v + ov, taken + (o,)) for c, v, taken in best for oc, ov, o in options
                                  if c + oc <= limit])
     added, value, taken = best[-1]
+    return _valued(problem, cost, budget, added, value, taken)
+
+
+def single(problem: Problem, time: Oracle, budget: float, values: Values) -> Choice:
+    """The one compensating call (a kind, at a k_chunk of LADDER, in its most valuable block) of most value that the
+    GEMV timings put within the budget: what tune.run measures before a valued budget settles on nothing, when its
+    searches' settings measured over (a noisy pair, or a cost per call learned from one)."""
+    memo = time if isinstance(time, Memo) else Memo(time)
+    cost = _Cost(problem, memo, budget)
+    best = (0.0, 0.0, ())
+    for lay in problem.layers:
+        for k, n_tb, call, v, order in _calls(problem, cost, lay, values):
+            if order and call <= budget * cost.step and v[order[0]] > best[1]:
+                best = (call, v[order[0]], ((lay.kind, k, n_tb, (order[0],)),))
+    return _valued(problem, cost, budget, *best)
+
+
+def _calls(problem: Problem, cost: _Cost, lay: Layer, values: Values):
+    """Per k_chunk of LADDER within the kind's bound: (k_chunk, the n_tb where a call adds the least time, that time
+    on the GEMV timings, the blocks' values, the blocks by value, the most first)."""
+    for k in (k for k in LADDER if k <= lay.k_max):
+        n_tb = min([n for n in lay.n_tb if n <= problem.n_tb_limit] or [lay.n_tb[0]],
+                   key=lambda n: (cost.time(lay.kind, n, k), n))  # noqa: B023
+        v = values(lay.kind, k)
+        yield k, n_tb, max(0.0, cost.time(lay.kind, n_tb, k) - cost.base[lay.kind]), v, \
+            sorted(v, key=lambda b: (-v[b], b))  # noqa: B023
+
+
+def _valued(problem: Problem, cost: _Cost, budget: float, added: float, value: float, taken: tuple) -> Choice:
+    """The Choice of allocate() / single(): `taken` options (kind, k_chunk, n_tb, blocks) adding `added` seconds."""
     if value <= 0:
         return nothing(problem, budget)
     k = {lay.kind: 0 for lay in problem.layers}

@@ -4,18 +4,22 @@ For each budget, ascending: the search picks a setting on the GEMV timings (sear
 quantize measured what each kind buys, calibration.qdec_value; else search.search, the paper's); the decode step is
 then timed with it (a captured graph, as generation runs) and compared with the step without QDEC timed just before
 (a pair, so clock drift over the tune does not enter the ratio). When the measured slowdown is over the budget (the
-GEMV timings miss something: overlap, launch order, the QDEC variant's own cost), the search runs again with its
-target cut by the measured overshoot (allocate: by SHRINK, and the overshoot spread over the compensating calls as a
-cost per call the GEMV timings miss, kept for the later budgets), and the step is timed again, up to MAX_TRIES times.
+GEMV timings miss something: overlap, launch order, the QDEC variant's own cost; a setting whose first pair is
+over is timed twice, and the two averaged), the search runs again with its target cut by the measured overshoot
+(allocate: by SHRINK; its cost per compensating call that the GEMV timings miss is the mean over every setting
+measured so far, kept for the later budgets), and the step is timed again, up to MAX_TRIES times.
 
-The row-count search only: before a budget settles on no compensation (nothing predicted to fit, or still over after
-the tries), the cheapest setting that compensates (search.least) is timed once and kept if it measures within the
-budget: the GEMV timings miss costs that do not grow with k_chunk (H100, 8B W3: the compensating gate_up loses the
-plain GEMV's two blocks per SM), so a shrinking target can drop below the least setting while that setting itself
-fits. When it is over the budget too, it is tried on fewer blocks of its kind, those with the most to gain
-(tuner.blocks), as many as the measured cost per block allows, up to MAX_TRIES times (H200, 8B W3: nothing else fits
-2.5% and 5%, as a compensating GEMV costs ~4-5 us more than the plain one however few channels it takes, against a
-~1.7 ms step). allocate weighs fewer blocks itself.
+Before a budget settles on no compensation (nothing predicted to fit, or still over after the tries), one more
+setting is timed and kept if it measures within the budget. With the value search it is the single compensating
+call of most value (search.single): on the H200, 2 of 6 demo models quantized at 3 / 3.5 bits ended their 2.5%
+budget with nothing, where one call (~6 us) fits 2.5% of the 0.41 ms step; what those tunes tried was not kept, so
+a row that ends with nothing now lists it (Row.over, table()). With the row-count search it is the cheapest setting
+that compensates (search.least): the GEMV timings miss costs that do not grow with k_chunk (H100, 8B W3: the
+compensating gate_up loses the plain GEMV's two blocks per SM), so a shrinking target can drop below the least
+setting while that setting itself fits. When it is over the budget too, it is tried on fewer blocks of its kind,
+those with the most to gain (tuner.blocks), as many as the measured cost per block allows, up to MAX_TRIES times
+(H200, 8B W3: nothing else fits 2.5% and 5%, as a compensating GEMV costs ~4-5 us more than the plain one however few
+channels it takes, against a ~1.7 ms step). allocate weighs fewer blocks itself.
 
 So every reported setting was measured to fit its budget. Each setting's pair is timed once per tune (another budget
 or try that lands on it reuses the pair). A larger budget then never ends with less compensation than a smaller one
@@ -34,7 +38,7 @@ from typing import Protocol
 from localllm.model import KINDS
 
 from . import profile as profiles
-from .search import Choice, Memo, Problem, allocate, carry_forward, least, nothing, search, some_blocks
+from .search import Choice, Memo, Problem, allocate, carry_forward, least, nothing, search, single, some_blocks
 
 MAX_TRIES = 4
 SHRINK = 0.9  # a retry aims this much under the target the overshoot suggests
@@ -61,6 +65,7 @@ class Row:
     slowdown: float  # measured: decode / decode_off - 1
     tries: int  # searches it took
     perplexity: float | None = None
+    over: tuple[tuple[Choice, float], ...] = ()  # where nothing fits: each setting tried and its measured slowdown
 
     @property
     def budget(self) -> float:
@@ -98,10 +103,16 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
     measured: dict[tuple, tuple[float, float]] = {}  # setting -> (decode, decode without QDEC), each timed once
 
     def timed(c: Choice) -> tuple[float, float]:
-        """(decode with c, decode without QDEC just before), each setting's pair timed once per tune."""
+        """(decode with c, decode without QDEC just before), each setting's pair timed once per tune, or twice and
+        averaged where the first pair is over c's budget: a pair's ratio varies by ~0.4% of the step from timing
+        to timing (H200, demo shapes), as much as a setting near the budget is within it."""
         if c.key not in measured:
             say(f"tuning {profiles.percent(c.budget)}%: decode step")
-            measured[c.key] = measure(c)
+            on, off = measure(c)
+            if on / off - 1 > c.budget:
+                on2, off2 = measure(c)
+                on, off = (on + on2) / 2, (off + off2) / 2
+            measured[c.key] = on, off
         return measured[c.key]
 
     def on_fewer_blocks(c: Choice, slow: float, tries: int) -> Row | None:
@@ -123,9 +134,13 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
 
     kinds = [lay.kind for lay in problem.layers if lay.k_max > 0]
     valued = bool(kinds) and bench.block_values(kinds[0], 1) is not None
-    per_call = 0.0  # allocate(): what each compensating call measured beyond its GEMV timing (learned, kept)
+    # allocate(): what each compensating call costs the decode step beyond its GEMV timing, the mean over every
+    # setting measured so far (each pair is noisy: a bound learned from overshoots alone only grows, and one noisy
+    # overshoot could leave a small budget with nothing)
+    misses: dict[tuple, float] = {}  # per setting measured
+    per_call = 0.0
     for budget in sorted(set(budgets)):
-        target, row, none, tries = budget, None, nothing(problem, budget), 0
+        target, row, none, tries, trail = budget, None, nothing(problem, budget), 0, []
         while row is None and tries < MAX_TRIES:
             tries += 1
             say(f"tuning {profiles.percent(budget)}%: search" + (f" (try {tries})" if tries > 1 else ""))
@@ -137,26 +152,31 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
                 break
             on, off = timed(c)
             slow = on / off - 1
+            trail.append((c, slow))
+            if valued:  # c.predicted counts per_call in each call
+                misses.setdefault(c.key, (slow - c.predicted) * base / problem.calls(c) + per_call)
+                per_call = max(0.0, sum(misses.values()) / len(misses))
             if slow <= budget:
                 row = Row(c, on, off, slow, tries)
-            elif valued:  # the missing time spread over the calls, and some room
-                per_call = max(per_call, per_call + (slow - c.predicted) * base / problem.calls(c))
-                target = target * SHRINK
             else:
-                target = target * budget / slow * SHRINK
-        if row is None and not valued:  # nothing predicted to fit, or still over: the least setting, measured
-            c = replace(least(problem, memo, budget), budget=budget)
+                target *= SHRINK if valued else budget / slow * SHRINK
+        if row is None:  # nothing predicted to fit, or still over: the least setting (one call), measured
+            c = replace(single(problem, memo, budget, bench.block_values) if valued else least(problem, memo, budget),
+                        budget=budget)
             if c.compensates:
                 on, off = timed(c)
                 slow, tries = on / off - 1, tries + 1
-                row = Row(c, on, off, slow, tries) if slow <= budget else on_fewer_blocks(c, slow, tries)
-        row = row or Row(none, base, base, 0.0, tries)
+                trail.append((c, slow))
+                row = Row(c, on, off, slow, tries) if slow <= budget else \
+                    None if valued else on_fewer_blocks(c, slow, tries)
+        row = row or Row(none, base, base, 0.0, tries, over=tuple(trail))
         rows.append(row)
     by_budget = {r.budget: r for r in rows}
     final = []
     for c in carry_forward(problem, [r.choice for r in rows]):
         src = by_budget[c.budget if c.carried_from is None else c.carried_from]
-        final.append(Row(c, src.decode, src.decode_off, src.slowdown, by_budget[c.budget].tries))
+        final.append(Row(c, src.decode, src.decode_off, src.slowdown, by_budget[c.budget].tries,
+                         over=by_budget[c.budget].over if not c.compensates else ()))
     ppl_off = None
     if evaluate:
         say("tuning: perplexity without QDEC")
@@ -193,10 +213,17 @@ def profile_of(row: Row, result: Result, gpu: dict, model_id: str, bits: int | N
         {"off": result.perplexity_off, "qdec": row.perplexity, "tokens": tokens},
         "search": {"objective": "rows" if c.value is None else "kl", "value": c.value,
                    "phase1_steps": c.steps, "fallback": list(c.fallback), "tries": row.tries,
-                   "carried_from": c.carried_from, "points": result.points, "seconds": round(result.seconds, 1)},
+                   "carried_from": c.carried_from, "points": result.points, "seconds": round(result.seconds, 1),
+                   "over": [{"setting": describe(o, result.problem), "measured": s} for o, s in row.over]},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "localllm_version": __version__,
     }
+
+
+def describe(c: Choice, problem: Problem) -> str:
+    """A setting in a few words: "gate_up k8 in 2 of 30, down k16" (every block where no count is given)."""
+    return ", ".join(f"{k} k{c.k_chunk[k]}" + (f" in {len(c.blocks[k])} of {problem.layer(k).count}"
+                                               if k in c.blocks else "") for k in c.kinds) or "nothing"
 
 
 def table(result: Result, title: str) -> str:
@@ -213,7 +240,8 @@ def table(result: Result, title: str) -> str:
         ks = ", ".join(str(c.k_chunk[k]) for k in KINDS)
         setting = f"{c.n_tb_max if c.compensates else '-'} / ({ks})"
         note = f"  (= {profiles.percent(c.carried_from)}%'s)" if c.carried_from is not None else \
-            "  (nothing fits)" if not c.compensates else ""
+            "  (nothing fits" + "".join(f"; {describe(o, result.problem)} measured {100 * s:+.1f}%"
+                                        for o, s in r.over) + ")" if not c.compensates else ""
         note += "".join(f"  ({k} in {len(b)} of {result.problem.layer(k).count} blocks)" for k, b in c.blocks.items())
         note += f"  (predicted KL taken away {c.value:.3f})" if c.value is not None else ""
         lines.append(f"{profiles.percent(r.budget) + '%':>7}  {setting:<36} {100 * c.predicted:+8.1f}% "
