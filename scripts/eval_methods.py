@@ -1,14 +1,16 @@
 """Perplexity table of quantized models (rtn / awq / squeezellm, 3 / 3.5 / 4 bits) without and with QDEC, on the CPU
 (or --device cuda: the GPU's fp16 path and its QDEC kernel, token by token where QDEC is on).
 
-    python scripts/eval_methods.py MODEL_DIR... [--tokens 4096] [--ctx 512] [--settings off,k8] [--device cuda]
+    python scripts/eval_methods.py MODEL_DIR... [--tokens 4096] [--ctx 512] [--settings off,k8,k32] [--device cuda]
 
 Each cell: perplexity / mean KL divergence per token from the source checkpoint each model was quantized from (the
 source is loaded once per model; --no-kl skips it). Columns: QDEC off; approx k_chunk 8 on every layer; approx k_chunk 8
 on gate_up only, a small-budget setting (what `localllm tune` picked for a 5% budget on the H100 for the 8B W3 shapes
 until the faster kernel of 2026-11-24: n_tb 4, k (0, 0, 8, 0), measured +4.3%; now k_chunk 14 on gate_up).
-A second table puts each model's perplexity against the first model's in the same column, with the 95% interval of
-the token-by-token comparison (evaluate.paired_change): whether a method's difference from another is more than noise.
+Any kN (k16, k32, ...) is approx k_chunk N on every layer. A second table puts each model's perplexity against the
+first model's in the same column (--versus-off: against the first model's QDEC off, e.g. 3 bits + QDEC against plain
+3.5 bits), with the 95% interval of the token-by-token comparison (evaluate.paired_change): whether a method's
+difference from another is more than noise.
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ def main() -> None:
     p.add_argument("--no-kl", action="store_true", help="perplexity only")
     p.add_argument("--settings", default=",".join(SETTINGS), help="columns, of " + ", ".join(SETTINGS))
     p.add_argument("--device", default="cpu")
+    p.add_argument("--versus-off", action="store_true", help="compare every cell with the first model's QDEC off")
     a = p.parse_args()
-    settings = {n: SETTINGS[n] for n in a.settings.split(",")}
+    settings = {n: SETTINGS.get(n) or {"mode": "approx", "k_chunk": int(n[1:])} for n in a.settings.split(",")}
     from localllm.evaluate import Reference, losses, paired_change, read_text, source_path, tokenize
     from localllm.modelfile import quant_label
     from localllm.runtime import load
@@ -57,15 +60,17 @@ def main() -> None:
         scored.append(scored_m)
         print(f"| {labels[-1]} | {' | '.join(cells)} |", flush=True)
     if len(scored) > 1:
-        print(f"\nperplexity vs {labels[0]}, 95% interval of the token-by-token comparison\n")
+        against = f"{labels[0]}, QDEC off" if a.versus_off else labels[0]
+        print(f"\nperplexity vs {against}, 95% interval of the token-by-token comparison\n")
         header()
         for label, sm in zip(labels[1:], scored[1:]):
             cells = []
             for name in settings:
-                if name not in sm or name not in scored[0] or len(sm[name]) != len(scored[0][name]):
+                base = scored[0].get("off" if a.versus_off else name)
+                if name not in sm or base is None or len(sm[name]) != len(base):
                     cells.append("")
                     continue
-                change, half = paired_change(sm[name], scored[0][name])
+                change, half = paired_change(sm[name], base)
                 cells.append(f"{change:+.2f}%" + (f" ± {half:.2f}" if half is not None else ""))
             print(f"| {label} | {' | '.join(cells)} |")
 
