@@ -32,6 +32,9 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--versus-off", action="store_true", help="compare every cell with the first model's QDEC off")
     a = p.parse_args()
+    bad = [n for n in a.settings.split(",") if n not in SETTINGS and not (n[:1] == "k" and n[1:].isdigit())]
+    if bad:
+        p.error(f"unknown setting {', '.join(bad)}: use off, kN (approx k_chunk N on every layer) or 'k8 gate_up'")
     settings = {n: SETTINGS.get(n) or {"mode": "approx", "k_chunk": int(n[1:])} for n in a.settings.split(",")}
     from localllm.evaluate import Reference, losses, paired_change, read_text, source_path, tokenize
     from localllm.modelfile import quant_label
