@@ -229,7 +229,11 @@ def test_select_static_and_random(k, k_chunk, seed):
 
 
 @pytest.mark.parametrize("k", [576, 2048])
-def test_compensate_matches_naive(k, seed):
+@pytest.mark.parametrize("blocks", ["whole", "small"])
+def test_compensate_matches_naive(k, blocks, seed, monkeypatch):
+    if blocks == "small":  # tokens two at a time, residual rows 24 or 85 at a time
+        import localllm.qdec as q
+        monkeypatch.setattr(q, "_BLOCK_ELEMS", 2 * k)
     n, t = 48, 5
     res = quantize_residual(torch.randn(n, k) * 0.01)
     x = activations(t, k).to(torch.bfloat16)
@@ -242,6 +246,8 @@ def test_compensate_matches_naive(k, seed):
         for j in idx[i].tolist():
             want[i] += r_hat[:, j] * float(x[i, j])
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), f"seed={seed}"
+    one = compensate(x[2:3], idx[2:3], res)  # a decode step's token alone
+    assert torch.allclose(one.double(), want[2:3], rtol=1e-4, atol=1e-4 * want.abs().max().item())
     # Compensating every channel is the full residual product.
     full = torch.arange(k).expand(t, -1)
     assert torch.allclose(compensate(x, full, res).double(), x.double() @ r_hat.T, rtol=1e-4, atol=1e-4)
