@@ -24,8 +24,8 @@ CHUNK = 1024
 N_BUCKETS = 32  # one per warp lane in the kernel
 _HALF = N_BUCKETS // 2
 _MIN_WIDTH = 1e-12  # bucket widths never reach 0, so nothing divides by 0
-# Elements per block: compensate()'s token blocks [T_block, <= K] and unpacked residual rows [rows, N], ActStats.update()'s
-# [T_block, K] copies.
+# Elements per block: compensate()'s token blocks [T_block, <= K] and unpacked residual rows [rows, N];
+# ActStats.update()'s [T_block, K] copies.
 _BLOCK_ELEMS = 1 << 24
 
 
