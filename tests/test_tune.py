@@ -163,7 +163,7 @@ def test_a_valued_budget_measures_its_single_best_call_before_settling_on_nothin
     assert r.choice.key == one.key and r.slowdown <= 0.05 and p.calls(r.choice) == 1 and not r.over
     (kind,) = r.choice.kinds
     assert r.choice.value == max(values(kind, r.choice.k_chunk[kind]).values())
-    # where a try already measured that call (over), it is not timed again, nor listed twice
+    # where a try already measured that call (over), it is not listed twice
     r = run(p, SpikyBench(p, spike=p.step_time, n=100, values=values), [0.2], evaluate=False).rows[0]
     keys = [c.key for c, _ in r.over]
     assert single(p, bench.gemv_time, 0.2, values).key in keys and len(set(keys)) == len(keys)

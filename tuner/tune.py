@@ -163,15 +163,13 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
         if row is None:  # nothing predicted to fit, or still over: the least setting (one call), measured
             c = replace(single(problem, memo, budget, bench.block_values) if valued else least(problem, memo, budget),
                         budget=budget)
-            seen = next((s for t, s in trail if t.key == c.key), None)  # a try may have measured it (over)
-            if c.compensates and seen is None:
-                on, off = timed(c)
+            if c.compensates:
+                on, off = timed(c)  # (a try may have measured it: timed() keeps each setting's pair)
                 slow, tries = on / off - 1, tries + 1
-                trail.append((c, slow))
+                if all(t.key != c.key for t, _ in trail):
+                    trail.append((c, slow))
                 row = Row(c, on, off, slow, tries) if slow <= budget else \
                     None if valued else on_fewer_blocks(c, slow, tries)
-            elif c.compensates and not valued:
-                row = on_fewer_blocks(c, seen, tries)
         row = row or Row(none, base, base, 0.0, tries, over=tuple(trail))
         rows.append(row)
     by_budget = {r.budget: r for r in rows}
