@@ -132,6 +132,13 @@ def sm_count(device: int) -> int:
 
 
 @functools.cache
+def shared_limit(device: int) -> int:
+    """Shared memory (dynamic and static) a block of GPU `device` may opt in to: 227 KB on sm_90, 99 KB on the
+    RTX 30/40 series (sm_86 / sm_89)."""
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+@functools.cache
 def resident_blocks(device: int, threads: int, regs: int, smem: int) -> int:
     """Blocks of `threads` threads, `regs` registers each and `smem` bytes of shared memory in all (static, dynamic
     and the 1 KB the driver reserves per block) that one SM of `device` holds at once (at least 1)."""

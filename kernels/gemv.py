@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from localllm.errors import LocalLLMError
 from localllm.quant import GROUP_SIZES, HEAD_BITS, QuantLUT, QuantWeight, as_int32, unpack_codes
 
 from . import cuda, qdec
@@ -26,6 +27,11 @@ TABLE_VARIANT = (16, 2, 1)
 # 8-bit weights (the output head, quant.HEAD_BITS): a pair is 2 KB, so depth 2 keeps 64 KB in flight per SM and the
 # rings within the 99 KB of shared memory of sm_89 (RTX 40-series)
 HEAD_VARIANT = (16, 2, 1)
+# Where a variant's rings and staged x exceed a GPU's shared memory per block (99 KB on the RTX 30/40 series: the
+# down of Qwen2.5-32B, K = 27648, at any width; of Qwen2.5-7B, K = 18944, with 4-bit tables), decode takes the first
+# of these that fits: two slots per warp (2/3 of the rings at one pair a slot), then half the warps with three, then
+# with two. On the H200 (`bench gemv-sweep`, one block per SM) they cost the 8B down W4 95 -> 86 / 60% of copy bandwidth.
+SMALLER_VARIANTS = ((16, 2, 1), (8, 3, 1), (8, 2, 1))
 # the group sizes compiled with two pairs per slot (larger ones spill under the 64-register cap; gemv.cu's INST_BITS2)
 TWO_PAIR_GROUPS = (64, 128)
 
@@ -206,13 +212,31 @@ def fits(variant: tuple[int, int, int], K: int, group_size: int | None) -> bool:
     return pairs == 1 or (K == 256 * warps and group_size in TWO_PAIR_GROUPS)
 
 
-def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT) -> tuple[int, int, int]:
-    """The (warps, depth, pairs per slot) variant decode runs for w (QDEC needs it)."""
-    if isinstance(w, (PackedLUT, QuantLUT)):
-        return TABLE_VARIANT
-    if w.bits == HEAD_BITS:
-        return HEAD_VARIANT
-    return VARIANTS[1] if fits(VARIANTS[1], w.in_features, w.group_size) else VARIANTS[0]
+def static_shared_bytes(warps: int) -> int:
+    """gemv.cu's static shared arrays (red: 2 x warps x 16 floats, wsum, seq), with room to spare."""
+    return 132 * warps + 256
+
+
+def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT, limit: int | None = None) -> tuple[int, int, int]:
+    """The (warps, depth, pairs per slot) variant decode runs for w (QDEC runs the same one): the fastest measured
+    (H100 / H200), or where its shared memory would exceed `limit` bytes per block (cuda.shared_limit; None: no
+    limit), the first of SMALLER_VARIANTS that fits. A shape none fits is refused in one line."""
+    table = isinstance(w, (PackedLUT, QuantLUT))
+    first = TABLE_VARIANT if table else HEAD_VARIANT if w.bits == HEAD_BITS else \
+        VARIANTS[1] if fits(VARIANTS[1], w.in_features, w.group_size) else VARIANTS[0]
+    if limit is None:
+        return first
+    need = {}
+    for v in (first, *SMALLER_VARIANTS):
+        if fits(v, w.in_features, w.group_size):
+            need[v] = shared_bytes(w, *v) + static_shared_bytes(v[0])
+            if need[v] <= limit:
+                return v
+    fix = "; quantize it with --method rtn or awq (table weights stage x in 3 bytes a channel, uniform ones in 2)" \
+        if table else ""
+    raise LocalLLMError(f"the GEMV of {w.in_features}-input {w.bits}-bit {'table' if table else 'uniform'} weights "
+                        f"needs {min(need.values())} bytes of shared memory per block at the least, and this GPU "
+                        f"has {limit}{fix}")
 
 
 def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
@@ -229,7 +253,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.
     f, applied while the kernel stages x: norm = (float32 weight [K], eps) -> ops.rmsnorm(x, weight, eps);
     glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself.
-    variant: one of VARIANTS for uniform weights (default decode_variant); blocks_per_sm default: 2 where
+    variant: one of VARIANTS or SMALLER_VARIANTS (default decode_variant on this GPU); blocks_per_sm default: 2 where
     TWO_BLOCK_TILES says, else 1.
     hold_next: this GEMV and the next kernel are GEMVs of HOLD_BYTES or more (the next launches as this one's blocks
     end their streams); default: the next kernel is taken to be a GEMV of w's size (the benchmarks' repeated calls).
@@ -247,10 +271,12 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         x = x.clone()  # the kernel reads x 16 bytes at a time
     if out is None:
         out = torch.empty(N, dtype=torch.float16, device=x.device)
-    warps, depth, pairs = variant = variant or decode_variant(w)
+    limit = cuda.shared_limit(x.device.index or 0)
+    warps, depth, pairs = variant = variant or decode_variant(w, limit)
     qw = qdec.QW if comp is not None and comp.k_chunk > 0 else 0
-    assert not lut or variant == TABLE_VARIANT, "table weights: TABLE_VARIANT only"
-    assert w.bits != HEAD_BITS or (variant == HEAD_VARIANT and not qw), "8 bits: HEAD_VARIANT, no QDEC"
+    assert not lut or variant in (TABLE_VARIANT, *SMALLER_VARIANTS), "table weights: one pair a slot, two slots"
+    assert w.bits != HEAD_BITS or (variant in (HEAD_VARIANT, *SMALLER_VARIANTS) and not qw), \
+        "8 bits: two slots of one pair, no QDEC"
     assert fits(variant, K, w.group_size), "two pairs per slot: K = 256 x warps, group size 64 or 128"
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs}>")
@@ -267,7 +293,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     x_first = (held or qw > 0) and blocks_per_sm == 1
     null = np.uint64(0)
     if qw:
-        assert variant == decode_variant(w) and comp.grid == grid, "QDEC state numbered for another grid"
+        assert variant == decode_variant(w, limit) and comp.grid == grid, "QDEC state numbered for another grid"
         smem += qdec.shared_bytes(K, N, comp.k_chunk, grid, comp.n_tb)
         extra = comp.args(K, N)
     else:

@@ -108,12 +108,15 @@ def shared_bytes(K: int, N: int, k_chunk: int, grid: int, n_tb: int) -> int:
     return (64 + 32) * math.ceil(N / 16 / (grid - n_tb)) + SCRATCH_BYTES + 8 * k_chunk
 
 
-def shared_bytes_total(w, k_chunk: int, grid: int) -> int:
-    """All dynamic shared memory of the QDEC GEMV for a kernels.gemv.Packed weight w, at its largest viable n_tb."""
-    from .gemv import decode_variant
+def shared_bytes_total(w, k_chunk: int, grid: int, limit: int | None = None) -> int:
+    """All shared memory (dynamic and static) of the QDEC GEMV for a kernels.gemv.Packed weight w, at its largest
+    viable n_tb, in the variant decode runs on a GPU of `limit` bytes per block (kernels.gemv.decode_variant)."""
+    from .gemv import decode_variant, static_shared_bytes
     from .gemv import shared_bytes as base
     K, N = w.in_features, w.out_features
-    return base(w, *decode_variant(w), qdec=True) + shared_bytes(K, N, k_chunk, grid, viable_n_tb(K, N, grid)[-1])
+    v = decode_variant(w, limit)
+    return base(w, *v, qdec=True) + static_shared_bytes(v[0]) + \
+        shared_bytes(K, N, k_chunk, grid, viable_n_tb(K, N, grid)[-1])
 
 
 def selection(sel_out: torch.Tensor, K: int, k_chunk: int) -> list[tuple[list[int], list[float]]]:

@@ -100,10 +100,10 @@ def gemv_sets(N: int, K: int, bits: int, group_size: int) -> tuple[list, int]:
 
 def gemv_sweep(group_size: int = 128, blocks_per_sm=(1, 2)) -> None:
     """Time each compiled (warps, depth, pairs per slot) variant of the GEMV at several grid sizes on the 8B shapes,
-    W4 and W3 (-: the variant does not fit the shape)."""
-    from .kernels.gemv import VARIANTS, fits, gemv
+    W4 and W3 (-: the variant does not fit the shape); the smaller ones are what a GPU short of shared memory runs."""
+    from .kernels.gemv import SMALLER_VARIANTS, VARIANTS, fits, gemv
     bw = copy_bandwidth()
-    cols = [(v, b) for v in VARIANTS for b in blocks_per_sm]
+    cols = [(v, b) for v in dict.fromkeys(VARIANTS + SMALLER_VARIANTS) for b in blocks_per_sm]
     print(f"\nGEMV variants, % of copy bandwidth ({bw / 1e9:.0f} GB/s); columns: (warps, ring depth, pairs per slot)/"
           "blocks per SM")
     print(f"{'layer':8} {'bits':>4} " + " ".join(f"{f'{v[0]},{v[1]},{v[2]}/{b}':>9}" for v, b in cols))

@@ -232,13 +232,13 @@ class LocalModel:
 
     def _check_shared_memory(self, ks: dict) -> None:
         """Refuse a k_chunk whose QDEC GEMV needs more shared memory per block than this GPU has."""
-        from .kernels import qdec
+        from .kernels import cuda, qdec
         from .kernels.gemv import grid_of
         dev = self.model.device
-        smem_max = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
+        smem_max = cuda.shared_limit(dev.index or 0)
         for lin in self._compensated(ks):
             k = ks[lin.kind]
-            if qdec.shared_bytes_total(lin.packed, k, grid_of(lin.out_features, dev)) > smem_max:
+            if qdec.shared_bytes_total(lin.packed, k, grid_of(lin.out_features, dev), smem_max) > smem_max:
                 raise LocalLLMError(f"k_chunk={k} for the {lin.kind} layers needs more shared memory than this GPU "
                                     f"has per block ({smem_max} bytes); use a smaller k_chunk")
 
@@ -354,6 +354,7 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
     lm.set_kv_bits(kv_bits)
     if dev.type != "cpu":
         check_gpu_memory(lm, dev)
+        check_shared_memory(lm, dev)
         lm.model.place(dev)
     if lm.manifest:
         lm.set_qdec(qdec if lm.has_residuals else "off", budget)
@@ -409,6 +410,20 @@ def check_gpu_memory(lm: LocalModel, dev: torch.device, context: int = 4096) -> 
     raise LocalLLMError(f"{lm.path} needs {_gib(need)} of GPU memory ({_gib(sizes['gpu_bytes'])} weights, "
                         f"{_gib(kv)} KV cache for {context} tokens at {lm.kv_bits} bits) but {_gib(free)} is free; "
                         f"{hint}")
+
+
+def check_shared_memory(lm: LocalModel, dev: torch.device) -> None:
+    """Refuse, in one line, a model with a layer whose GEMV no variant runs within this GPU's shared memory per
+    block (kernels.gemv.decode_variant)."""
+    from .kernels import cuda
+    from .kernels.gemv import decode_variant
+    limit = cuda.shared_limit(dev.index or 0)
+    for lin in (*lm.model.linears(), lm.model.head):
+        if lin.quant is not None:
+            try:
+                decode_variant(lin.quant, limit)
+            except LocalLLMError as e:
+                raise LocalLLMError(f"{lm.path}: its {lin.kind} layers cannot run on this GPU: {e}") from None
 
 
 def dense_model(ckpt: Checkpoint) -> Transformer:

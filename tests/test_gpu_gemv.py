@@ -135,3 +135,33 @@ def test_gemv_applies_the_input_transform_while_staging(mode, K):
         got = gemv(x, Packed.from_quant(q), glu=True)
     ref = q.dequantize(torch.float64).cpu() @ xin.double()
     assert ((got.cpu().double() - ref).norm() / ref.norm()).item() < 1e-3
+
+
+def fit_only(monkeypatch, w, variant):
+    """Make this GPU report just enough shared memory per block for `variant` on w's shape (an RTX 30/40's 99 KB
+    falls short of decode's first choice on a 32B model's down), so decode_variant picks it; returns the limit."""
+    from localllm.kernels import cuda
+    from localllm.kernels.gemv import decode_variant, shared_bytes, static_shared_bytes
+    limit = shared_bytes(w, *variant) + static_shared_bytes(variant[0])
+    monkeypatch.setattr(cuda, "shared_limit", lambda device: limit)
+    assert decode_variant(w, limit) == variant
+    return limit
+
+
+@pytest.mark.parametrize("variant", [(16, 2, 1), (8, 3, 1), (8, 2, 1)])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_gemv_in_the_variant_that_fits_a_smaller_shared_memory(bits, variant, monkeypatch):
+    """gemv's default on a GPU short of shared memory: the smaller variant, the same function, norm fused."""
+    from localllm import ops
+    from localllm.kernels.gemv import Packed, gemv
+    N, K = 1024, 14336
+    q = random_quant(N, K, bits, 128)
+    w = Packed.from_quant(q)
+    fit_only(monkeypatch, w, variant)
+    x, nw = torch.randn(K, device="cuda").half() * 3, torch.rand(K, device="cuda") + 0.5
+    ref = q.dequantize(torch.float64)
+    for norm in (None, (nw, 1e-5)):
+        xin = x.double() if norm is None else ops.rmsnorm(x.float(), nw, 1e-5).half().double()
+        got = gemv(x, w, norm=norm).double()
+        want = ref @ xin
+        assert ((got - want).norm() / want.norm()).item() < 1e-3, (variant, norm)

@@ -136,3 +136,15 @@ def test_squeezellm_model_on_the_gpu_matches_the_cpu(tiny_sq):
         lm.set_qdec({"mode": "approx", "k_chunk": k})
     comp_cpu, comp_gpu = steps(cpu), steps(gpu)
     assert err(comp_gpu, comp_cpu) < 0.5 * err(off, comp_cpu), (err(comp_gpu, comp_cpu), err(off, comp_cpu))
+
+
+@pytest.mark.parametrize("variant", [(8, 3, 1), (8, 2, 1)])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_lut_gemv_in_the_variant_that_fits_a_smaller_shared_memory(grouped, variant, monkeypatch):
+    """Table weights on a GPU short of shared memory (Qwen2.5-7B's down, 4-bit, on an RTX 40): half the warps, the
+    same function, with and without QDEC."""
+    from test_gpu_gemv import fit_only
+    N, K = 4096, 4096
+    fit_only(monkeypatch, on_gpu(random_lut(16, K, 4, device="cpu", grouped=grouped)), variant)
+    test_lut_gemv_matches_float64_reference(4, N, K, grouped)
+    test_lut_gemv_with_qdec_adds_the_selected_residual_rows(4, 32, grouped)

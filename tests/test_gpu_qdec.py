@@ -157,16 +157,33 @@ def test_qdec_recall_of_exact_top_k():
     assert sum(recalls) / len(recalls) > 0.5
 
 
-def test_decode_with_qdec_follows_the_cpu_compensated_path(tiny_quant):
+def short_of_shared_memory(monkeypatch, linears, headroom: int = 4096) -> int:
+    """Make this GPU report the shared memory per block that the largest of these GEMVs needs in the smallest variant
+    (plus `headroom` for QDEC's part), so that it, and maybe others, run a smaller variant (as on an RTX 30/40)."""
+    from localllm.kernels import cuda
+    from localllm.kernels.gemv import shared_bytes, static_shared_bytes
+    small = (8, 2, 1)
+    limit = max(shared_bytes(lin.packed, *small) + static_shared_bytes(small[0]) for lin in linears) + headroom
+    monkeypatch.setattr(cuda, "shared_limit", lambda device: limit)
+    return limit
+
+
+@pytest.mark.parametrize("smem", ["this GPU's", "short"])
+def test_decode_with_qdec_follows_the_cpu_compensated_path(tiny_quant, smem, monkeypatch):
     """Decoding from one token (so every step is a single-token GEMV with QDEC), teacher-forced: the GPU logits
     with QDEC are much closer to the CPU's with QDEC than the GPU's without; eager steps equal graph replays; and
     selection modes other than approx are refused on the GPU. (Not equal: x differs from the CPU's by rounding, so
     the hash behind the boundary-bucket order, and with it part of the selection, differs; the kernel tests above
-    compare selections on the same x.)"""
+    compare selections on the same x.) Short of shared memory, the GEMVs that need it run smaller variants."""
     from localllm.decode import Decoder
     from localllm.errors import LocalLLMError
+    from localllm.kernels.gemv import decode_variant
     from localllm.runtime import load
     cpu, gpu = load(tiny_quant, qdec="off"), load(tiny_quant, device="cuda", qdec="off")
+    if smem == "short":  # the tiny model: the 8-bit head in (8, 2, 1), the others in (16, 2, 1)
+        gemvs = (*gpu.model.linears(), gpu.model.head)
+        limit = short_of_shared_memory(monkeypatch, gemvs)
+        assert all(decode_variant(lin.packed, limit) != decode_variant(lin.packed) for lin in gemvs)
     k = min(64, cpu.manifest["calibration"]["kmax"])
     ids = torch.randint(0, cpu.model.cfg.vocab_size, (16,)).tolist()
 
@@ -193,13 +210,7 @@ def test_k_chunk_beyond_shared_memory_is_an_error_not_a_fallback(tiny_quant, mon
     from localllm.errors import LocalLLMError
     from localllm.runtime import load
     gpu = load(tiny_quant, device="cuda", qdec="off")
-    props = torch.cuda.get_device_properties(0)
-
-    class Small:  # a GPU with 1 KB of shared memory per block
-        shared_memory_per_block_optin = 1024
-        multi_processor_count = props.multi_processor_count
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Small())
+    short_of_shared_memory(monkeypatch, list(gpu.model.linears()), headroom=0)  # just enough without QDEC
     with pytest.raises(LocalLLMError, match="needs more shared memory than this GPU has per block"):
         gpu.set_qdec({"mode": "approx", "k_chunk": 1})
     assert gpu.settings.mode == "off"
@@ -228,3 +239,14 @@ def test_eval_on_the_gpu_compensates_token_by_token(tiny_ckpt, tmp_path):
     assert abs(ppl["gpu", "off"] / ppl["cpu", "off"] - 1) < 1e-3, ppl
     assert kl["gpu", "approx"] < 0.9 * kl["gpu", "off"] and kl["cpu", "approx"] < 0.9 * kl["cpu", "off"], kl
     assert abs(kl["gpu", "approx"] / kl["cpu", "approx"] - 1) < 0.05, kl
+
+
+@pytest.mark.parametrize("variant", [(16, 2, 1), (8, 3, 1), (8, 2, 1)])
+def test_qdec_gemv_in_the_variant_that_fits_a_smaller_shared_memory(variant, monkeypatch):
+    """QDEC runs in whichever variant the GEMV takes on a GPU short of shared memory (the selection by 8 warps too)."""
+    from test_gpu_gemv import fit_only
+
+    from localllm.kernels.gemv import Packed
+    N, K = 4096, 14336
+    fit_only(monkeypatch, Packed.from_quant(random_quant(16, K, 4, 128, device="cpu"), "cuda"), variant)
+    test_qdec_gemv_selects_by_the_bucket_rule_and_compensates(N, K, 4, 8)

@@ -114,3 +114,62 @@ def test_the_launch_after_a_compensating_gemv_is_plain(monkeypatch):
     assert ran[-2:] == ["early", "plain"]
     monkeypatch.setattr(cuda, "early_launch", lambda dev: False)
     assert cuda.next_is_plain(0)
+
+
+def _weights(K: int, bits: int, table: bool, N: int = 16):
+    """Quantized weights of one 16-row tile of K inputs: uniform (RTN's form) or grouped tables (SqueezeLLM's)."""
+    import torch
+
+    from localllm.quant import QuantLUT, QuantWeight, pack_codes
+    codes, G = pack_codes(torch.randint(0, 2**bits, (N, K)), bits), K // 128
+    if table:
+        return QuantLUT(codes, torch.rand(N, 2**bits).sort(1).values.half(), bits, K, torch.rand(N, G).half(),
+                        torch.rand(N, G).half(), 128)
+    return QuantWeight(codes, torch.rand(N, G).half(), torch.zeros(N, G, dtype=torch.uint8), bits, 128, K)
+
+
+@pytest.mark.parametrize("K,bits,table,want", [
+    (14336, 4, False, (16, 3, 1)),  # Llama-3-8B's down: decode's variant fits 99 KB
+    (14336, 4, True, (16, 2, 1)),
+    (4096, 3, False, (16, 2, 2)),
+    (27648, 3, False, (16, 2, 1)),  # Qwen2.5-32B's down
+    (27648, 4, False, (16, 2, 1)),
+    (18944, 4, True, (8, 3, 1)),  # Qwen2.5-7B's down, 4-bit tables (x staged in 3 bytes a channel)
+    (18944, 3, True, (16, 2, 1)),
+])
+def test_decode_takes_the_first_gemv_variant_that_fits_the_shared_memory(K, bits, table, want):
+    """On a GPU with 99 KB of shared memory per block (RTX 30/40 series), a GEMV whose rings and staged x would exceed
+    it runs the first smaller variant that fits; without a limit (or on an H100 / H200) the fastest measured."""
+    from localllm.kernels.gemv import SMALLER_VARIANTS, decode_variant, fits, shared_bytes, static_shared_bytes
+    sm89, h100 = 101376, 232448
+    w = _weights(K, bits, table)
+    first = decode_variant(w)
+    assert decode_variant(w, h100) == first
+    got = decode_variant(w, sm89)
+    assert got == want
+    tried = [v for v in (first, *SMALLER_VARIANTS) if fits(v, K, 128)]
+    need = [shared_bytes(w, *v) + static_shared_bytes(v[0]) for v in tried]
+    assert need[tried.index(got)] <= sm89 and all(n > sm89 for n in need[:tried.index(got)])
+
+
+def test_a_gemv_no_variant_fits_is_refused_in_one_line(tiny_quant, monkeypatch):
+    """Qwen2.5-32B's down (K = 27648) with tables does not fit 99 KB in any variant: refused naming the sizes and
+    the methods that fit; at load, before anything goes to the GPU, naming the model and its layers."""
+    import torch
+
+    import localllm
+    from localllm import runtime
+    from localllm.errors import LocalLLMError
+    from localllm.kernels import cuda
+    from localllm.kernels.gemv import decode_variant
+    with pytest.raises(LocalLLMError, match=r"needs \d+ bytes .* this GPU has 101376; quantize it with --method rtn "
+                                            "or awq") as e:
+        decode_variant(_weights(27648, 4, True), 101376)
+    assert "\n" not in str(e.value)
+    lm = localllm.load(tiny_quant, device="cpu")
+    monkeypatch.setattr(cuda, "shared_limit", lambda device: 101376)
+    runtime.check_shared_memory(lm, torch.device("cuda"))  # its tiny GEMVs fit
+    monkeypatch.setattr(cuda, "shared_limit", lambda device: 8192)
+    with pytest.raises(LocalLLMError, match=f"{tiny_quant}: its qkv layers cannot run on this GPU: the GEMV of") as e:
+        runtime.check_shared_memory(lm, torch.device("cuda"))
+    assert "\n" not in str(e.value)

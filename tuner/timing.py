@@ -62,7 +62,7 @@ def problem_of(lm, sm_count: int | None = None, smem: int | None = None, grid_of
         w = max((lin.packed or lin.quant for lin in lins), key=lambda q: q.bits)
         N, K = lins[0].out_features, lins[0].in_features
         grid = grid_of(N)
-        k_max = largest_k(lambda k: qdec.shared_bytes_total(w, k, grid), smem, kmax)  # noqa: B023
+        k_max = largest_k(lambda k: qdec.shared_bytes_total(w, k, grid, smem), smem, kmax)  # noqa: B023
         layers.append(Layer(kind, N, K, len(lins), tuple(qdec.viable_n_tb(K, N, grid)), k_max))
     return Problem(tuple(layers), max(1, sm_count // 2))
 
