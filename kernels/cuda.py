@@ -40,6 +40,10 @@ def require(kernels: bool = True) -> None:
                             "without)" if kernels else "use --device cpu (or auto)"))
     if not kernels:
         return
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:  # cp.async and the m16n8k16 / m16n8k32 mma shapes
+        raise LocalLLMError(f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) is older than the "
+                            "GPU kernels need (8.0: RTX 30 series, A100 or newer); use --device cpu")
     try:
         import cupy  # noqa: F401
     except ImportError:

@@ -1,6 +1,8 @@
 """A loaded model ready to run: the decoder, its tokenizer, its manifest and QDEC settings."""
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,7 +311,10 @@ def resolve_device(device: str | torch.device = "auto", kernels: bool = True) ->
     CUDA alone (quantizing), which asks for a GPU only."""
     from .kernels import cuda
     if device == "auto":
-        return torch.device("cuda" if (cuda.available() if kernels else torch.cuda.is_available()) else "cpu")
+        if not kernels or cuda.available():
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        _say_why_not_the_gpu()
+        return torch.device("cpu")
     try:
         dev = torch.device(device)
     except RuntimeError:  # a name torch does not know ("gpu")
@@ -319,6 +324,17 @@ def resolve_device(device: str | torch.device = "auto", kernels: bool = True) ->
     if dev.type == "cuda":
         cuda.require(kernels)
     return dev
+
+
+@functools.cache
+def _say_why_not_the_gpu() -> None:
+    """Once: the one line saying why a visible GPU is not used (no CuPy, too old), as the CPU path is far slower."""
+    from .kernels import cuda
+    if torch.cuda.is_available() and os.environ.get("LOCALLLM_NO_CUDA_KERNELS") != "1":
+        try:
+            cuda.require()
+        except LocalLLMError as e:
+            print(f"localllm: running on the CPU: {e}", file=sys.stderr)
 
 
 def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str | int | dict = "on",

@@ -185,3 +185,29 @@ def test_summary_says_why_qdec_is_off():
     assert summary(lm) == "QDEC off"
     lm.settings.mode, lm.qdec_source = "approx", "k_chunk 16 (set by hand)"
     assert summary(lm) == "QDEC approx: k_chunk 16 (set by hand)"
+
+
+def test_a_gpu_the_kernels_cannot_use_is_named_once(monkeypatch, capsys):
+    """A visible GPU that the kernels cannot use (older than sm_80, or no CuPy): --device cuda is a one-line error
+    naming it; auto runs on the CPU and says why, once."""
+    from localllm import runtime
+    from localllm.errors import LocalLLMError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    monkeypatch.delenv("LOCALLLM_NO_CUDA_KERNELS", raising=False)
+    with pytest.raises(LocalLLMError, match=r"^Tesla T4 \(compute capability 7.5\) is older than the GPU kernels need "
+                                            r"\(8.0: RTX 30 series, A100 or newer\); use --device cpu$"):
+        runtime.resolve_device("cuda")
+    runtime._say_why_not_the_gpu.cache_clear()
+    capsys.readouterr()
+    assert runtime.resolve_device("auto").type == "cpu" and runtime.resolve_device("auto").type == "cpu"
+    assert capsys.readouterr().err == "localllm: running on the CPU: Tesla T4 (compute capability 7.5) is older " \
+                                      "than the GPU kernels need (8.0: RTX 30 series, A100 or newer); use --device cpu\n"
+    assert runtime.resolve_device("auto", kernels=False).type == "cuda"  # quantizing needs torch's CUDA alone
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy fails
+    runtime._say_why_not_the_gpu.cache_clear()
+    assert runtime.resolve_device("auto").type == "cpu"
+    assert capsys.readouterr().err.startswith("localllm: running on the CPU: CuPy is not installed; install")
+    runtime._say_why_not_the_gpu.cache_clear()
