@@ -30,7 +30,8 @@ HEAD_VARIANT = (16, 2, 1)
 # Where a variant's rings and staged x exceed a GPU's shared memory per block (99 KB on the RTX 30/40 series: the
 # down of Qwen2.5-32B, K = 27648, at any width; of Qwen2.5-7B, K = 18944, with 4-bit tables), decode takes the first
 # of these that fits: two slots per warp (2/3 of the rings at one pair a slot), then half the warps with three, then
-# with two. On the H200 (`bench gemv-sweep`, one block per SM) they cost the 8B down W4 95 -> 86 / 60% of copy bandwidth.
+# with two. On the H200 (`bench gemv-sweep`, one block per SM) they take the 8B down W4 from 95 to 86 / 78 / 60% of
+# copy bandwidth (docs/gpu.md).
 SMALLER_VARIANTS = ((16, 2, 1), (8, 3, 1), (8, 2, 1))
 # the group sizes compiled with two pairs per slot (larger ones spill under the 64-register cap; gemv.cu's INST_BITS2)
 TWO_PAIR_GROUPS = (64, 128)
