@@ -34,6 +34,15 @@ class HostResidual:
                                 "free host RAM, or run with qdec='off'") from None
 
 
+def pin(lin) -> HostResidual:
+    """A model Linear's residual in pinned host memory, made once; lin.residual then views that memory, so the host
+    keeps one copy (the model file's mapped pages are let go: the paper's code keeps a pageable copy beside)."""
+    if lin.host_residual is None:
+        h = HostResidual.pin(lin.residual)
+        lin.host_residual, lin.residual = h, QuantResidual(h.codes, h.scales, lin.residual.bits)
+    return lin.host_residual
+
+
 def chunks(K: int) -> int:
     return -(-K // CHUNK)
 

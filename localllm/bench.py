@@ -461,6 +461,7 @@ def random_qdec(model, copies: int = 1, kmax: int = 256) -> None:
         res[kind] = [QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32),
                                    (torch.rand(N) * 0.01).half()) for _ in range(copies)]
         host[kind] = [qdec.HostResidual.pin(r) for r in res[kind]]
+        res[kind] = [QuantResidual(h.codes, h.scales) for h in host[kind]]  # one copy, pinned (qdec.pin)
         stats[kind] = ActStats(K, kmax)
         x = torch.randn(64, K)
         stats[kind].update(x * torch.where(torch.rand(64, K) < 0.02, 8.0, 1.0))

@@ -266,7 +266,7 @@ class LocalModel:
         if todo:
             from .progress import progress
             for lin in progress(todo, "pinning residuals", unit="layer"):
-                lin.host_residual = qdec.HostResidual.pin(lin.residual)
+                qdec.pin(lin)
         part = qdec.new_part([(lin.in_features, lin.out_features) for lin in lins], dev)
         for lin in self.model.linears():
             lin.comp = None

@@ -200,6 +200,8 @@ def test_decode_with_qdec_follows_the_cpu_compensated_path(tiny_quant, smem, mon
         lm.set_qdec({"mode": "approx", "k_chunk": k})
     want, got = run(cpu), run(gpu, use_graph=False)
     assert torch.equal(run(gpu, use_graph=True), got)
+    for lin in gpu.model.linears():  # one host copy of each residual: the pinned one the kernel reads
+        assert lin.residual.packed.is_pinned() and lin.residual.packed.data_ptr() == lin.host_residual.codes.data_ptr()
     err = lambda a: ((a - want).norm() / want.norm()).item()  # noqa: E731
     assert err(got) < 0.5 * err(off), (err(got), err(off))
     with pytest.raises(LocalLLMError, match="approximate top-k only"):
