@@ -263,6 +263,10 @@ class LocalModel:
         dev = self.model.device
         lins = self._compensated(ks, blocks)
         todo = [lin for lin in lins if lin.host_residual is None]
+        need, free = sum(lin.residual.nbytes for lin in todo), host_available()
+        if free is not None and need > free:  # pinning past it would swap, or end in the OOM killer, not an error
+            raise LocalLLMError(f"QDEC's residuals need {_gib(need)} of pinned host memory but {_gib(free)} is "
+                                "available; free host RAM, or run with QDEC off (--qdec off)")
         if todo:
             from .progress import progress
             for lin in progress(todo, "pinning residuals", unit="layer"):
@@ -377,6 +381,18 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         if not lm.has_residuals:
             lm.qdec_source = "QDEC off: the model has no residuals"
     return lm
+
+
+def host_available() -> int | None:
+    """Bytes of host memory available without swapping (Linux's MemAvailable); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 WORKSPACE_BYTES = 256 << 20  # GPU memory kept free for activations and workspaces

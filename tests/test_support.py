@@ -173,3 +173,21 @@ def test_a_gemv_no_variant_fits_is_refused_in_one_line(tiny_quant, monkeypatch):
     with pytest.raises(LocalLLMError, match=f"{tiny_quant}: its qkv layers cannot run on this GPU: the GEMV of") as e:
         runtime.check_shared_memory(lm, torch.device("cuda"))
     assert "\n" not in str(e.value)
+
+
+def test_qdec_pins_no_more_than_the_host_has_available(tiny_quant, monkeypatch):
+    """Before pinning the residuals for a GPU's QDEC: more than the host's available memory is refused in one line
+    naming both sizes and the fix (the runtime then runs without QDEC), rather than swapping or the OOM killer."""
+    import localllm
+    from localllm import runtime
+    from localllm.errors import LocalLLMError
+    from localllm.model import KINDS
+    free = runtime.host_available()
+    assert free is None or free > 0
+    lm = localllm.load(tiny_quant, device="cpu")
+    need = sum(lin.residual.nbytes for lin in lm.model.linears())
+    monkeypatch.setattr(runtime, "host_available", lambda: need - 1)
+    with pytest.raises(LocalLLMError, match=r"^QDEC's residuals need [\d.]+ GiB of pinned host memory but [\d.]+ GiB "
+                                            r"is available; free host RAM, or run with QDEC off \(--qdec off\)$"):
+        lm._place_qdec({k: 8 for k in KINDS})
+    assert all(lin.host_residual is None for lin in lm.model.linears())
