@@ -64,11 +64,17 @@ def _copies(one_bytes: int) -> int:
     return max(2, -(-L2_FLUSH_BYTES // one_bytes))
 
 
+def random_codes(N: int, K: int, bits: int, dev) -> torch.Tensor:
+    """Uniform random codes, packed: random words (quant.pack_codes writes each bit of a word once, so every word is
+    some codes), without the unpacked int64 codes an 8 GB GPU has no room for beside an 8B model."""
+    return torch.randint(-2**31, 2**31 - 1, (N // 16, K * bits // 2), dtype=torch.int32, device=dev)
+
+
 def random_quant(N: int, K: int, bits: int, group_size: int, dev):
     """Random codes with scales that keep W x at about unit scale for unit x."""
-    from .quant import QuantWeight, pack_codes
+    from .quant import QuantWeight
     G = -(-K // group_size)
-    q = pack_codes(torch.randint(0, 2**bits, (N, K), device=dev), bits)
+    q = random_codes(N, K, bits, dev)
     scales = (torch.rand(N, G, device=dev) * 2 / (2**bits * K**0.5)).half()
     zeros = torch.full((N, G), 2 ** (bits - 1), device=dev, dtype=torch.uint8)
     return QuantWeight(q, scales, zeros, bits, group_size, K)
@@ -77,10 +83,10 @@ def random_quant(N: int, K: int, bits: int, group_size: int, dev):
 def random_lut(N: int, K: int, bits: int, dev):
     """A random table (SqueezeLLM-format, grouped as `quantize --method squeezellm` makes them) weight: random codes,
     each row's 2^bits entries sorted uniform draws in the groups' unit, group scales as random_quant's."""
-    from .quant import TABLE_GROUP, QuantLUT, pack_codes
+    from .quant import TABLE_GROUP, QuantLUT
     G = -(-K // TABLE_GROUP)
     scales = (torch.rand(N, G, device=dev) * 2 / (2**bits * K**0.5)).half()
-    return QuantLUT(pack_codes(torch.randint(0, 2**bits, (N, K), device=dev), bits),
+    return QuantLUT(random_codes(N, K, bits, dev),
                     (torch.rand(N, 2**bits, device=dev).sort(1).values * (2**bits - 1)).half(), bits, K,
                     scales, (-scales.float() * 2 ** (bits - 1)).half(), TABLE_GROUP)
 
@@ -281,6 +287,39 @@ def random_model(cfg, bits: int | None, group_size: int = 128, head_bits: int = 
                        settings).place(dev).eval()
 
 
+def if_it_fits(what: str, f):
+    """f(), or None where this GPU runs out of memory for it, saying so in a line: a consumer GPU holds the packed
+    8B-shaped models but not the 16 GB of their fp16 baselines."""
+    import gc
+    try:
+        return f()
+    except torch.OutOfMemoryError:
+        pass  # its traceback holds the frames that hold f's tensors: they are freed once it is gone, below
+    gc.collect()
+    torch.cuda.empty_cache()
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    print(f"{what}: out of GPU memory on this GPU ({gib:.0f} GiB); left out")
+    return None
+
+
+def dense_decode_time(cfg, **kw) -> float:
+    """decode_time of the fp16 decoder of cfg's shapes (random weights), its memory given back after."""
+    dense = random_model(cfg, None)
+    try:
+        return decode_time(dense, **kw)
+    finally:
+        del dense
+        torch.cuda.empty_cache()
+
+
+def dense_bytes(cfg) -> int:
+    """weight_bytes of cfg's fp16 decoder: its projections and output head at 2 bytes a weight."""
+    from .model import KINDS
+    from .modelfile import linear_shape
+    return 2 * (cfg.vocab_size * cfg.hidden_size + cfg.num_layers * sum(
+        n * k for n, k in (linear_shape(cfg, kind) for kind in KINDS)))
+
+
 def weight_bytes(model) -> int:
     """Bytes a decode step must read: packed (or dense) projections and the output head."""
     return model.head.nbytes + sum(lin.nbytes for lin in model.linears())
@@ -373,47 +412,50 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
     cfg = ModelConfig(**LLAMA3_8B_CONFIG)
     bw, rd = copy_bandwidth(), read_bandwidth()
     rows = []
-    dense = random_model(cfg, None)
-    t16 = decode_time(dense)
-    fp16_bytes = weight_bytes(dense)
-    del dense
-    torch.cuda.empty_cache()
-    hf_tps = hf_generate_tps(cfg)
+    t16 = if_it_fits("fp16 decoder (CUDA graph)", lambda: dense_decode_time(cfg))
+    fp16_bytes = dense_bytes(cfg)
+    hf_tps = if_it_fits("transformers fp16 generate", lambda: hf_generate_tps(cfg))
     # uniform weights with either head; table (SqueezeLLM-format) weights with the 8-bit head `localllm quantize`
     # writes for every method
     for bits, head, table in [(b, h, False) for h in (16, 8) for b in bits_list] + [(b, 8, True) for b in bits_list]:
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
-        m = random_model(cfg, bits, head_bits=head, table=table)
-        used = torch.cuda.memory_allocated() - base
-        nbytes = weight_bytes(m)
-        t = decode_time(m, kv_bits=kv_bits)
-        rows.append({"bits": bits, "head": head, "weights": "table" if table else "uniform", "ms": t * 1e3,
-                     "ms_1k": decode_time(m, prompt=1000, ctx=1024, kv_bits=kv_bits) * 1e3,
-                     "prefill512_ms": prefill_time(m) * 1e3, "tok/s": 1 / t,
-                     "sampled_tok/s": 1 / sampled_decode_time(m, SamplingParams()),
-                     "roofline_tok/s": bw / nbytes,
-                     "of_roofline": nbytes / bw / t, "of_read_roofline": nbytes / rd / t, "vs_fp16_graph": t16 / t,
-                     "bytes_ratio": fp16_bytes / nbytes,
-                     "vs_hf": (1 / t) / hf_tps, "gpu_mem_GB": used / 1e9,
-                     "packed_GB": (nbytes + m.embed.numel() * 2) / 1e9})
-        del m
+
+        def row(bits=bits, head=head, table=table) -> dict:
+            m = random_model(cfg, bits, head_bits=head, table=table)
+            used = torch.cuda.memory_allocated() - base
+            nbytes = weight_bytes(m)
+            t = decode_time(m, kv_bits=kv_bits)
+            return {"bits": bits, "head": head, "weights": "table" if table else "uniform", "ms": t * 1e3,
+                    "ms_1k": decode_time(m, prompt=1000, ctx=1024, kv_bits=kv_bits) * 1e3,
+                    "prefill512_ms": prefill_time(m) * 1e3, "tok/s": 1 / t,
+                    "sampled_tok/s": 1 / sampled_decode_time(m, SamplingParams()),
+                    "roofline_tok/s": bw / nbytes,
+                    "of_roofline": nbytes / bw / t, "of_read_roofline": nbytes / rd / t,
+                    "vs_fp16_graph": t16 / t if t16 else None, "bytes_ratio": fp16_bytes / nbytes,
+                    "vs_hf": (1 / t) / hf_tps if hf_tps else None, "gpu_mem_GB": used / 1e9,
+                    "packed_GB": (nbytes + m.embed.numel() * 2) / 1e9}
+        r = if_it_fits(f"{bits}-bit {'table' if table else 'uniform'} weights, {head}-bit head", row)
+        if r:
+            rows.append(r)
     print(f"\nDecode, batch 1, Llama-3-8B shapes, random weights, context 256 ({kv_bits}-bit KV cache), CUDA graph "
           f"replay at position 16 (ms@1k: at position 1000 of a 1024-position cache, past the short graphs' span); "
           f"roofline: weight bytes at the copy bandwidth ({bw / 1e9:.0f} GB/s), also at the read-only bandwidth "
           f"({rd / 1e9:.0f} GB/s)")
-    print(f"fp16 (same decoder, CUDA graph): {1 / t16:.1f} tok/s; transformers fp16 generate: {hf_tps:.1f} tok/s; "
-          "sampled: generate()'s token loop at its default sampling (temperature 0.7, top-p 0.9), tokenizer aside; "
+    tps = lambda t: "-" if t is None else f"{t:.1f}"  # noqa: E731 - left out where it did not fit
+    print(f"fp16 (same decoder, CUDA graph): {tps(t16 and 1 / t16)} tok/s; transformers fp16 generate: {tps(hf_tps)} "
+          "tok/s; sampled: generate()'s token loop at its default sampling (temperature 0.7, top-p 0.9), tokenizer aside; "
           "head: the output head fp16 (16) or 8-bit (8, what `localllm quantize` writes); weights: group-wise uniform "
           "(rtn, awq) or tables grouped by 128 (squeezellm)")
     print(f"{'bits':>4} {'head':>4} {'weights':>7} {'ms/tok':>7} {'ms@1k':>6} {'tok/s':>7} {'roofline':>8} "
           f"{'% roof':>7} {'% read':>7} {'vs fp16':>8} {'bytes x':>8} {'vs HF':>6} {'GPU GB':>7} {'model GB':>9} "
           f"{'prefill 512 ms':>14} {'sampled tok/s':>13}")
+    x = lambda v, w, d: f"{'-':>{w + 1}}" if v is None else f"{v:{w}.{d}f}x"  # noqa: E731
     for r in rows:
         print(f"{r['bits']:>4} {r['head']:>4} {r['weights']:>7} {r['ms']:7.2f} {r['ms_1k']:6.2f} {r['tok/s']:7.1f} "
               f"{r['roofline_tok/s']:8.1f} {100 * r['of_roofline']:6.1f}% {100 * r['of_read_roofline']:6.1f}% "
-              f"{r['vs_fp16_graph']:7.2f}x {r['bytes_ratio']:7.2f}x "
-              f"{r['vs_hf']:5.1f}x {r['gpu_mem_GB']:7.2f} {r['packed_GB']:9.2f} {r['prefill512_ms']:14.1f} "
+              f"{x(r['vs_fp16_graph'], 7, 2)} {r['bytes_ratio']:7.2f}x "
+              f"{x(r['vs_hf'], 5, 1)} {r['gpu_mem_GB']:7.2f} {r['packed_GB']:9.2f} {r['prefill512_ms']:14.1f} "
               f"{r['sampled_tok/s']:13.1f}")
     return rows
 

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from .errors import LocalLLMError
 from .quant import GROUP_SIZES, HEAD_BITS, HEAD_WIDTHS
 
@@ -424,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
         a.func(a)
     except LocalLLMError as e:
         print(f"localllm: error: {e}", file=sys.stderr)
+        return 2
+    except torch.OutOfMemoryError as e:  # past the checks at load: a long prompt, a long reply, a benchmark
+        first = (str(e).strip().splitlines() or ["CUDA out of memory"])[0][:200]
+        print(f"localllm: error: out of GPU memory ({first}); a shorter prompt, fewer new tokens, --kv-bits 8 or 4, "
+              "or a smaller model needs less", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nlocalllm: interrupted", file=sys.stderr)

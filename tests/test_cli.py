@@ -211,3 +211,17 @@ def test_a_gpu_the_kernels_cannot_use_is_named_once(monkeypatch, capsys):
     assert runtime.resolve_device("auto").type == "cpu"
     assert capsys.readouterr().err.startswith("localllm: running on the CPU: CuPy is not installed; install")
     runtime._say_why_not_the_gpu.cache_clear()
+
+
+def test_out_of_gpu_memory_past_the_load_checks_is_one_line(monkeypatch, capsys):
+    """A torch out-of-memory error that the checks at load could not foresee (a long prompt, a benchmark's baseline)
+    ends the command with one line saying what would need less, not a traceback."""
+    import localllm.cli as cli
+
+    def oom(a):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 5.8 GiB total)\nmore")
+    monkeypatch.setattr(cli, "cmd_info", oom)
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err == "localllm: error: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 5.8 GiB " \
+                  "total)); a shorter prompt, fewer new tokens, --kv-bits 8 or 4, or a smaller model needs less\n"
