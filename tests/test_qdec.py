@@ -163,6 +163,17 @@ def test_select_approx_bucket_rule(k, k_chunk, seed):
         check_bucket_rule(x, select_approx(x, k_chunk, b0_, b15_), k_chunk, b0_, b15_, seed)
 
 
+def test_select_approx_in_row_blocks_is_row_by_row(seed, monkeypatch):
+    """Rows go in blocks on a thread pool (a prompt, an evaluation window): each row's channels are what it selects
+    alone, in order, including a last short block."""
+    import localllm.qdec as q
+    monkeypatch.setattr(q, "_ROWS", 5)
+    x = activations(23, 1536)
+    alone = torch.cat([select_approx(x[t:t + 1], 8, 3.0, 0.5) for t in range(23)])
+    assert torch.equal(select_approx(x, 8, 3.0, 0.5), alone), f"seed={seed}"
+    assert select_approx(x[:0], 8, 3.0, 0.5).shape == (0, k_total(8, 1536))
+
+
 def naive_boundary_order(x: torch.Tensor) -> tuple[int, int]:
     """boundary_order for one chunk [c], with Python integers."""
     def fmix(h):
