@@ -658,12 +658,24 @@ class QuantResidual:
         """idx long [...] of input channels -> float32 [..., N], i.e. R_hat[:, idx] moved to the last dim."""
         if self.bits == 16:
             return self.packed[idx].view(torch.float16).float()
+        if 8 % self.bits == 0:  # a table lookup per byte: ~3x faster than shifting every code out of its word
+            by = self.packed[idx].view(torch.uint8)  # little-endian: the words' codes in order
+            q = _byte_codes(self.bits, by.device).index_select(0, by.flatten().int())
+            return q.view(*idx.shape, -1) * self.scales.float()
         q = unpack_words(self.packed[idx], self.bits)  # [..., N], biased codes q + qmax + 1
         return (q - 2 ** (self.bits - 1)).float() * self.scales.float()
 
     def dequantize(self) -> Tensor:
         """R_hat as float32 [N, K]."""
         return self.rows(torch.arange(self.packed.shape[0], device=self.packed.device)).T.contiguous()
+
+
+@functools.cache
+def _byte_codes(bits: int, device: torch.device) -> Tensor:
+    """float32 [256, 8 // bits]: the codes a byte of pack_words' words holds, in order, unbiased (q, not q + qmax + 1)."""
+    b = torch.arange(256)
+    codes = torch.stack([(b >> (bits * i)) & (2**bits - 1) for i in range(8 // bits)], -1)
+    return (codes - 2 ** (bits - 1)).float().to(device)
 
 
 def residual_scale_search(r: Tensor, grid: int = 100, qmax: int = RESIDUAL_QMAX) -> Tensor:
