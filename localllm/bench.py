@@ -444,8 +444,8 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
           f"({rd / 1e9:.0f} GB/s)")
     tps = lambda t: "-" if t is None else f"{t:.1f}"  # noqa: E731 - left out where it did not fit
     print(f"fp16 (same decoder, CUDA graph): {tps(t16 and 1 / t16)} tok/s; transformers fp16 generate: {tps(hf_tps)} "
-          "tok/s; sampled: generate()'s token loop at its default sampling (temperature 0.7, top-p 0.9), tokenizer aside; "
-          "head: the output head fp16 (16) or 8-bit (8, what `localllm quantize` writes); weights: group-wise uniform "
+          "tok/s; sampled: generate()'s token loop at its default sampling (temperature 0.7, top-p 0.9), tokenizer "
+          "aside; head: the output head fp16 (16) or 8-bit (8, what `localllm quantize` writes); weights: group-wise uniform "
           "(rtn, awq) or tables grouped by 128 (squeezellm)")
     print(f"{'bits':>4} {'head':>4} {'weights':>7} {'ms/tok':>7} {'ms@1k':>6} {'tok/s':>7} {'roofline':>8} "
           f"{'% roof':>7} {'% read':>7} {'vs fp16':>8} {'bytes x':>8} {'vs HF':>6} {'GPU GB':>7} {'model GB':>9} "

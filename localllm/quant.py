@@ -672,7 +672,8 @@ class QuantResidual:
 
 @functools.cache
 def _byte_codes(bits: int, device: torch.device) -> Tensor:
-    """float32 [256, 8 // bits]: the codes a byte of pack_words' words holds, in order, unbiased (q, not q + qmax + 1)."""
+    """float32 [256, 8 // bits]: the codes a byte of pack_words' words holds, in order, unbiased (q, not
+    q + qmax + 1)."""
     b = torch.arange(256)
     codes = torch.stack([(b >> (bits * i)) & (2**bits - 1) for i in range(8 // bits)], -1)
     return (codes - 2 ** (bits - 1)).float().to(device)
