@@ -376,6 +376,8 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         check_gpu_memory(lm, dev)
         check_shared_memory(lm, dev)
         lm.model.place(dev)
+    else:
+        warn_cpu_memory(lm)
     if lm.manifest:
         lm.set_qdec(qdec if lm.has_residuals else "off", budget)
         if not lm.has_residuals:
@@ -393,6 +395,18 @@ def host_available() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def warn_cpu_memory(lm: LocalModel) -> None:
+    """Say, in one line, when the CPU path's float32 weights will outgrow the host's available memory: each quantized
+    layer is dequantized once, when first run, and kept (4 bytes a weight: an 8B model's ~30 GB)."""
+    need = 4 * sum(lin.in_features * lin.out_features for lin in (*lm.model.linears(), lm.model.head)
+                   if lin.quant is not None)
+    free = host_available()
+    if free is not None and need > free:
+        print(f"localllm: on the CPU {lm.path} runs as float32 weights, {_gib(need)}, and {_gib(free)} of host memory "
+              "is available: expect swapping or the OOM killer; a GPU (--device cuda) keeps the weights packed",
+              file=sys.stderr)
 
 
 WORKSPACE_BYTES = 256 << 20  # GPU memory kept free for activations and workspaces

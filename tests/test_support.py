@@ -191,3 +191,17 @@ def test_qdec_pins_no_more_than_the_host_has_available(tiny_quant, monkeypatch):
                                             r"is available; free host RAM, or run with QDEC off \(--qdec off\)$"):
         lm._place_qdec({k: 8 for k in KINDS})
     assert all(lin.host_residual is None for lin in lm.model.linears())
+
+
+def test_cpu_path_warns_when_its_float32_weights_outgrow_the_host(tiny_quant, monkeypatch, capsys):
+    """The CPU path keeps each quantized layer dequantized to float32 (4 bytes a weight): where that is more than the
+    host has available, loading says so in one line (and still loads); otherwise it says nothing."""
+    import localllm
+    from localllm import runtime
+    localllm.load(tiny_quant, device="cpu")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(runtime, "host_available", lambda: 1000)
+    lm = localllm.load(tiny_quant, device="cpu")
+    err = capsys.readouterr().err
+    assert err.startswith(f"localllm: on the CPU {tiny_quant} runs as float32 weights, ") and err.count("\n") == 1
+    assert "of host memory is available: expect swapping or the OOM killer" in err and lm.model is not None
