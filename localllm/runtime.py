@@ -291,18 +291,21 @@ class LocalModel:
 
     def sizes(self) -> dict:
         """Bytes the model needs on a GPU (packed weights, the head, norms) and pinned on the host: the QDEC residuals
-        (when QDEC is on) and the fp16 embeddings, unless the head shares them (Transformer.place)."""
+        (when QDEC is on) and the fp16 embeddings, unless the head shares them (Transformer.place); and on the CPU,
+        which runs every weight as float32 (warn_cpu_memory)."""
         m = self.model
         embed = 2 * m.embed.numel()
         # on the CPU: where Transformer.place would put them on a GPU
         host_embed = not m.tied and ops.host_rows(m.embed) if m.device.type == "cpu" else m.embed.device.type == "cpu"
         gpu = 2 * sum(n.weight.numel() for n in self._norms()) + (0 if host_embed else embed)
-        host = 0
+        host, cpu = 0, 4 * m.embed.numel()
         for lin in [*m.linears(), *([] if m.tied else [m.head])]:
             gpu += lin.nbytes if lin.weight is None else lin.nbytes // lin.weight.element_size() * 2  # fp16
+            cpu += 4 * lin.in_features * lin.out_features
             if lin.residual is not None:
                 host += lin.residual.nbytes  # pinned when QDEC is on
-        return {"gpu_bytes": gpu, "pinned_host_bytes": host, "pinned_embed_bytes": embed if host_embed else 0}
+        return {"gpu_bytes": gpu, "pinned_host_bytes": host, "pinned_embed_bytes": embed if host_embed else 0,
+                "cpu_bytes": cpu}
 
     def _norms(self):
         yield self.model.norm

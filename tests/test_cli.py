@@ -40,6 +40,10 @@ def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):
     assert main(["info", str(tiny_quant)]) == 0
     out = capsys.readouterr().out
     assert "pinned host" in out and "GPU memory" in out and "no profiles" in out and "output head 8-bit" in out
+    cpu = load(tiny_quant).model  # the CPU path: every weight float32 once run
+    cpu(torch.tensor([[1, 2, 3]]))
+    assert d["cpu_bytes"] == 4 * (sum(lin.dense().numel() for lin in (*cpu.linears(), cpu.head)) + cpu.embed.numel())
+    assert "CPU memory   " in out
     assert f"quantized on {d['quantized_on']['device']} in " in out
     v = d["calibration"]["qdec_value"]  # what each kind's QDEC took away, as quantize measured it
     assert f"QDEC value   KL from the source {v['off']:.3f}" in out
