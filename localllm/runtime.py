@@ -263,11 +263,11 @@ class LocalModel:
         dev = self.model.device
         lins = self._compensated(ks, blocks)
         todo = [lin for lin in lins if lin.host_residual is None]
-        need, free = sum(lin.residual.nbytes for lin in todo), host_available()
-        if free is not None and need > free:  # pinning past it would swap, or end in the OOM killer, not an error
-            raise LocalLLMError(f"QDEC's residuals need {_gib(need)} of pinned host memory but {_gib(free)} is "
-                                "available; free host RAM, or run with QDEC off (--qdec off)")
         if todo:
+            need, free = sum(lin.residual.nbytes for lin in todo), host_available()
+            if free is not None and need > free:  # pinning past it would swap, or end in the OOM killer
+                raise LocalLLMError(f"QDEC's residuals need {_gib(need)} of pinned host memory but {_gib(free)} is "
+                                    "available; free host RAM, or run with QDEC off (--qdec off)")
             from .progress import progress
             for lin in progress(todo, "pinning residuals", unit="layer"):
                 qdec.pin(lin)
