@@ -93,7 +93,8 @@ def cmd_info(a) -> None:
     print(f"GPU memory   {mb(d['gpu_bytes'])} (weights, without KV cache)")
     print(f"pinned host  {mb(d['pinned_host_bytes'])} (QDEC residuals) + {mb(d['pinned_embed_bytes'])} (embeddings, on a "
           "GPU)")
-    print(f"CPU memory   {mb(d['cpu_bytes'])} (on a machine without a GPU: the weights as float32)")
+    print(f"CPU memory   {mb(d['cpu_bytes'])} (on a machine without a GPU: the weights as float32), or "
+          f"{mb(d['cpu_unpacked_bytes'])} where that does not fit (their codes unpacked, slower)")
     kv, sa = d["kv_cache"], d["kv_cache"]["smooth_attention"]
     per_token = ", ".join(f"{n / 2**10:.1f} KiB at {b} bits" for b, n in kv["bytes_per_token"].items())
     print(f"KV cache     per token {per_token}; SmoothAttention " + (f"alpha {sa['alpha']}" if sa else "none"))

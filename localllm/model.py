@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import kvquant, ops, qdec
 from .config import ModelConfig, rope_inv_freq
 from .errors import Cancelled
-from .quant import QuantLUT, QuantResidual, QuantWeight
+from .quant import TILE_N, QuantLUT, QuantResidual, QuantWeight, Unpacked, _row_blocks
 
 KINDS = ("qkv", "o", "gate_up", "down")
 DEQUANT_ELEMS = 1 << 26  # a prompt's GPU matmul dequantizes at most this many weights at once (128 MB of fp16)
@@ -71,7 +71,9 @@ class Linear(nn.Module):
         # dense source weights [N, K]; a quantized Linear dequantizes on the CPU when first run there
         self.weight = None if weight is None else nn.Parameter(weight.float(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self._dequantized: torch.Tensor | None = None
+        self._dequantized: torch.Tensor | None = None  # the CPU's float32 W_hat, made when first run
+        self.unpacked = False  # on the CPU: run from the codes unpacked instead (unpack())
+        self._codes: Unpacked | None = None  # those, unpacked when first run
 
     @property
     def in_features(self) -> int:
@@ -90,25 +92,54 @@ class Linear(nn.Module):
         n = w.nbytes if w is not None else self.weight.numel() * self.weight.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
+    def cpu_bytes(self, unpacked: bool = False) -> int:
+        """Bytes of weights (and bias) this layer holds on the CPU once run: its packed form and float32 W_hat, or
+        (unpacked) its packed form and unpacked codes (unpack())."""
+        w = self.out_features * self.in_features
+        extra = 0 if self.bias is None else 4 * self.out_features
+        q = self.quant
+        if q is None:
+            return 4 * w + extra
+        if not unpacked:
+            return q.nbytes + 4 * w + extra
+        gs = getattr(q, "group_size", None) or q.in_features
+        groups = -(-q.in_features // gs)
+        per_group = 1 if isinstance(q, QuantWeight) else 2 ** q.bits  # a scale, or the table's values
+        codes = self.out_features * groups * gs * (2 if q.bits == 8 else 1)
+        return q.nbytes + codes + 4 * self.out_features * groups * per_group + extra
+
     def dense(self) -> torch.Tensor:
         """The weights this layer computes with, as a dense [N, K] tensor (W_hat for a quantized layer)."""
         if self.weight is not None:
             return self.weight
+        if self.unpacked:  # made anew, not kept
+            return self._unpacked_codes().rows()
         if self._dequantized is None:
             self._dequantized = self.quant.dequantize()
         return self._dequantized
+
+    def unpack(self) -> None:
+        """On the CPU, run from the codes unpacked (quant.Unpacked: ~1 byte a weight), dequantizing a slice of rows
+        per matmul, instead of from float32 weights dequantized once (4 bytes a weight): the same results, a decode
+        step ~3x slower. runtime.fit_cpu_memory does this where the float32 weights would not fit the host."""
+        if self.quant is not None:
+            self.unpacked, self._dequantized = True, None
+
+    def _unpacked_codes(self) -> Unpacked:
+        if self._codes is None:
+            self._codes = self.quant.unpacked()
+        return self._codes
 
     def weighted_energy(self, v: torch.Tensor, rows: slice | None = None) -> float:
         """sum_n sum_c v[c] W_hat[n, c]^2 over the output rows n in `rows` (None: all; v [K]: the inputs' mean
         squares, so the output energy E|W_hat x|^2 of uncorrelated inputs); on a GPU dequantized a slice of rows at a
         time, as prompts are."""
         first, last = (0, self.out_features) if rows is None else rows.indices(self.out_features)[:2]
-        total, start = 0.0, 0
-        for w in [self.dense()] if self.packed is None else self._dequantized_slices():
-            a, b = max(first - start, 0), min(last - start, w.shape[0])
+        total = 0.0
+        for r, w in self._slices():
+            a, b = max(first - r.start, 0), min(last - r.start, w.shape[0])
             if a < b:
                 total += float(w[a:b].float().square().sum(0) @ v.to(w.device, torch.float32))
-            start += w.shape[0]
         return total
 
     def place(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -122,7 +153,7 @@ class Linear(nn.Module):
             from .kernels.gemv import Packed, PackedLUT
             q = self.quant
             self.packed = (PackedLUT if isinstance(q, QuantLUT) else Packed).from_quant(q, device)
-            self.quant, self._dequantized = None, None
+            self.quant, self._dequantized, self.unpacked, self._codes = None, None, False, None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: "RMSNorm | None" = None,
                 glu: bool = False) -> torch.Tensor:
@@ -143,16 +174,12 @@ class Linear(nn.Module):
         # prompts stay fp16 on both devices; the head is outside the blocks)
         act8 = self.settings.act8 and self.weight is None and self.kind != "head" and x.shape[:-1].numel() > 1 and \
             not hasattr(self.quant if self.quant is not None else self.packed, "lut")  # QuantLUT / PackedLUT
-        if self.packed is not None:  # a prompt on the GPU: the int8 GEMM, or dequantize to fp16 then cuBLAS
-            if act8:
-                from .kernels import prefill_a8
-                y = prefill_a8.linear(x.reshape(-1, x.shape[-1]), self.packed).view(*x.shape[:-1], -1)
-            else:
-                y = self._dequantized_matmul(x)
+        if self.packed is not None and act8:  # a prompt on the GPU: the int8 GEMM
+            from .kernels import prefill_a8
+            y = prefill_a8.linear(x.reshape(-1, x.shape[-1]), self.packed).view(*x.shape[:-1], -1)
             y = y if self.bias is None else y + self.bias
         else:
-            xin = ops.quantize_tokens(x) if act8 else x
-            y = F.linear(xin, self.dense().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            y = self._matmul(ops.quantize_tokens(x) if act8 else x)
         if residual is not None:
             y = y + residual
         if compensate:
@@ -163,22 +190,31 @@ class Linear(nn.Module):
             y = y + qdec.compensate(x2, idx, self.residual).to(y.dtype).reshape(y.shape)
         return y
 
-    def _dequantized_slices(self):
-        """W_hat on the GPU as fp16 slices of rows, each at most DEQUANT_ELEMS weights (an 8B model's output head
-        would be 1 GB whole)."""
-        from .kernels.gemv import dequantize
-        w = self.packed
-        T = w.out_features // 16
-        step = max(1, DEQUANT_ELEMS // (16 * w.in_features))
-        if step >= T:
-            yield dequantize(w)
-            return
-        for t in range(0, T, step):
-            yield dequantize(w.tiles(t, min(T, t + step)))
+    def _slices(self):
+        """(rows, W_hat[rows]) covering the weights: dense weights whole; on a GPU fp16 slices of at most
+        DEQUANT_ELEMS weights (an 8B model's output head would be 1 GB whole); on the CPU float32 slices of a few MB,
+        of W_hat dequantized once or, unpacked (unpack()), dequantized anew."""
+        n = self.out_features
+        if self.packed is not None:
+            from .kernels.gemv import dequantize
+            w = self.packed
+            step = max(1, DEQUANT_ELEMS // (16 * w.in_features))
+            for t in range(0, n // 16, step):
+                t1 = min(n // 16, t + step)
+                yield slice(16 * t, 16 * t1), dequantize(w if t1 - t == n // 16 else w.tiles(t, t1))
+        elif self.weight is None:  # the same slices either way, so that both give the same bits
+            w = self._unpacked_codes() if self.unpacked else self.dense()
+            for r in _row_blocks(n, self.in_features, TILE_N):
+                yield r, w.rows(r) if self.unpacked else w[r]
+        else:
+            yield slice(0, n), self.weight
 
-    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x W_hat^T on the GPU, a slice of W_hat's rows at a time (cuBLAS)."""
-        return torch.cat([F.linear(x, w) for w in self._dequantized_slices()], dim=-1)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W_hat^T (+ bias), a slice of W_hat's rows at a time (_slices); on a GPU the bias is added after."""
+        bias = None if self.bias is None or self.packed is not None else self.bias.to(x.dtype)
+        ys = [F.linear(x, w.to(x.dtype), None if bias is None else bias[r]) for r, w in self._slices()]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y + self.bias if self.packed is not None and self.bias is not None else y
 
     @staticmethod
     def input_of(x: torch.Tensor, norm: "RMSNorm | None" = None, glu: bool = False) -> torch.Tensor:

@@ -235,15 +235,21 @@ class QuantWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """W_hat as [N, K]; the math is float32, cast to `dtype` at the end."""
-        n, k, gs = self.scales.shape[0], self.in_features, self.group_size
-        out = torch.empty(n, k, dtype=dtype, device=self.qweight.device)
-        for rows in _row_blocks(n, k, TILE_N, out.device):
-            tiles = slice(rows.start // TILE_N, -(-rows.stop // TILE_N))
-            codes = unpack_codes(self.qweight[tiles], self.bits).float()  # [n, K]
-            scale = per_channel(self.scales[rows].float(), gs, k)  # [n, K]
-            zero = per_channel(self.zeros[rows].float(), gs, k)  # [n, K]
-            out[rows] = ((codes - zero) * scale).to(dtype)
-        return out
+        return _dequantized(self, lambda rows: self.unpacked(rows), dtype)
+
+    def unpacked(self, rows: slice = slice(None)) -> Unpacked:
+        """The rows' codes unpacked as code - zero (int8; int16 at 8 bits), with the scales (rows whole tiles)."""
+        r = _tile_rows(rows, self.out_features)
+        k, gs = self.in_features, self.group_size
+        g = self.scales.shape[1]
+        codes = torch.empty(r.stop - r.start, g * gs, dtype=torch.int8 if self.bits < 8 else torch.int16,
+                            device=self.qweight.device)
+        for b in _row_blocks(r.stop - r.start, k, TILE_N, codes.device):  # bounded int32 temporaries
+            a = slice(r.start + b.start, r.start + b.stop)
+            c = F.pad(unpack_codes(self.qweight[a.start // TILE_N:a.stop // TILE_N], self.bits).short(),
+                      (0, g * gs - k))
+            codes[b] = (c.view(len(c), g, gs) - self.zeros[a, :, None].short()).view(len(c), -1).to(codes.dtype)
+        return Unpacked(codes, k, scales=self.scales[r].float())
 
 
 def _rtn_groups(w: Tensor, bits: int, group_size: int, clip: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -392,18 +398,67 @@ class QuantLUT:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """W_hat as [N, K]: the entries of values() (grouped: offsets + scales * the entries, in float64 from the
         unrounded entries, rounded once), cast to `dtype`."""
-        n, k = self.out_features, self.in_features
-        table = self.values() if self.scales is None else self._values64()
-        out = torch.empty(n, k, dtype=dtype, device=self.qweight.device)
-        for rows in _row_blocks(n, k, TILE_N, out.device):
-            tiles = slice(rows.start // TILE_N, -(-rows.stop // TILE_N))
-            codes = unpack_codes(self.qweight[tiles], self.bits).long()  # [n, K]
-            w = table[rows].gather(1, codes)
-            if self.scales is not None:
-                s, o = (per_channel(t[rows].double(), self.group_size, k) for t in (self.scales, self.offsets))
-                w = (o + s * w).float()
-            out[rows] = w.to(dtype)
-        return out
+        table = self._values64()
+        return _dequantized(self, lambda rows: self.unpacked(rows, table), dtype)
+
+    def unpacked(self, rows: slice = slice(None), table: Tensor | None = None) -> Unpacked:
+        """The rows' codes unpacked (uint8), with the value each code takes per row and group (rows whole tiles;
+        table: _values64(), where the caller has it)."""
+        r = _tile_rows(rows, self.out_features)
+        table = (self._values64() if table is None else table)[r]  # float64 [n, 2^bits]
+        k, n = self.in_features, r.stop - r.start
+        gs = self.group_size or k
+        g = -(-k // gs)
+        codes = torch.empty(n, g * gs, dtype=torch.uint8, device=self.qweight.device)
+        for b in _row_blocks(n, k, TILE_N, codes.device):
+            a = slice(r.start + b.start, r.start + b.stop)
+            codes[b] = F.pad(unpack_codes(self.qweight[a.start // TILE_N:a.stop // TILE_N], self.bits), (0, g * gs - k))
+        if self.scales is None:
+            values = table[:, None]
+        else:
+            s, o = (t[r].double()[..., None] for t in (self.scales, self.offsets))
+            values = o + s * table[:, None]  # [n, G, 2^bits]
+        return Unpacked(codes, k, table=values.float())
+
+
+def _tile_rows(rows: slice, n: int) -> slice:
+    r = slice(*rows.indices(n)[:2])
+    if r.start % TILE_N or (r.stop % TILE_N and r.stop != n):
+        raise ValueError(f"rows {r.start}:{r.stop} are not whole {TILE_N}-row tiles")
+    return r
+
+
+def _dequantized(q, unpacked, dtype: torch.dtype) -> Tensor:
+    """W_hat [N, K] of q (QuantWeight or QuantLUT), a block of rows at a time: unpacked(rows) -> Unpacked."""
+    out = torch.empty(q.out_features, q.in_features, dtype=dtype, device=q.qweight.device)
+    for rows in _row_blocks(q.out_features, q.in_features, TILE_N, out.device):
+        out[rows] = unpacked(rows).rows().to(dtype)
+    return out
+
+
+@dataclass
+class Unpacked:
+    """A quantized weight's codes unpacked, one byte a code (two for the 8-bit head), with what turns them into W_hat:
+    rows() gives W_hat's rows exactly as dequantize() does (it is how dequantize() computes them). A model on the CPU
+    runs from these, a slice of rows per matmul, where its float32 weights would not fit the host (model.Linear.unpack):
+    ~1 byte a weight instead of 4."""
+    codes: Tensor  # [N, G * gs], the last group padded: uniform code - zero (int8 / int16), tables the code (uint8)
+    in_features: int  # K
+    scales: Tensor | None = None  # uniform: float32 [N, G]
+    table: Tensor | None = None  # tables: float32 [N, G, 2^bits], the value each code takes per row and group
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.table) if t is not None)
+
+    def rows(self, r: slice = slice(None)) -> Tensor:
+        """W_hat[r] as float32 [n, K]."""
+        c = self.codes[r]
+        groups = (self.scales if self.table is None else self.table).shape[1]
+        c = c.view(len(c), groups, -1)
+        # (code - zero) * scale: the difference is exact, so the product rounds once, as float math on codes would
+        w = torch.mul(c, self.scales[r, :, None]) if self.table is None else self.table[r].gather(2, c.long())
+        return w.view(len(c), -1)[:, :self.in_features]
 
 
 def _snap(t: Tensor, scale: Tensor, offset: Tensor) -> Tensor:

@@ -292,20 +292,21 @@ class LocalModel:
     def sizes(self) -> dict:
         """Bytes the model needs on a GPU (packed weights, the head, norms) and pinned on the host: the QDEC residuals
         (when QDEC is on) and the fp16 embeddings, unless the head shares them (Transformer.place); and on the CPU,
-        which runs every weight as float32 (warn_cpu_memory)."""
+        which runs every weight as float32, or where that does not fit its quantized weights unpacked
+        (fit_cpu_memory)."""
         m = self.model
         embed = 2 * m.embed.numel()
         # on the CPU: where Transformer.place would put them on a GPU
         host_embed = not m.tied and ops.host_rows(m.embed) if m.device.type == "cpu" else m.embed.device.type == "cpu"
         gpu = 2 * sum(n.weight.numel() for n in self._norms()) + (0 if host_embed else embed)
-        host, cpu = 0, 4 * m.embed.numel()
+        host, cpu, cpu_unpacked = 0, 4 * m.embed.numel(), 4 * m.embed.numel()
         for lin in [*m.linears(), *([] if m.tied else [m.head])]:
             gpu += lin.nbytes if lin.weight is None else lin.nbytes // lin.weight.element_size() * 2  # fp16
-            cpu += 4 * lin.in_features * lin.out_features
+            cpu, cpu_unpacked = cpu + lin.cpu_bytes(), cpu_unpacked + lin.cpu_bytes(unpacked=True)
             if lin.residual is not None:
                 host += lin.residual.nbytes  # pinned when QDEC is on
         return {"gpu_bytes": gpu, "pinned_host_bytes": host, "pinned_embed_bytes": embed if host_embed else 0,
-                "cpu_bytes": cpu}
+                "cpu_bytes": cpu, "cpu_unpacked_bytes": cpu_unpacked}
 
     def _norms(self):
         yield self.model.norm
@@ -380,7 +381,7 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         check_shared_memory(lm, dev)
         lm.model.place(dev)
     else:
-        warn_cpu_memory(lm)
+        fit_cpu_memory(lm)
     if lm.manifest:
         lm.set_qdec(qdec if lm.has_residuals else "off", budget)
         if not lm.has_residuals:
@@ -400,16 +401,28 @@ def host_available() -> int | None:
     return None
 
 
-def warn_cpu_memory(lm: LocalModel) -> None:
-    """Say, in one line, when the CPU path's float32 weights will outgrow the host's available memory: each quantized
-    layer is dequantized once, when first run, and kept (4 bytes a weight: an 8B model's ~30 GB)."""
-    need = 4 * sum(lin.in_features * lin.out_features for lin in (*lm.model.linears(), lm.model.head)
-                   if lin.quant is not None)
+CPU_HEADROOM = 1 << 30  # host memory left for activations, the KV cache and the rest when weights are sized
+
+
+def fit_cpu_memory(lm: LocalModel) -> None:
+    """On the CPU each quantized layer is dequantized to float32 when first run and kept (4 bytes a weight: an 8B
+    model's ~30 GB). Where that would not fit the host's available memory, every quantized layer runs unpacked instead
+    (model.Linear.unpack: ~1 byte a weight, the same results, a decode step ~3x slower); says so in one line, and
+    where even that does not fit, that too."""
     free = host_available()
-    if free is not None and need > free:
-        print(f"localllm: on the CPU {lm.path} runs as float32 weights, {_gib(need)}, and {_gib(free)} of host memory "
-              "is available: expect swapping or the OOM killer; a GPU (--device cuda) keeps the weights packed",
-              file=sys.stderr)
+    lins = [lin for lin in (*lm.model.linears(), lm.model.head) if lin.quant is not None]
+    if free is None or not lins:
+        return
+    grow = lambda unpacked: sum(lin.cpu_bytes(unpacked) - lin.nbytes for lin in lins)  # noqa: E731 beyond the packed
+    if grow(False) <= free - CPU_HEADROOM:
+        return
+    for lin in lins:
+        lin.unpack()
+    fits = grow(True) <= free - CPU_HEADROOM
+    print(f"localllm: on the CPU {lm.path}'s weights as float32 would take {_gib(grow(False))} more and "
+          f"{_gib(free)} is available: they run from their codes unpacked ({_gib(grow(True))} more), dequantized a "
+          "slice at a time: the same results, slower" + ("" if fits else "; even that does not fit: expect swapping or "
+          "the OOM killer") + "; a GPU (--device cuda) keeps the weights packed", file=sys.stderr)
 
 
 WORKSPACE_BYTES = 256 << 20  # GPU memory kept free for activations and workspaces

@@ -40,10 +40,12 @@ def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):
     assert main(["info", str(tiny_quant)]) == 0
     out = capsys.readouterr().out
     assert "pinned host" in out and "GPU memory" in out and "no profiles" in out and "output head 8-bit" in out
-    cpu = load(tiny_quant).model  # the CPU path: every weight float32 once run
+    cpu = load(tiny_quant).model  # the CPU path: every weight float32 once run, the packed ones kept too
     cpu(torch.tensor([[1, 2, 3]]))
-    assert d["cpu_bytes"] == 4 * (sum(lin.dense().numel() for lin in (*cpu.linears(), cpu.head)) + cpu.embed.numel())
-    assert "CPU memory   " in out
+    lins = (*cpu.linears(), cpu.head)
+    assert d["cpu_bytes"] == 4 * (sum(lin.dense().numel() + (lin.bias is not None) * lin.out_features for lin in lins)
+                                  + cpu.embed.numel()) + sum(lin.nbytes for lin in lins)
+    assert d["cpu_unpacked_bytes"] < d["cpu_bytes"] and "CPU memory   " in out and " where that does not fit" in out
     assert f"quantized on {d['quantized_on']['device']} in " in out
     v = d["calibration"]["qdec_value"]  # what each kind's QDEC took away, as quantize measured it
     assert f"QDEC value   KL from the source {v['off']:.3f}" in out

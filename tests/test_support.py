@@ -1,5 +1,6 @@
 """Support modules: progress a UI can observe, files written new and whole."""
 import pytest
+import torch
 
 from localllm import atomic
 from localllm.progress import observe, progress
@@ -193,15 +194,38 @@ def test_qdec_pins_no_more_than_the_host_has_available(tiny_quant, monkeypatch):
     assert all(lin.host_residual is None for lin in lm.model.linears())
 
 
-def test_cpu_path_warns_when_its_float32_weights_outgrow_the_host(tiny_quant, monkeypatch, capsys):
-    """The CPU path keeps each quantized layer dequantized to float32 (4 bytes a weight): where that is more than the
-    host has available, loading says so in one line (and still loads); otherwise it says nothing."""
+def test_cpu_path_runs_unpacked_where_its_float32_weights_outgrow_the_host(tiny_quant, monkeypatch, capsys):
+    """The CPU path keeps each quantized layer dequantized to float32 (4 bytes a weight). Where that is more than the
+    host has available, loading says so in one line and the layers run from their codes unpacked (1-2 bytes a
+    weight), dequantized a slice at a time: the same logits, bit for bit, with QDEC on; where even that does not fit,
+    the line says that too. Otherwise loading says nothing."""
     import localllm
     from localllm import runtime
-    localllm.load(tiny_quant, device="cpu")
+    tokens = torch.randint(0, 256, (1, 12))
+    lm = localllm.load(tiny_quant, device="cpu")
     assert capsys.readouterr().err == ""
+    lins = [lin for lin in (*lm.model.linears(), lm.model.head) if lin.quant is not None]
+    assert lins and not any(lin.unpacked for lin in lins)
+    want = lm.model(tokens)
+    assert all(lin._dequantized is not None for lin in lins)
+    grow = lambda unpacked: sum(lin.cpu_bytes(unpacked) - lin.nbytes for lin in lins)  # noqa: E731
+    assert grow(True) < grow(False) / 2
+
+    monkeypatch.setattr(runtime, "host_available", lambda: runtime.CPU_HEADROOM + grow(True))
+    lm = localllm.load(tiny_quant, device="cpu")
+    err = capsys.readouterr().err
+    assert err.startswith(f"localllm: on the CPU {tiny_quant}'s weights as float32 would take ") and err.count("\n") == 1
+    assert "they run from their codes unpacked" in err and "does not fit" not in err
+    lins = [lin for lin in (*lm.model.linears(), lm.model.head) if lin.quant is not None]
+    assert all(lin.unpacked and lin._codes is None for lin in lins)  # unpacked when first run
+    assert lm.settings.mode != "off" and torch.equal(lm.model(tokens), want)
+    assert all(lin._dequantized is None for lin in lins)
+    assert all(lin.cpu_bytes(True) == lin.nbytes + lin._codes.nbytes + 4 * lin.out_features * (lin.bias is not None)
+               for lin in lins)
+    sizes = lm.sizes()  # what `localllm info` prints
+    assert sizes["cpu_bytes"] - sizes["cpu_unpacked_bytes"] == grow(False) - grow(True) > 0
+
     monkeypatch.setattr(runtime, "host_available", lambda: 1000)
     lm = localllm.load(tiny_quant, device="cpu")
     err = capsys.readouterr().err
-    assert err.startswith(f"localllm: on the CPU {tiny_quant} runs as float32 weights, ") and err.count("\n") == 1
-    assert "of host memory is available: expect swapping or the OOM killer" in err and lm.model is not None
+    assert err.count("\n") == 1 and "; even that does not fit: expect swapping or the OOM killer; a GPU" in err
