@@ -217,7 +217,7 @@ class LocalModel:
             if mode != "approx":
                 raise LocalLLMError(f"on the GPU QDEC selects by approximate top-k only, not '{mode}'; use "
                                     "mode 'approx', or device='cpu' for the other selection modes")
-            self._check_shared_memory(ks)  # a k_chunk this GPU cannot run is the caller's error, not a fallback
+            self._check_qdec_shared_memory(ks)  # a k_chunk this GPU cannot run is the caller's error, not a fallback
             self._check_n_tb(ks, nts)
             try:
                 self._place_qdec(ks, nts, blocks)
@@ -232,7 +232,7 @@ class LocalModel:
         return [lin for lin in self.model.linears() if lin.residual is not None and ks[lin.kind] > 0
                 and in_blocks(blocks or {}, lin.kind, lin.block)]
 
-    def _check_shared_memory(self, ks: dict) -> None:
+    def _check_qdec_shared_memory(self, ks: dict) -> None:
         """Refuse a k_chunk whose QDEC GEMV needs more shared memory per block than this GPU has."""
         from .kernels import cuda, qdec
         from .kernels.gemv import grid_of

@@ -340,7 +340,7 @@ def fake_gpu(monkeypatch):
 
     monkeypatch.setattr(Transformer, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props())
-    monkeypatch.setattr(LocalModel, "_check_shared_memory", lambda self, ks: None)
+    monkeypatch.setattr(LocalModel, "_check_qdec_shared_memory", lambda self, ks: None)
     monkeypatch.setattr(LocalModel, "_check_n_tb", lambda self, ks, nts: None)
     def place(self, ks, nts=None, blocks=None):
         placed.update({k: (ks[k], (nts or {}).get(k)) for k in ks})
