@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import kvquant, ops, qdec
 from .config import ModelConfig, rope_inv_freq
 from .errors import Cancelled
+from .progress import progress
 from .quant import TILE_N, QuantLUT, QuantResidual, QuantWeight, Unpacked, _row_blocks
 
 KINDS = ("qkv", "o", "gate_up", "down")
@@ -129,6 +130,17 @@ class Linear(nn.Module):
         if self._codes is None:
             self._codes = self.quant.unpacked()
         return self._codes
+
+    @property
+    def ready(self) -> bool:
+        """Whether the CPU's form of the weights (float32 W_hat, or the unpacked codes) is made; dense weights and a
+        GPU's packed ones always are."""
+        return self.quant is None or (self._codes if self.unpacked else self._dequantized) is not None
+
+    def make_ready(self) -> None:
+        """Make the CPU's form of the weights now rather than at the first forward."""
+        if not self.ready:
+            self._unpacked_codes() if self.unpacked else self.dense()
 
     def weighted_energy(self, v: torch.Tensor, rows: slice | None = None) -> float:
         """sum_n sum_c v[c] W_hat[n, c]^2 over the output rows n in `rows` (None: all; v [K]: the inputs' mean
@@ -402,6 +414,20 @@ class Transformer(nn.Module):
                 self.head.weight = self.embed
         self.settings = settings
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._ready = False  # make_ready() done
+
+    def make_ready(self) -> None:
+        """On the CPU: every quantized layer's weights in the form they run in (float32, or the codes unpacked), with
+        a progress bar: an 8B model's take tens of seconds, which the first token would otherwise wait through
+        silently. The first forward calls it; LocalModel.warm_up too."""
+        if self._ready:
+            return
+        todo = [lin for lin in (*self.linears(), self.head) if not lin.ready]
+        if todo:
+            what = "unpacking" if todo[0].unpacked else "dequantizing"
+            for lin in progress(todo, f"{what} the weights for the CPU", unit="layer"):
+                lin.make_ready()
+        self._ready = True  # (a layer unpacked later makes its new form at its next forward)
 
     def forward(self, tokens: torch.Tensor, start: int = 0, cache: KVCache | None = None,
                 last: bool = False, cancel=None) -> torch.Tensor:
@@ -420,6 +446,8 @@ class Transformer(nn.Module):
         queries are positions 0..T-1 and see only each other (a prompt from the start), so attention needs no mask
         and can take the flash kernel, which takes no explicit mask."""
         c = self.cfg
+        if self.device.type == "cpu":
+            self.make_ready()
         h = ops.embedding(tokens, self.embed)
         if cache is not None and ops.fused_decode_attention(h, cache, c.num_heads, c.num_kv_heads, c.head_dim):
             # the kernels make their own angles and need no mask: no kernels for them ahead of the first layer

@@ -97,8 +97,9 @@ class LocalModel:
         the Decoder and its KV cache, the prompt kernels, and the captured decode graphs of a greedy and a sampled
         choice (without this the demo model's first reply ran at 0.55-0.8x of later ones on the H100). A chat UI calls
         it while it loads; set_qdec and a longer reply make a new Decoder, whose graphs are captured at first use
-        again. Nothing to do on the CPU."""
+        again. On the CPU: the weights in the form they run in (Transformer.make_ready)."""
         if self.model.device.type != "cuda":
+            self.model.make_ready()
             return
         from .progress import progress
         try:

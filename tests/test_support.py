@@ -229,3 +229,27 @@ def test_cpu_path_runs_unpacked_where_its_float32_weights_outgrow_the_host(tiny_
     lm = localllm.load(tiny_quant, device="cpu")
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "; even that does not fit: expect swapping or the OOM killer; a GPU" in err
+
+
+def test_the_cpu_weights_are_made_before_the_first_token_with_progress(tiny_quant):
+    """Each quantized layer's CPU form (float32, or its codes unpacked) is made for all layers at once, under a progress
+    bar: by warm_up (the chat runs it while it loads) or else by the first forward, not silently layer by layer."""
+    import localllm
+    lm = localllm.load(tiny_quant, device="cpu")
+    lins = [lin for lin in (*lm.model.linears(), lm.model.head) if lin.quant is not None]
+    assert lins and not any(lin.ready for lin in lins)
+    seen = []
+    with observe(lambda *a: seen.append(a)):
+        lm.warm_up(64)
+    assert all(lin.ready and lin._dequantized is not None for lin in lins)
+    assert seen[-1] == ("dequantizing the weights for the CPU", len(lins), len(lins), "layer")
+
+    lm = localllm.load(tiny_quant, device="cpu")
+    lins = [lin for lin in (*lm.model.linears(), lm.model.head) if lin.quant is not None]
+    for lin in lins:
+        lin.unpack()
+    seen.clear()
+    with observe(lambda *a: seen.append(a)):
+        lm.model(torch.tensor([[1, 2, 3]]))
+    assert all(lin.ready and lin._codes is not None and lin._dequantized is None for lin in lins)
+    assert seen[-1] == ("unpacking the weights for the CPU", len(lins), len(lins), "layer")
