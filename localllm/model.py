@@ -474,7 +474,8 @@ class Transformer(nn.Module):
         self.embed = nn.Parameter(self.embed.to(device, dtype) if host is None else host, requires_grad=False)
         for n in [self.norm] + [m for b in self.blocks for m in (b.attn_norm, b.mlp_norm)]:
             n.weight = nn.Parameter(n.weight.to(device), requires_grad=False)  # norms compute in float32
-        for lin in self.linears():
+        lins = list(self.linears())
+        for lin in progress(lins, "moving the weights to the GPU", unit="layer") if device.type == "cuda" else lins:
             lin.place(device, dtype)
         if self.tied:
             self.head.weight = self.embed
