@@ -182,9 +182,9 @@ class LocalModel:
 
     def autotune(self) -> None:
         """Tune QDEC on this GPU for self.budget (GEMV timings and measured decode steps, no perplexity), write the
-        profile next to the model and use it. `localllm chat` does this once where QDEC would run untuned: the
-        default k_chunk on every layer can cost far more than a budget (the demo model on an H100: +117% per token,
-        its GEMVs lasting ~2 us against a ~5 us compensating chain)."""
+        profile next to the model and use it. load(..., tune=True) does this where QDEC would run untuned (`localllm
+        chat` and `generate` ask for it): the default k_chunk on every layer can cost far more than a budget (the
+        demo model on an H100: +117% per token, its GEMVs lasting ~2 us against a ~5 us compensating chain)."""
         from .tuner.tune import tune
         try:
             tune(self, [self.budget], evaluate=False)
@@ -348,14 +348,16 @@ def _say_why_not_the_gpu() -> None:
 
 def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str | int | dict = "on",
          verify: bool = True, device: str | torch.device = "cpu", budget: float | None = None,
-         kv_bits: int = 16, prefill_int8: bool = False) -> LocalModel:
+         kv_bits: int = 16, prefill_int8: bool = False, tune: bool = False) -> LocalModel:
     """Load a quantized model folder, a source checkpoint (dense, no QDEC), or, with no src, the demo model.
 
     device: "cpu", "cuda" or "auto". qdec applies when the model has residuals (see LocalModel.set_qdec); on a GPU
     the residuals are pinned in host memory once the weights are placed, and qdec="on" takes the tuning profile of
     this GPU for `budget` (a fraction of the decode time; default DEFAULT_BUDGET, 5%) when `localllm tune` made
-    one. kv_bits: the KV cache width, 16 (default), 8 or 4 (LocalModel.set_kv_bits). prefill_int8: prompts with
-    8-bit activations (QdecSettings.act8)."""
+    one; without one it runs the default k_chunk on every layer, which can cost far more than a budget, and says so
+    in one line, unless `tune`: then it tunes once (LocalModel.autotune: seconds; the profile is saved next to the
+    model, as `localllm chat` and `generate` do). kv_bits: the KV cache width, 16 (default), 8 or 4
+    (LocalModel.set_kv_bits). prefill_int8: prompts with 8-bit activations (QdecSettings.act8)."""
     kvquant.check_bits(kv_bits)
     dev = resolve_device(device)
     demo = src is None
@@ -387,7 +389,23 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         lm.set_qdec(qdec if lm.has_residuals else "off", budget)
         if not lm.has_residuals:
             lm.qdec_source = "QDEC off: the model has no residuals"
+        if lm.qdec_untuned:
+            _tune_or_say(lm, tune)
     return lm
+
+
+def _tune_or_say(lm: LocalModel, tune: bool) -> None:
+    """QDEC fell back to the default k_chunk on a GPU (no tuning profile): tune once, or say what it costs."""
+    if tune:
+        try:
+            lm.autotune()
+            return
+        except LocalLLMError as e:  # e.g. a profile file in the way, a read-only folder: run with the default
+            print(f"localllm: could not tune QDEC ({e}); using {lm.qdec_source}", file=sys.stderr)
+            return
+    print(f"localllm: no QDEC tuning profile for this GPU and model, so every layer compensates at k_chunk "
+          f"{DEFAULT_K_CHUNK}, which can slow decoding by half or more; `localllm tune {lm.path}` makes one (seconds, "
+          "once)", file=sys.stderr)
 
 
 def host_available() -> int | None:

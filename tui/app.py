@@ -2,7 +2,6 @@
 Textual worker threads and reports to the UI thread with messages, so the UI never waits on the model."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from textual import events, work
@@ -13,7 +12,6 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Input, Static
 from textual.worker import Worker, get_current_worker
 
-from localllm.errors import LocalLLMError
 from localllm.progress import observe
 from localllm.runtime import LocalModel
 
@@ -131,13 +129,10 @@ class ChatApp(App):
     def _load(self) -> None:
         try:
             with observe(self._report):
+                # tune: once per GPU and model where no profile applies (it is saved next to the model)
                 lm = open_model(self.model_src, self.gguf_file, qdec=self.qdec, device=self.device,
-                                budget=self.budget, kv_bits=self.kv_bits, prefill_int8=self.prefill_int8)
-                if self.tune and lm.qdec_untuned:  # once per GPU and model: the profile is saved next to the model
-                    try:
-                        lm.autotune()
-                    except LocalLLMError as e:  # e.g. a profile file in the way: chat with the default, say why
-                        print(f"localllm: could not tune QDEC ({e}); using {lm.qdec_source}", file=sys.stderr)
+                                budget=self.budget, kv_bits=self.kv_bits, prefill_int8=self.prefill_int8,
+                                tune=self.tune)
                 # the first reply then runs as fast as later ones (a short first prompt and the default length)
                 lm.warm_up(self.settings.max_new_tokens + 512)
         except _Closing:

@@ -46,10 +46,11 @@ class ReplySettings:
 
 
 def open_model(src: str | None, gguf_file: str | None = None, qdec: str | int = "on", device: str = "cpu",
-               budget: float | None = None, kv_bits: int = 16, prefill_int8: bool = False) -> LocalModel:
+               budget: float | None = None, kv_bits: int = 16, prefill_int8: bool = False,
+               tune: bool = False) -> LocalModel:
     """load() for chatting: the model must have a chat template."""
     lm = load(src, gguf_file=gguf_file, qdec=qdec, device=device, budget=budget, kv_bits=kv_bits,
-              prefill_int8=prefill_int8)
+              prefill_int8=prefill_int8, tune=tune)
     if not getattr(lm.tokenizer, "chat_template", None):
         raise LocalLLMError(f"{lm.path} has no chat template, so it cannot chat; use a chat (instruct) model, or "
                             "`localllm generate --raw` to continue plain text")
