@@ -31,8 +31,9 @@ def cmd_generate(a) -> None:
     if model is None and Path(prompt).expanduser().exists() and len(prompt.split()) == 1:
         raise LocalLLMError(f"generate got one argument, {prompt!r}, which is a path: give the prompt too "
                             f"(localllm generate {prompt} \"PROMPT\")")
+    # untuned QDEC on a GPU stays so for a one-off reply (tuning would take longer); the summary line says so
     lm = load(model, gguf_file=a.gguf_file, device=a.device, qdec=a.qdec, budget=a.budget, kv_bits=a.kv_bits,
-              prefill_int8=a.prefill_int8, tune=not a.no_tune)
+              prefill_int8=a.prefill_int8, tune=False)
     if a.qdec != "off" and not lm.has_residuals:
         why = "is not quantized (a dense checkpoint)" if lm.manifest is None else "has no QDEC residuals"
         print(f"localllm: {lm.path} {why}; generating without compensation", file=sys.stderr)
@@ -261,9 +262,6 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (GPU when usable), cpu or cuda")
     p.add_argument("--prefill-int8", action="store_true",
                    help="prompts with 8-bit activations on the int8 tensor cores (off by default; docs/gpu.md)")
-    p.add_argument("--no-tune", action="store_true",
-                   help="on a GPU with no tuning profile for this model, keep QDEC's default k_chunk instead of "
-                        "tuning once for --budget (seconds; the profile is saved next to the model)")
     _kv_bits_option(p)
 
 
@@ -308,6 +306,9 @@ def parser() -> argparse.ArgumentParser:
     _model_options(c)
     c.add_argument("--save-dir", default=".",
                    help="the existing folder where ctrl+s saves the chat (default: the current folder)")
+    c.add_argument("--no-tune", action="store_true",
+                   help="on a GPU with no tuning profile for this model, keep QDEC's default k_chunk instead of "
+                        "tuning once for --budget (seconds; the profile is saved next to the model)")
     c.set_defaults(func=cmd_chat)
 
     i = sub.add_parser("info", help="sizes, bits, calibration and tuning profiles of a model")

@@ -183,7 +183,7 @@ class LocalModel:
     def autotune(self) -> None:
         """Tune QDEC on this GPU for self.budget (GEMV timings and measured decode steps, no perplexity), write the
         profile next to the model and use it. load(..., tune=True) does this where QDEC would run untuned (`localllm
-        chat` and `generate` ask for it): the default k_chunk on every layer can cost far more than a budget (the
+        chat` asks for it): the default k_chunk on every layer can cost far more than a budget (the
         demo model on an H100: +117% per token, its GEMVs lasting ~2 us against a ~5 us compensating chain)."""
         from .tuner.tune import tune
         try:
@@ -348,16 +348,16 @@ def _say_why_not_the_gpu() -> None:
 
 def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str | int | dict = "on",
          verify: bool = True, device: str | torch.device = "cpu", budget: float | None = None,
-         kv_bits: int = 16, prefill_int8: bool = False, tune: bool = False) -> LocalModel:
+         kv_bits: int = 16, prefill_int8: bool = False, tune: bool | None = None) -> LocalModel:
     """Load a quantized model folder, a source checkpoint (dense, no QDEC), or, with no src, the demo model.
 
     device: "cpu", "cuda" or "auto". qdec applies when the model has residuals (see LocalModel.set_qdec); on a GPU
     the residuals are pinned in host memory once the weights are placed, and qdec="on" takes the tuning profile of
     this GPU for `budget` (a fraction of the decode time; default DEFAULT_BUDGET, 5%) when `localllm tune` made
-    one; without one it runs the default k_chunk on every layer, which can cost far more than a budget, and says so
-    in one line, unless `tune`: then it tunes once (LocalModel.autotune: seconds; the profile is saved next to the
-    model, as `localllm chat` and `generate` do). kv_bits: the KV cache width, 16 (default), 8 or 4
-    (LocalModel.set_kv_bits). prefill_int8: prompts with 8-bit activations (QdecSettings.act8)."""
+    one. Without one it runs the default k_chunk on every layer, which can cost far more than a budget: tune=True
+    tunes once instead (LocalModel.autotune: seconds; the profile is saved next to the model; `localllm chat` does
+    this), tune=None (the default) says so in one line, tune=False runs it silently. kv_bits: the KV cache width, 16
+    (default), 8 or 4 (LocalModel.set_kv_bits). prefill_int8: prompts with 8-bit activations (QdecSettings.act8)."""
     kvquant.check_bits(kv_bits)
     dev = resolve_device(device)
     demo = src is None
@@ -389,7 +389,7 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         lm.set_qdec(qdec if lm.has_residuals else "off", budget)
         if not lm.has_residuals:
             lm.qdec_source = "QDEC off: the model has no residuals"
-        if lm.qdec_untuned:
+        if lm.qdec_untuned and tune is not False:
             _tune_or_say(lm, tune)
     return lm
 

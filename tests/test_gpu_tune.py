@@ -97,8 +97,9 @@ def test_tune_tiny_model_writes_profiles_that_load_uses(model_copy, capsys):
 
 
 def test_load_without_a_profile_says_so_or_tunes_once(model_copy, capsys):
-    """No tuning profile for this GPU: load() runs the default k_chunk and says so in one line naming the fix; with
-    tune=True it tunes once, saves the profile next to the model and uses it; the next load finds it, silently."""
+    """No tuning profile for this GPU: load() runs the default k_chunk and says so in one line naming the fix (tune=False:
+    silently); with tune=True it tunes once, saves the profile next to the model and uses it; the next load finds it,
+    silently."""
     from localllm.runtime import DEFAULT_K_CHUNK, load
     from localllm.tuner import profile as P
     lm = load(model_copy, device="cuda", budget=0.2)
@@ -106,6 +107,8 @@ def test_load_without_a_profile_says_so_or_tunes_once(model_copy, capsys):
     assert lm.qdec_untuned and lm.settings.k_chunk["qkv"] == DEFAULT_K_CHUNK and err.count("\n") == 1
     assert err.startswith("localllm: no QDEC tuning profile for this GPU and model") and f"`localllm tune {model_copy}`" in err
     assert not (model_copy / P.DIR).exists() or not list((model_copy / P.DIR).glob("*.json"))
+    lm = load(model_copy, device="cuda", budget=0.2, tune=False)  # as `localllm generate`, whose summary says it
+    assert lm.qdec_untuned and capsys.readouterr().err == ""
     lm = load(model_copy, device="cuda", budget=0.2, tune=True)
     assert not lm.qdec_untuned and lm.qdec_source.startswith(f"tuned on {torch.cuda.get_device_name()} for a 20% budget")
     files = list((model_copy / P.DIR).glob("*.json"))

@@ -47,7 +47,7 @@ class ReplySettings:
 
 def open_model(src: str | None, gguf_file: str | None = None, qdec: str | int = "on", device: str = "cpu",
                budget: float | None = None, kv_bits: int = 16, prefill_int8: bool = False,
-               tune: bool = False) -> LocalModel:
+               tune: bool | None = None) -> LocalModel:
     """load() for chatting: the model must have a chat template."""
     lm = load(src, gguf_file=gguf_file, qdec=qdec, device=device, budget=budget, kv_bits=kv_bits,
               prefill_int8=prefill_int8, tune=tune)
