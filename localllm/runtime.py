@@ -168,9 +168,11 @@ class LocalModel:
                                      {k: v["n_tb"] for k, v in layers.items()},
                                      {k: v["blocks"] for k, v in layers.items() if "blocks" in v})
             except LocalLLMError as e:
-                print(f"localllm: warning: tuning profile {sel.path} does not fit this model ({e}); using the default "
-                      f"k_chunk {DEFAULT_K_CHUNK}: re-run `localllm tune {self.path}`", file=sys.stderr)
+                w = (f"tuning profile {sel.path} does not fit this model ({e}); using the default k_chunk "
+                     f"{DEFAULT_K_CHUNK}: re-run `localllm tune {self.path}`")
+                print(f"localllm: warning: {w}", file=sys.stderr)
                 sel.profile = None
+                sel.warnings.append(w)
             else:
                 if placed:
                     self.qdec_source, self.qdec_overhead = tuning.source_of(sel.profile), sel.profile.get("slowdown")
@@ -395,7 +397,8 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
 
 
 def _tune_or_say(lm: LocalModel, tune: bool) -> None:
-    """QDEC fell back to the default k_chunk on a GPU (no tuning profile): tune once, or say what it costs."""
+    """QDEC fell back to the default k_chunk on a GPU (no tuning profile): tune once, or say what it costs (unless a
+    warning about the profiles there has said so)."""
     if tune:
         try:
             lm.autotune()
@@ -403,6 +406,8 @@ def _tune_or_say(lm: LocalModel, tune: bool) -> None:
         except LocalLLMError as e:  # e.g. a profile file in the way, a read-only folder: run with the default
             print(f"localllm: could not tune QDEC ({e}); using {lm.qdec_source}", file=sys.stderr)
             return
+    if lm._tuned is not None and lm._tuned.warnings:
+        return
     print(f"localllm: no QDEC tuning profile for this GPU and model, so every layer compensates at k_chunk "
           f"{DEFAULT_K_CHUNK}, which can slow decoding by half or more; `localllm tune {lm.path}` makes one (seconds, "
           "once)", file=sys.stderr)

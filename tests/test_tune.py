@@ -410,6 +410,23 @@ def test_qdec_on_some_blocks_only(model_copy):
     assert "\n" not in str(e.value)
 
 
+def test_without_a_profile_load_says_qdec_runs_untuned_once(model_copy, fake_gpu, capsys):
+    """No profile at all for this GPU: load() says in one line that QDEC runs the default k_chunk and names the fix;
+    tune=False (`localllm generate`, whose summary says it) is silent. (tune=True: tests/test_gpu_tune.py.)"""
+    from localllm.runtime import DEFAULT_K_CHUNK, load
+    lm = load(model_copy)
+    err = capsys.readouterr().err
+    assert lm.qdec_untuned and lm.settings.k_chunk == {k: DEFAULT_K_CHUNK for k in lm.settings.k_chunk}
+    assert err.count("\n") == 1 and err.startswith("localllm: no QDEC tuning profile for this GPU and model, so every "
+                                                    f"layer compensates at k_chunk {DEFAULT_K_CHUNK}")
+    assert f"`localllm tune {model_copy}`" in err
+    lm.set_qdec("off")
+    lm.set_qdec("on")  # toggling says nothing again
+    assert capsys.readouterr().err == ""
+    lm = load(model_copy, tune=False)
+    assert lm.qdec_untuned and capsys.readouterr().err == ""
+
+
 def test_runtime_warns_and_uses_the_default_for_another_gpu_or_model(model_copy, fake_gpu, capsys):
     from localllm.runtime import DEFAULT_K_CHUNK, load
     P.write(model_copy, a_profile(gpu={**H100, "name": "NVIDIA GeForce RTX 4090", "sm_count": 128}))
