@@ -101,13 +101,7 @@ class Linear(nn.Module):
         q = self.quant
         if q is None:
             return 4 * w + extra
-        if not unpacked:
-            return q.nbytes + 4 * w + extra
-        gs = getattr(q, "group_size", None) or q.in_features
-        groups = -(-q.in_features // gs)
-        per_group = 1 if isinstance(q, QuantWeight) else 2 ** q.bits  # a scale, or the table's values
-        codes = self.out_features * groups * gs * (2 if q.bits == 8 else 1)
-        return q.nbytes + codes + 4 * self.out_features * groups * per_group + extra
+        return q.nbytes + (q.unpacked_nbytes if unpacked else 4 * w) + extra
 
     def dense(self) -> torch.Tensor:
         """The weights this layer computes with, as a dense [N, K] tensor (W_hat for a quantized layer)."""

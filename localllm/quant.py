@@ -237,6 +237,12 @@ class QuantWeight:
         """W_hat as [N, K]; the math is float32, cast to `dtype` at the end."""
         return _dequantized(self, lambda rows: self.unpacked(rows), dtype)
 
+    @property
+    def unpacked_nbytes(self) -> int:
+        """Bytes of unpacked() (all rows): the codes, the last group padded, and the float32 scales."""
+        n, g = self.scales.shape
+        return n * g * (self.group_size * (1 if self.bits < 8 else 2) + 4)
+
     def unpacked(self, rows: slice = slice(None)) -> Unpacked:
         """The rows' codes unpacked as code - zero (int8; int16 at 8 bits), with the scales (rows whole tiles)."""
         r = _tile_rows(rows, self.out_features)
@@ -400,6 +406,13 @@ class QuantLUT:
         unrounded entries, rounded once), cast to `dtype`."""
         table = self._values64()
         return _dequantized(self, lambda rows: self.unpacked(rows, table), dtype)
+
+    @property
+    def unpacked_nbytes(self) -> int:
+        """Bytes of unpacked() (all rows): a byte a code, the last group padded, and each row and group's values."""
+        gs = self.group_size or self.in_features
+        g = -(-self.in_features // gs)
+        return self.out_features * g * (gs + 4 * 2**self.bits)
 
     def unpacked(self, rows: slice = slice(None), table: Tensor | None = None) -> Unpacked:
         """The rows' codes unpacked (uint8), with the value each code takes per row and group (rows whole tiles;

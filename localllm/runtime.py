@@ -402,15 +402,12 @@ def _tune_or_say(lm: LocalModel, tune: bool) -> None:
     if tune:
         try:
             lm.autotune()
-            return
         except LocalLLMError as e:  # e.g. a profile file in the way, a read-only folder: run with the default
             print(f"localllm: could not tune QDEC ({e}); using {lm.qdec_source}", file=sys.stderr)
-            return
-    if lm._tuned is not None and lm._tuned.warnings:
-        return
-    print(f"localllm: no QDEC tuning profile for this GPU and model, so every layer compensates at k_chunk "
-          f"{DEFAULT_K_CHUNK}, which can slow decoding by half or more; `localllm tune {lm.path}` makes one (seconds, "
-          "once)", file=sys.stderr)
+    elif lm._tuned is None or not lm._tuned.warnings:
+        print(f"localllm: no QDEC tuning profile for this GPU and model, so every layer compensates at k_chunk "
+              f"{DEFAULT_K_CHUNK}, which can slow decoding by half or more; `localllm tune {lm.path}` makes one "
+              "(seconds, once)", file=sys.stderr)
 
 
 def host_available() -> int | None:
@@ -430,23 +427,24 @@ CPU_HEADROOM = 1 << 30  # host memory left for activations, the KV cache and the
 
 def fit_cpu_memory(lm: LocalModel) -> None:
     """On the CPU each quantized layer is dequantized to float32 when first run and kept beside its packed form (an 8B
-    model then needs ~35 GB). Where that would not fit the host's available memory, every quantized layer runs unpacked instead
-    (model.Linear.unpack: ~1 byte a weight, the same results, a decode step ~3x slower); says so in one line, and
-    where even that does not fit, that too."""
+    model then needs ~35 GB). Where that would not fit the host's available memory, every quantized layer runs
+    unpacked instead (model.Linear.unpack: ~1 byte a weight, the same results, a decode step ~3x slower); says so in
+    one line, and where even that does not fit, that too."""
     free = host_available()
     lins = [lin for lin in (*lm.model.linears(), lm.model.head) if lin.quant is not None]
     if free is None or not lins:
         return
-    grow = lambda unpacked: sum(lin.cpu_bytes(unpacked) - lin.nbytes for lin in lins)  # noqa: E731 beyond the packed
-    if grow(False) <= free - CPU_HEADROOM:
+    # what each form adds beyond the packed weights already loaded
+    as_float32, unpacked = (sum(lin.cpu_bytes(u) - lin.nbytes for lin in lins) for u in (False, True))
+    room = free - CPU_HEADROOM
+    if as_float32 <= room:
         return
     for lin in lins:
         lin.unpack()
-    fits = grow(True) <= free - CPU_HEADROOM
-    print(f"localllm: on the CPU {lm.path}'s weights as float32 would take {_gib(grow(False))} more and "
-          f"{_gib(free)} is available: they run from their codes unpacked ({_gib(grow(True))} more), dequantized a "
-          "slice at a time: the same results, slower" + ("" if fits else "; even that does not fit: expect swapping or "
-          "the OOM killer") + "; a GPU (--device cuda) keeps the weights packed", file=sys.stderr)
+    print(f"localllm: on the CPU {lm.path}'s weights as float32 would take {_gib(as_float32)} more and "
+          f"{_gib(free)} is available: they run from their codes unpacked ({_gib(unpacked)} more), dequantized a "
+          "slice at a time: the same results, slower" + ("" if unpacked <= room else "; even that does not fit: "
+          "expect swapping or the OOM killer") + "; a GPU (--device cuda) keeps the weights packed", file=sys.stderr)
 
 
 WORKSPACE_BYTES = 256 << 20  # GPU memory kept free for activations and workspaces

@@ -295,7 +295,7 @@ def test_quantize_lut(bits, seed):
     assert torch.equal(w_hat, q.values().gather(1, codes))
     assert torch.equal(q.dequantize(torch.float16), w_hat.half())
     u = q.unpacked(slice(16, 32))  # the CPU's low-memory form of the second tile: codes as bytes, the same rows
-    assert u.codes.dtype == torch.uint8 and torch.equal(u.rows(), w_hat[16:])
+    assert u.codes.dtype == torch.uint8 and torch.equal(u.rows(), w_hat[16:]) and q.unpacked_nbytes == 2 * u.nbytes
 
 
 @pytest.mark.parametrize("bits", (2, 3, 4))
@@ -319,7 +319,8 @@ def test_quantize_lut_grouped(bits, seed):
     # and runs as offset + scale * (the entry on the row's 8-bit grid), in float64 then rounded once
     want = (of.double() + sf.double() * q._values64().gather(1, codes)).float()
     assert torch.equal(q.dequantize(), want) and torch.equal(q.dequantize(torch.float16), want.half())
-    assert torch.equal(q.unpacked().rows(), want)  # the CPU's low-memory form, partial last group included
+    u = q.unpacked()  # the CPU's low-memory form, partial last group included
+    assert torch.equal(u.rows(), want) and q.unpacked_nbytes == u.nbytes
     with pytest.raises(ValueError, match="not whole 16-row tiles"):
         q.unpacked(slice(8, 32))
     assert (q.dequantize()[3, 128:256] - 0.01).abs().max() < 1e-5  # the constant group, through its offset

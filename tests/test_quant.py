@@ -154,7 +154,7 @@ def test_rtn_matches_naive(bits, k, gs, seed):
     assert q.dequantize(torch.float16).dtype == torch.float16
     u = q.unpacked()  # the CPU's low-memory form: one byte a code (two at 8 bits), the same rows
     assert u.codes.dtype == (torch.int16 if bits == 8 else torch.int8) and u.nbytes == 16 * g * gs * u.codes.itemsize + 16 * g * 4
-    assert torch.equal(u.rows(), w_hat) and torch.equal(u.rows(slice(3, 9)), w_hat[3:9])
+    assert torch.equal(u.rows(), w_hat) and torch.equal(u.rows(slice(3, 9)), w_hat[3:9]) and q.unpacked_nbytes == u.nbytes
     # Each weight lies within half a step of the grid; the fp16 scale rounding (relative
     # 2^-11, times maxq steps) may stretch that slightly at the group ends.
     s = q.scales.float().repeat_interleave(gs, dim=1)[:, :k]
