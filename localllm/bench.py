@@ -378,7 +378,7 @@ def prefill_time(model, tokens: int = 512) -> float:
     generate() runs it), eager, median of 3."""
     from .model import KVCache
     ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), device="cuda")
-    cache = KVCache(model.cfg, tokens, dtype=model.embed.dtype, device="cuda")
+    cache = KVCache(model.cfg, tokens, dtype=model.act_dtype, device="cuda")
     with torch.inference_mode():
         return time_eager(lambda: model(ids, 0, cache, last=True), reps=3)
 

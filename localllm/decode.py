@@ -27,7 +27,7 @@ class Decoder:
     def __init__(self, model: Transformer, max_len: int, use_graph: bool | None = None, kv_bits: int = 16):
         self.model = model
         dev = model.device
-        self.cache = KVCache(model.cfg, max_len, dtype=model.embed.dtype, device=dev, bits=kv_bits)
+        self.cache = KVCache(model.cfg, max_len, dtype=model.act_dtype, device=dev, bits=kv_bits)
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
         self.spans = [s for s in (SHORT_SPAN,) if s < max_len] + [max_len]  # the graphs' spans, in order
         self._step_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by span: graph, logits

@@ -144,7 +144,7 @@ def losses(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: 
                 logits = _decoded_logits(lm, w)
             else:
                 cache = None if lm.kv_bits == 16 else \
-                    KVCache(model.cfg, len(w) - 1, dtype=model.embed.dtype, device=dev, bits=lm.kv_bits)
+                    KVCache(model.cfg, len(w) - 1, dtype=model.act_dtype, device=dev, bits=lm.kv_bits)
                 logits = model(w[None, :-1], 0, cache)[0]
             logits = logits.float()
             nll.append(F.cross_entropy(logits, w[1:], reduction="none").double())

@@ -396,7 +396,9 @@ class Transformer(nn.Module):
         the embeddings (the same tensor)."""
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Parameter(embed.float(), requires_grad=False)  # [V, D]
+        # [V, D]: float32 where the CPU's head multiplies by it (tied); else as given, each token's row cast to the
+        # activations' dtype: a model file's fp16 stays mapped from the file (an 8B model's is 1 GB, 2 as float32)
+        self.embed = nn.Parameter(embed.float() if lm_head is None else embed, requires_grad=False)
         self.blocks = nn.ModuleList(blocks)
         self.norm = norm
         self.tied = lm_head is None
@@ -442,7 +444,7 @@ class Transformer(nn.Module):
         c = self.cfg
         if self.device.type == "cpu":
             self.make_ready()
-        h = ops.embedding(tokens, self.embed)
+        h = ops.embedding(tokens, self.embed).to(self.act_dtype)
         if cache is not None and ops.fused_decode_attention(h, cache, c.num_heads, c.num_kv_heads, c.head_dim):
             # the kernels make their own angles and need no mask: no kernels for them ahead of the first layer
             fused, cos, sin, mask = FusedDecode(self.inv_freq, kv_len), None, None, None
@@ -459,13 +461,19 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The activations' (and KV cache's) dtype: fp16 on a GPU, float32 on the CPU."""
+        return torch.float16 if self.device.type == "cuda" else torch.float32
+
     def place(self, device: str | torch.device) -> "Transformer":
         """Move to `device`: fp16 activations and small tensors on a GPU, float32 on the CPU."""
         device = torch.device(device)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         # on a GPU, embeddings the head does not share stay in pinned host memory (one row per token is read)
         host = ops.host_embedding(self.embed) if device.type == "cuda" and not self.tied else None
-        self.embed = nn.Parameter(self.embed.to(device, dtype) if host is None else host, requires_grad=False)
+        embed = self.embed.to(device, dtype) if device.type == "cuda" else self.embed.to(device)  # (see __init__)
+        self.embed = nn.Parameter(embed if host is None else host, requires_grad=False)
         for n in [self.norm] + [m for b in self.blocks for m in (b.attn_norm, b.mlp_norm)]:
             n.weight = nn.Parameter(n.weight.to(device), requires_grad=False)  # norms compute in float32
         lins = list(self.linears())

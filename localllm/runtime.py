@@ -302,7 +302,8 @@ class LocalModel:
         # on the CPU: where Transformer.place would put them on a GPU
         host_embed = not m.tied and ops.host_rows(m.embed) if m.device.type == "cpu" else m.embed.device.type == "cpu"
         gpu = 2 * sum(n.weight.numel() for n in self._norms()) + (0 if host_embed else embed)
-        host, cpu, cpu_unpacked = 0, 4 * m.embed.numel(), 4 * m.embed.numel()
+        cpu = m.embed.numel() * (4 if m.tied else m.embed.element_size())  # float32 where the head shares it
+        host, cpu_unpacked = 0, cpu
         for lin in [*m.linears(), *([] if m.tied else [m.head])]:
             gpu += lin.nbytes if lin.weight is None else lin.nbytes // lin.weight.element_size() * 2  # fp16
             cpu, cpu_unpacked = cpu + lin.cpu_bytes(), cpu_unpacked + lin.cpu_bytes(unpacked=True)
