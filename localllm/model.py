@@ -116,7 +116,7 @@ class Linear(nn.Module):
     def unpack(self) -> None:
         """On the CPU, run from the codes unpacked (quant.Unpacked: ~1 byte a weight), dequantizing a slice of rows
         per matmul, instead of from float32 weights dequantized once (4 bytes a weight): the same results, a decode
-        step ~3x slower. runtime.fit_cpu_memory does this where the float32 weights would not fit the host."""
+        step ~2x slower. runtime.fit_cpu_memory does this where the float32 weights would not fit the host."""
         if self.quant is not None:
             self.unpacked, self._dequantized = True, None
 

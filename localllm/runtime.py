@@ -429,7 +429,7 @@ CPU_HEADROOM = 1 << 30  # host memory left for activations, the KV cache and the
 def fit_cpu_memory(lm: LocalModel) -> None:
     """On the CPU each quantized layer is dequantized to float32 when first run and kept beside its packed form (an 8B
     model then needs ~35 GB). Where that would not fit the host's available memory, every quantized layer runs
-    unpacked instead (model.Linear.unpack: ~1 byte a weight, the same results, a decode step ~3x slower); says so in
+    unpacked instead (model.Linear.unpack: ~1 byte a weight, the same results, a decode step ~2x slower); says so in
     one line, and where even that does not fit, that too."""
     free = host_available()
     lins = [lin for lin in (*lm.model.linears(), lm.model.head) if lin.quant is not None]
