@@ -1,5 +1,11 @@
 """One token at a time: eager on the CPU, one captured CUDA graph per decode step on a GPU.
 
+The cache outlives a reply: prefill(reuse=True) runs only the tokens after the longest prefix a prompt shares with what
+the cache holds (the last prompt and the tokens of its reply that were run), so a chat's next turn reads only what is
+new. The kept entries were computed in other batches (or by decode steps), which round differently from one prompt's
+pass, and QDEC's selection can carry such a difference into other tokens: the same seed then gives the same text only
+after the same earlier calls, so reuse is the caller's choice.
+
 The graphs are captured once per Decoder over static buffers (token, position, KV cache, sampling state). step()
 copies a given token and position in and replays the model alone (teacher-forced evaluation); advance() replays the
 model and the choice of the next token, which stays on the GPU as the next step's input, so generation needs no host
@@ -43,6 +49,10 @@ class Decoder:
         self._advance_graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # by (greedy, span)
         self._at = 0  # the position advance() runs next (self.pos, known here without reading it back)
         self._reads = 0  # tokens read since start()
+        # the cache's positions 0.._at-1 hold the keys and values of (_prompt + _out)[:_at] (cached())
+        self._prompt: list[int] = []
+        self._out: list[int] = []  # the tokens tokens() gave since start()
+        self.reused = 0  # prompt tokens the last prefill() found in the cache
         if self.use_graph:  # read(): a pinned slot per token, so every token's copy stays until the next start()
             self._host = torch.zeros(max_len + 1, dtype=torch.long, pin_memory=True)
 
@@ -50,14 +60,26 @@ class Decoder:
     def max_len(self) -> int:
         return self.cache.max_len
 
-    def prefill(self, ids: list[int], cancel=None) -> torch.Tensor:
-        """Logits [V] after the prompt (fills the cache from position 0); cancel: see Transformer.forward."""
-        t = torch.tensor([ids], device=self.model.device)
-        return self.model(t, 0, self.cache, last=True, cancel=cancel)[0, -1]
+    def cached(self) -> list[int]:
+        """The tokens whose keys and values the cache holds, from position 0."""
+        return (self._prompt + self._out)[:self._at]
+
+    def prefill(self, ids: list[int], cancel=None, reuse: bool = False) -> torch.Tensor:
+        """Logits [V] after the prompt, from position 0 or (reuse) from the first token that differs from what the
+        cache holds (at least the last token is run: its logits are the result); cancel: see Transformer.forward."""
+        old = self.cached() if reuse else []
+        keep = next((i for i, (a, b) in enumerate(zip(old, ids[:-1])) if a != b), min(len(old), len(ids) - 1))
+        self._prompt, self._out, self._at = ids[:keep], [], keep  # what stays true if this is cancelled
+        t = torch.tensor([ids[keep:]], device=self.model.device)
+        logits = self.model(t, keep, self.cache, last=True, cancel=cancel)[0, -1]
+        self._prompt, self._at, self.reused = list(ids), len(ids), keep
+        self.pos.fill_(len(ids))  # a capture before start() writes past the prompt
+        return logits
 
     def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         """Logits [V] after `token` (a 0-dim device tensor) at position `pos`. With a CUDA graph they are a view of
         the graph's output buffer: read them before the next step."""
+        self._prompt, self._out, self._at = [], [], 0  # the cache is the caller's now
         if not self.use_graph:
             return self.model(token.view(1, 1), pos, self.cache)[0, -1]
         self.tok.copy_(token.view(1, 1))
@@ -82,6 +104,7 @@ class Decoder:
         self.pos.fill_(pos)
         self._at = pos
         self._reads = 0
+        self._out = []
         self._choose(logits)
 
     def advance(self) -> None:
@@ -126,7 +149,8 @@ class Decoder:
             if i and more:
                 self.advance()
                 following = self.read()
-            yield token()
+            self._out.append(token())
+            yield self._out[-1]
             if not i and more:
                 self.advance()
                 following = self.read()

@@ -17,6 +17,7 @@ from .sampling import SamplingParams
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of those, the ones whose keys and values the KV cache already held (Decoder.prefill)
     new_tokens: int = 0
     time_to_first_token: float = 0.0
     decode_seconds: float = 0.0
@@ -120,7 +121,7 @@ def _ready(text: str, stops: list[str]) -> int:
 
 
 def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingParams, stops: list[str],
-         seed: int, stats: Stats, cancel) -> Iterator[str]:
+         seed: int, stats: Stats, cancel, reuse: bool) -> Iterator[str]:
     model, tok = lm.model, lm.tokenizer
     dev = model.device
     limit = lm.model.cfg.max_position_embeddings
@@ -141,10 +142,11 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     emitted = 0  # characters of the decoded text already yielded
     with torch.inference_mode():
         try:
-            logits = dec.prefill(ids, cancel)
+            logits = dec.prefill(ids, cancel, reuse)
         except Cancelled:
             stats.finish_reason = "cancelled"
             return
+        stats.cached_tokens = dec.reused
         dec.start(logits, len(ids), seen, params, draws)
         for step, t in enumerate(dec.tokens(max_new_tokens)):
             if step == 0:
@@ -179,7 +181,7 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
              temperature: float = 0.7, top_p: float = 0.9, top_k: int = 0, repetition_penalty: float = 1.0,
              stop: str | list[str] | None = None, seed: int | None = None, stream: bool = False,
              qdec: str | int | dict | None = None, kv_bits: int | None = None, min_p: float = 0.0,
-             cancel=None) -> str | Stream:
+             cancel=None, reuse_cache: bool = False) -> str | Stream:
     """Generate a reply to `prompt` (a string, or chat messages [{"role": ..., "content": ...}] which get the
     model's chat template). `model` is a LocalModel, a model path, or None for the demo model.
     Sampling as transformers' processors, in this order: repetition penalty, temperature (0 = greedy), top-k (0 =
@@ -191,7 +193,11 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     cancel: a threading.Event another thread may set to stop the reply before its next token (stats.finish_reason
     "cancelled"); on the CPU also between layers while the prompt is read (a GPU queues the prompt's kernels at once,
     and they finish first).
-    The same seed gives the same text."""
+    reuse_cache: read only the prompt's tokens after what it shares with the model's KV cache (the previous prompt
+    and the part of its reply that was run): a chat's next turn then reads only the new messages (`localllm chat`
+    does this). The cache's entries round differently from one pass over the prompt, and QDEC's channel selection can
+    turn that into other tokens.
+    The same seed gives the same text (with reuse_cache, after the same earlier calls)."""
     lm = model if isinstance(model, LocalModel) else load(model)
     if qdec is not None:
         lm.set_qdec(qdec)
@@ -207,5 +213,5 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     ids = encode_prompt(lm, prompt)
     if not ids:
         raise LocalLLMError("the prompt is empty (no tokens): give some text")
-    s.pieces = _run(lm, ids, max_new_tokens, params, stops, seed, s.stats, cancel)
+    s.pieces = _run(lm, ids, max_new_tokens, params, stops, seed, s.stats, cancel, reuse_cache)
     return s if stream else s.text()

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight checkpoints (fast, never evidence of quality) and the demo model."""
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 from pathlib import Path
@@ -57,3 +58,18 @@ def demo_gguf() -> Path:
     """The real demo model (downloaded once into the localllm cache)."""
     from localllm.demo import demo_gguf as get
     return get()
+
+
+@contextlib.contextmanager
+def same_kv_cache(lm):
+    """Put lm's KV cache, and the record of what it holds, back as they were before the block: a reply made with
+    generate(reuse_cache=True), as the chat makes them, can then be made again from the same cache (its text depends
+    on what the cache held)."""
+    dec = lm._decoder
+    saved = None if dec is None else ([t.clone() for t in dec.cache.buffers()], dec._prompt, dec._out, dec._at)
+    yield
+    lm._decoder = dec
+    if dec is not None:
+        for t, s in zip(dec.cache.buffers(), saved[0]):
+            t.copy_(s)
+        dec._prompt, dec._out, dec._at = saved[1:]

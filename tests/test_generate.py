@@ -239,6 +239,47 @@ def test_cancel_stops_the_prompt_between_layers_and_the_reply_between_tokens(lm)
     assert generate(lm, "Once upon a time", **kw) == full  # the model goes on as before
 
 
+def test_reuse_cache_reads_only_what_the_kv_cache_lacks(tiny_quant):
+    """reuse_cache: a chat's next turn is read from the first token the cache does not hold (it holds the previous
+    prompt and the reply's tokens that were run); the logits are those of reading the whole prompt up to rounding
+    (QDEC off here: its selection can carry rounding into other channels); the same calls give the same text; a
+    prompt cancelled midway leaves the cache holding what it held up to where the new prompt differs."""
+    from localllm.decode import Decoder
+    from localllm.errors import Cancelled
+    lm = load(tiny_quant, qdec="off")
+    lm.eos_ids = []
+    kw = dict(max_new_tokens=12, temperature=1.0, seed=2, stream=True, reuse_cache=True)
+    msgs = [{"role": "user", "content": "Hello"}]
+    s = generate(lm, msgs, **kw)
+    reply = s.text()
+    first, dec = encode_prompt(lm, msgs), lm._decoder
+    assert s.stats.cached_tokens == 0 and len(dec.cached()) == len(first) + 11  # the last token chosen is not run
+    assert dec.cached()[:len(first)] == first
+    msgs2 = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "More"}]
+    shared = len(dec.cached())  # the text of a random model's tokens may tokenize anew otherwise: ids held whole
+    ids = dec.cached() + encode_prompt(lm, msgs2)[-5:]
+    with torch.inference_mode():
+        got = dec.prefill(ids, reuse=True)
+        want = Decoder(lm.model, dec.max_len).prefill(ids)
+    assert dec.reused == shared and dec.cached() == ids
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    other = ids[:shared + 2] + [(ids[shared + 2] + 1) % lm.model.cfg.vocab_size]
+    with torch.inference_mode(), pytest.raises(Cancelled):
+        dec.prefill(other, cancel=SetAfter(2), reuse=True)
+    assert dec.cached() == ids[:shared + 2]  # what it still holds truly
+
+    texts = []
+    for _ in range(2):  # QDEC on: the same calls, the same texts
+        lm = load(tiny_quant)
+        lm.eos_ids = []
+        reply = generate(lm, msgs, **kw).text()
+        s = generate(lm, msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "More"}], **kw)
+        texts.append((reply, s.text()))
+        assert s.stats.cached_tokens >= len(first)
+    assert texts[0] == texts[1]
+    assert generate(lm, msgs, max_new_tokens=12, temperature=1.0, seed=2, stream=True).stats.cached_tokens == 0
+
+
 def test_a_full_context_ends_the_reply_and_says_so(lm):
     lm.eos_ids = []
     limit = lm.model.cfg.max_position_embeddings

@@ -39,6 +39,30 @@ def test_prompt_matmul_in_slices_of_rows(tiny_quant, monkeypatch):
     assert rel(sliced, whole) < 1e-3 and rel(last, whole[:, -1:]) < 1e-2  # last: one token, the GEMV kernel
 
 
+def test_reuse_cache_reads_the_rest_of_a_prompt_on_the_gpu(tiny_quant):
+    """A next turn on the GPU is read from where the KV cache stops holding it, by a masked pass at an offset (several
+    tokens) or by the fused decode attention (one): the logits of reading the whole prompt, up to fp16 rounding (the
+    cache's entries of the reply were made by decode steps)."""
+    from localllm.generate import encode_prompt, generate
+    lm = load(tiny_quant, device="cuda", qdec="off")
+    lm.eos_ids = []
+    msgs = [{"role": "user", "content": "Hello"}]
+    s = generate(lm, msgs, max_new_tokens=12, temperature=1.0, seed=2, stream=True, reuse_cache=True)
+    s.text()
+    dec, first = lm._decoder, encode_prompt(lm, msgs)
+    held = dec.cached()
+    assert len(held) == len(first) + 11 and held[:len(first)] == first
+    ids = held + first[-5:]
+    with torch.no_grad():
+        want = Decoder(lm.model, dec.max_len).prefill(ids).float()
+        several = dec.prefill(ids, reuse=True).float()
+        assert dec.reused == len(held)
+        one = dec.prefill(ids, reuse=True).float()  # all but the last token held now
+        assert dec.reused == len(ids) - 1
+    for got in (several, one):
+        assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+
+
 def test_graph_replay_equals_eager(tiny_quant):
     lm = load(tiny_quant, device="cuda", qdec="off")
     ids = torch.randint(0, lm.model.cfg.vocab_size, (12,)).tolist()

@@ -5,6 +5,7 @@ import threading
 import pytest
 import torch
 
+from conftest import same_kv_cache
 from localllm.errors import LocalLLMError
 from localllm.generate import generate
 from localllm.runtime import load
@@ -31,14 +32,17 @@ def reply_to(session, text, stop=None):
 def test_conversation_goes_to_generate_each_turn(lm):
     st = ReplySettings(system="Be brief.", temperature=0.8, top_p=0.95, max_new_tokens=12, seed=5)
     s = ChatSession(lm, st)
-    first, pieces = reply_to(s, "Hello")
+    kw = dict(max_new_tokens=12, temperature=0.8, top_p=0.95, seed=5, reuse_cache=True)  # each turn reads what is new
+    with same_kv_cache(lm):
+        first, pieces = reply_to(s, "Hello")
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
-    want = generate(lm, msgs, max_new_tokens=12, temperature=0.8, top_p=0.95, seed=5)
+    want = generate(lm, msgs, **kw)
     assert first.text == "".join(pieces) == want and len(pieces) > 1 and first.error is None
-    second, _ = reply_to(s, "And then?")
+    with same_kv_cache(lm):
+        second, _ = reply_to(s, "And then?")
     msgs += [{"role": "assistant", "content": want}, {"role": "user", "content": "And then?"}]
     assert second.prompt == msgs
-    assert second.text == generate(lm, msgs, max_new_tokens=12, temperature=0.8, top_p=0.95, seed=5)
+    assert second.text == generate(lm, msgs, **kw) and second.stats.cached_tokens > 0
     assert [t["role"] for t in s.turns] == ["user", "assistant"] * 2
     assert s.turns[-1]["settings"]["seed"] == 5 and s.turns[-1]["settings"]["qdec"]["mode"] == "approx"
     s.new_chat()
@@ -62,9 +66,10 @@ def test_a_stopped_reply_keeps_what_was_shown_and_the_model_goes_on(lm):
     assert reply.cancelled and reply.stats.finish_reason == "cancelled" and len(shown) == 3
     assert 3 <= reply.stats.new_tokens < 40 and reply.text == "".join(shown)
     assert s.turns[-1] == {**s.turns[-1], "content": reply.text, "cancelled": True}
-    nxt, _ = reply_to(s, "Go on")  # the cancelled reply is part of the conversation
+    with same_kv_cache(lm):
+        nxt, _ = reply_to(s, "Go on")  # the cancelled reply is part of the conversation
     want = generate(lm, [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": reply.text},
-                         {"role": "user", "content": "Go on"}], max_new_tokens=40, seed=3)
+                         {"role": "user", "content": "Go on"}], max_new_tokens=40, seed=3, reuse_cache=True)
     assert nxt.text == want and not nxt.cancelled
 
 

@@ -13,6 +13,7 @@ import pytest
 import textual
 from textual.widgets import Input, Static, Switch
 
+from conftest import same_kv_cache
 from localllm.generate import Stats, Stream, generate
 from localllm.tui.app import ChatApp
 from localllm.tui.loading import LoadingPanel
@@ -113,22 +114,28 @@ async def test_a_reply_streams_into_the_transcript(tiny_quant, monkeypatch, repl
     app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=24, seed=4, system="Be brief."))
     async with app.run_test(size=SIZE) as pilot:
         session = await loaded(pilot)
-        reply = await send(pilot, replies, "Hello there")
-        await until(pilot, gate.paused.is_set, "two pieces")
-        await until(pilot, lambda: shown(app) == printable(reply.text), "them on screen")
-        assert reply.pieces == 2 and shown(app) and app.session.running is reply  # on screen while it runs
-        gate.release()
-        await done(pilot, reply)
+        with same_kv_cache(session.lm):
+            reply = await send(pilot, replies, "Hello there")
+            await until(pilot, gate.paused.is_set, "two pieces")
+            await until(pilot, lambda: shown(app) == printable(reply.text), "them on screen")
+            assert reply.pieces == 2 and shown(app) and app.session.running is reply  # on screen while it runs
+            gate.release()
+            await done(pilot, reply)
         msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-        want = generate(session.lm, msgs, max_new_tokens=24, temperature=0.7, top_p=0.9, seed=4)
+        kw = dict(max_new_tokens=24, temperature=0.7, top_p=0.9, seed=4, reuse_cache=True)  # as the chat asks
+        want = generate(session.lm, msgs, **kw)
         assert reply.text == want and shown(app) == printable(want) and reply.pieces > 2
         assert app.query(UserMessage).last().text == "Hello there"
         meta = str(app.query_one(ReplyMessage).query_one(".meta", Static).render())
         assert meta.startswith("24 tokens") and meta.endswith("stopped at max new tokens")
         assert f"{reply.stats.tokens_per_second:.1f} tok/s" in str(app.query_one("#status", Static).render())
-        second = await done(pilot, await send(pilot, replies, "Why?"))  # multi-turn: the first exchange goes along
+        with same_kv_cache(session.lm):  # multi-turn: the first exchange goes along
+            second = await done(pilot, await send(pilot, replies, "Why?"))
         msgs += [{"role": "assistant", "content": want}, {"role": "user", "content": "Why?"}]
-        assert second.text == generate(session.lm, msgs, max_new_tokens=24, temperature=0.7, top_p=0.9, seed=4)
+        assert second.text == generate(session.lm, msgs, **kw)
+        meta = str(app.query(ReplyMessage).last().query_one(".meta", Static).render())
+        kept = second.stats.cached_tokens
+        assert kept > 0 and f"({second.stats.prompt_tokens - kept} new prompt tokens read, {kept} kept)" in meta
         assert len(app.query(ReplyMessage)) == 2
 
 
@@ -166,10 +173,12 @@ async def test_cancel_mid_reply_then_the_next_message_works(tiny_quant, monkeypa
         meta = str(app.query(ReplyMessage).last().query_one(".meta", Static).render())
         assert meta.startswith("cancelled")
         assert session.turns[-1]["content"] == reply.text and session.turns[-1]["cancelled"]
-        nxt = await done(pilot, await send(pilot, replies, "Go on"))
+        with same_kv_cache(session.lm):
+            nxt = await done(pilot, await send(pilot, replies, "Go on"))
         msgs = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": reply.text},
                 {"role": "user", "content": "Go on"}]
-        assert nxt.text == generate(session.lm, msgs, max_new_tokens=60, seed=9) and shown(app) == printable(nxt.text)
+        want = generate(session.lm, msgs, max_new_tokens=60, seed=9, reuse_cache=True)
+        assert nxt.text == want and shown(app) == printable(nxt.text)
         assert not nxt.cancelled and nxt.stats.new_tokens == 60
 
 

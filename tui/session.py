@@ -91,7 +91,8 @@ class Reply:
                 st = self.settings
                 prompt, self.left_out = fit_context(session.lm, self.prompt, st.max_new_tokens)
                 stream = generate(session.lm, prompt, max_new_tokens=st.max_new_tokens, temperature=st.temperature,
-                                  top_p=st.top_p, min_p=st.min_p, seed=self.seed, stream=True, cancel=stop)
+                                  top_p=st.top_p, min_p=st.min_p, seed=self.seed, stream=True, cancel=stop,
+                                  reuse_cache=True)  # each turn reads only the new messages
                 self.stats = stream.stats
                 for piece in stream:
                     self.text += piece

@@ -103,7 +103,8 @@ class ReplyMessage(Vertical):
         meta = self.query_one(".meta", Static)
         st = reply.stats
         numbers = f"{st.new_tokens} tokens · {st.tokens_per_second:.1f} tok/s · first token " \
-                  f"{st.time_to_first_token:.2f} s"
+                  f"{st.time_to_first_token:.2f} s" + (f" ({st.prompt_tokens - st.cached_tokens} new prompt tokens "
+                                                       f"read, {st.cached_tokens} kept)" if st.cached_tokens else "")
         n, left_out = reply.left_out, ""
         if n:
             which = "the oldest exchange was" if n == 1 else f"the {n} oldest exchanges were"
