@@ -644,6 +644,21 @@ def bench_demo(new_tokens: int = 32, kv_bits: int = 16) -> None:
     print(f"  after warm_up ({warm * 1e3:.0f} ms; `localllm chat` runs it while it loads): first replies {firsts} "
           "tok/s, greedy / sampled")
 
+    def second_turn(reuse: bool):
+        msgs = [{"role": "user", "content": DEMO_PROMPTS[0]}]
+        first = generate(gpu, msgs, max_new_tokens=256, seed=0, reuse_cache=True)
+        msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": DEMO_PROMPTS[3]}]
+        s = generate(gpu, msgs, max_new_tokens=4, seed=0, stream=True, reuse_cache=reuse)
+        s.text()
+        return s.stats
+
+    turns = {reuse: sorted((second_turn(reuse) for _ in range(3)), key=lambda st: st.time_to_first_token)[1]
+             for reuse in (True, False)}  # medians of three
+    st = turns[True]
+    print(f"  a chat's second turn ({st.prompt_tokens} prompt tokens, {st.prompt_tokens - st.cached_tokens} not in "
+          f"the KV cache): first token {turns[True].time_to_first_token * 1e3:.1f} ms as the chat reads it (the rest "
+          f"kept), {turns[False].time_to_first_token * 1e3:.1f} ms read whole")
+
 
 def bench_prefill(bits_list=(4, 3), lengths=(512, 2048, 8192)) -> list[dict]:
     """Prompts with 8-bit activations (kernels/prefill_a8.cu) vs the fp16 path (dequantize per layer + cuBLAS):
