@@ -623,7 +623,7 @@ def bench_demo(new_tokens: int = 32, kv_bits: int = 16) -> None:
             print(f"  tuned in {took:.0f} s ({gpu.qdec_summary()}): {tq * 1e3:.3f} ms/token = {1 / tq:.0f} tok/s "
                   f"({100 * (tq / t - 1):+.0f}%)")
         gpu.set_qdec("off")
-    gpu.eos_ids = []  # 256 tokens whatever they are
+    eos, gpu.eos_ids = gpu.eos_ids, []  # 256 tokens whatever they are
 
     def reply_rate(temp: float) -> float:
         s = generate(gpu, [{"role": "user", "content": DEMO_PROMPTS[0]}], max_new_tokens=256, temperature=temp,
@@ -644,8 +644,10 @@ def bench_demo(new_tokens: int = 32, kv_bits: int = 16) -> None:
     print(f"  after warm_up ({warm * 1e3:.0f} ms; `localllm chat` runs it while it loads): first replies {firsts} "
           "tok/s, greedy / sampled")
 
+    gpu.eos_ids = eos  # a reply that ends as in a chat (past its end its text would tokenize anew otherwise)
+
     def second_turn(reuse: bool):
-        msgs = [{"role": "user", "content": DEMO_PROMPTS[0]}]
+        msgs = [{"role": "user", "content": DEMO_PROMPTS[1]}]
         first = generate(gpu, msgs, max_new_tokens=256, seed=0, reuse_cache=True)
         msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": DEMO_PROMPTS[3]}]
         s = generate(gpu, msgs, max_new_tokens=4, seed=0, stream=True, reuse_cache=reuse)
