@@ -61,7 +61,12 @@ def cmd_chat(a) -> None:
     from .runtime import resolve_device
     from .tui.session import ReplySettings
     device = str(resolve_device(a.device))  # no GPU for --device cuda: the one-line error, before the app starts
-    settings = ReplySettings(system=a.system or "", temperature=a.temperature, top_p=a.top_p, min_p=a.min_p,
+    resume = None
+    if a.resume is not None:  # a file that is not a saved chat: one line here, before the app starts
+        from .tui import history
+        resume = history.load(a.resume)
+    system = a.system if a.system is not None else resume["system"] if resume else ""
+    settings = ReplySettings(system=system, temperature=a.temperature, top_p=a.top_p, min_p=a.min_p,
                              max_new_tokens=a.max_new_tokens, seed=a.seed)
     settings.check()
     save_dir = Path(a.save_dir).expanduser()  # found now, not at the first Ctrl+S after a long chat
@@ -72,7 +77,8 @@ def cmd_chat(a) -> None:
         check_source(a.model)
     from .tui.app import ChatApp
     ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, budget=a.budget, settings=settings,
-            save_dir=a.save_dir, kv_bits=a.kv_bits, prefill_int8=a.prefill_int8, tune=not a.no_tune).run()
+            save_dir=a.save_dir, kv_bits=a.kv_bits, prefill_int8=a.prefill_int8, tune=not a.no_tune,
+            resume=resume).run()
 
 
 def cmd_info(a) -> None:
@@ -304,6 +310,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=int, default=512)
     c.add_argument("--seed", type=int, help="the same seed for every reply (default: a new one each)")
     _model_options(c)
+    c.add_argument("--resume", metavar="FILE",
+                   help="go on with a chat that ctrl+s saved (with its system prompt, unless --system)")
     c.add_argument("--save-dir", default=".",
                    help="the existing folder where ctrl+s saves the chat (default: the current folder)")
     c.add_argument("--no-tune", action="store_true",

@@ -306,6 +306,46 @@ async def test_new_chat_copy_and_save(tiny_quant, tmp_path, replies):
         assert nxt.prompt == [{"role": "user", "content": "Hi"}]
 
 
+@scenario
+async def test_a_saved_chat_goes_on_where_it_stopped(tiny_quant, tmp_path, replies):
+    """--resume: a chat that Ctrl+S saved is shown as it was, its turns go with the next message (and its system
+    prompt with them), and saving again keeps what each earlier reply was generated with."""
+    from localllm.tui import history
+    first = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=6, seed=1, system="Be brief."),
+                    save_dir=tmp_path)
+    async with first.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        one = await done(pilot, await send(pilot, replies, "Hello"))
+        await pilot.press("ctrl+s")
+    saved = history.load(next(tmp_path.glob("chat-*.json")))
+    assert saved["system"] == "Be brief." and [t["content"] for t in saved["turns"]] == ["Hello", one.text]
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=6, seed=1, system=saved["system"]),
+                  save_dir=tmp_path, resume=saved)
+    async with app.run_test(size=SIZE) as pilot:
+        session = await loaded(pilot)
+        await until(pilot, lambda: len(app.query(ReplyMessage)) == 1, "the saved reply on screen")
+        assert app.query(UserMessage).last().text == "Hello"
+        meta = str(app.query_one(ReplyMessage).query_one(".meta", Static).render())
+        assert meta == "from the saved chat" and "Going on with the saved chat" in str(app.query(Notice).last().render())
+        nxt = await done(pilot, await send(pilot, replies, "And then?"))
+        assert nxt.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+                              {"role": "assistant", "content": one.text}, {"role": "user", "content": "And then?"}]
+        assert session.turns[1]["settings"] == saved["turns"][1]["settings"]  # kept for the next save
+
+
+def test_resume_refuses_what_is_not_a_saved_chat(tmp_path, capsys):
+    from localllm.cli import main
+    bad = tmp_path / "notes.json"
+    bad.write_text(json.dumps({"messages": []}))
+    assert main(["chat", "--resume", str(bad)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err == f"localllm: error: {bad} is not a saved chat (format None, not 'localllm-chat/1'); pass a chat " \
+                  "that Ctrl+S saved in `localllm chat`"
+    bad.write_text(json.dumps({"format": "localllm-chat/1", "messages": [{"role": "assistant", "content": "hi"}]}))
+    assert main(["chat", "--resume", str(bad)]) != 0
+    assert "user and assistant turns in alternation" in capsys.readouterr().err
+
+
 SNAPSHOT = Path(__file__).parent / "snapshots" / "chat.svg"
 REPLY = ["Tides come from the **Moon's** pull", " on the oceans:\n\n", "1. the side facing the Moon bulges,\n",
          "2. so does the far side,\n", "3. Earth turns under both bulges.\n\n", "So most coasts see *two* high tides ",

@@ -89,12 +89,15 @@ class ChatApp(App):
 
     def __init__(self, model: str | None = None, *, gguf_file: str | None = None, device: str = "cpu",
                  qdec: str | int = "on", budget: float | None = None, settings: ReplySettings | None = None,
-                 save_dir: str | Path = ".", kv_bits: int = 16, prefill_int8: bool = False, tune: bool = True):
+                 save_dir: str | Path = ".", kv_bits: int = 16, prefill_int8: bool = False, tune: bool = True,
+                 resume: dict | None = None):
+        """resume: a saved chat to go on with (history.load; its system prompt is the caller's to put in settings)."""
         super().__init__()
         self.model_src, self.gguf_file, self.device, self.qdec, self.budget = model, gguf_file, device, qdec, budget
         self.kv_bits, self.prefill_int8, self.tune = kv_bits, prefill_int8, tune
         self.settings = settings or ReplySettings()
         self.save_dir = save_dir
+        self.resume = resume
         self.session: ChatSession | None = None
         self._current: tuple[Reply, ReplyMessage] | None = None  # the reply running and its view
         self._reply_worker: Worker | None = None
@@ -171,6 +174,8 @@ class ChatApp(App):
         transcript = self.query_one(Transcript)
         await transcript.query(LoadingPanel).remove()
         await transcript.add(Notice(f"{facts.summary(m.lm)}. Type a message and press Enter; F2 opens the settings."))
+        if self.resume is not None:
+            await self._show_saved(session, self.resume)
         self.query_one(SettingsPanel).show_qdec(session)
         self.session = session  # last: the chat's actions are enabled once its screen is ready
         self._show_status()
@@ -307,6 +312,22 @@ class ChatApp(App):
         self._sync_qdec()
 
     # --- helpers -----------------------------------------------------------------------------------------------
+
+    async def _show_saved(self, session: ChatSession, saved: dict) -> None:
+        """A chat read back: its turns go on in this session (the next reply gets them) and are shown as they were."""
+        session.turns = [dict(t) for t in saved["turns"]]
+        transcript = self.query_one(Transcript)
+        for t in session.turns:
+            if t["role"] == "user":
+                await transcript.add(UserMessage(t["content"]))
+            else:
+                view = await transcript.add(ReplyMessage(facts.model_name(session.lm)))
+                note = "from the saved chat" + (" · cancelled" if t.get("cancelled") else "")
+                await view.show_saved(t["content"], note)
+        when = f" of {saved['saved']}" if saved.get("saved") else ""
+        model = f", made with {saved['model']}" if saved.get("model") and saved["model"] != session.lm.path else ""
+        exchanges = len(session.turns) // 2
+        await transcript.add(Notice(f"Going on with the saved chat{when} ({exchanges} exchanges{model})."))
 
     def _show_status(self, reply: Reply | None = None) -> None:
         if reply is not None and reply.error is None:

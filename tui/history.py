@@ -1,4 +1,5 @@
-"""Save a chat to a new JSON file: the messages as generate() takes them, plus what each reply was generated with."""
+"""Save a chat to a new JSON file: the messages as generate() takes them, plus what each reply was generated with; and
+read one back to go on with it (`localllm chat --resume FILE`)."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,7 @@ import time
 from pathlib import Path
 
 from localllm import atomic
+from localllm.errors import LocalLLMError
 
 from . import facts
 from .session import ChatSession
@@ -39,3 +41,28 @@ def save(session: ChatSession, folder: str | Path) -> Path:
         except FileExistsError:
             continue
     raise FileExistsError(f"{folder} already holds {stem}.json to {stem}-999.json")
+
+
+def load(path: str | Path) -> dict:
+    """A chat that save() wrote, to go on with: {"system": its system prompt ("" for none), "turns": the user and
+    assistant messages as ChatSession.turns holds them, "model", "saved"}. Anything else is refused in one line."""
+    path = Path(path).expanduser()
+    fix = "pass a chat that Ctrl+S saved in `localllm chat`"
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LocalLLMError(f"no such file: {path}; {fix}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LocalLLMError(f"{path} is not a saved chat ({e}); {fix}") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        got = d.get("format") if isinstance(d, dict) else None
+        raise LocalLLMError(f"{path} is not a saved chat (format {got!r}, not {FORMAT!r}); {fix}")
+    msgs = d.get("messages")
+    ok = isinstance(msgs, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs)
+    first = 1 if ok and msgs and msgs[0].get("role") == "system" else 0
+    system, turns = (msgs[0]["content"] if first else ""), (msgs[first:] if ok else [])
+    if not ok or len(turns) % 2 or any(m.get("role") != ("user", "assistant")[i % 2] for i, m in enumerate(turns)):
+        raise LocalLLMError(f"{path}: its messages are not a system prompt then user and assistant turns in "
+                            f"alternation, as a saved chat's are; {fix}")
+    return {"system": system, "turns": turns, "model": d.get("model"), "saved": d.get("saved")}
+

@@ -88,6 +88,11 @@ class ReplyMessage(Vertical):
         self._cost = self._last - start
         self._schedule()
 
+    async def show_saved(self, text: str, note: str) -> None:
+        """A reply of a chat read back (--resume): its whole text, and `note` where the numbers would be."""
+        await self.markdown.append(printable(text))
+        self.query_one(".meta", Static).update(note)
+
     async def _append(self) -> None:
         text, self._pending = self._pending, ""
         if text:
