@@ -71,7 +71,8 @@ class Decoder:
         keep = next((i for i, (a, b) in enumerate(zip(old, ids[:-1])) if a != b), min(len(old), len(ids) - 1))
         self._prompt, self._out, self._at = ids[:keep], [], keep  # what stays true if this is cancelled
         t = torch.tensor([ids[keep:]], device=self.model.device)
-        logits = self.model(t, keep, self.cache, last=True, cancel=cancel)[0, -1]
+        desc = f"reading the prompt ({t.shape[1]} tokens)" if t.device.type == "cpu" else None  # (a GPU queues it)
+        logits = self.model(t, keep, self.cache, last=True, cancel=cancel, desc=desc)[0, -1]
         self._prompt, self._at, self.reused = list(ids), len(ids), keep
         self.pos.fill_(len(ids))  # a capture before start() writes past the prompt
         return logits

@@ -392,6 +392,9 @@ class Block(nn.Module):
         return a.transpose(1, 2).reshape(B, T, c.q_size)
 
 
+BLOCKS_BAR_DELAY = 1.0  # seconds before forward(desc=...) shows its bar: most prompts are read sooner
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, blocks: list[Block], norm: RMSNorm,
                  lm_head: torch.Tensor | QuantWeight | None, settings: QdecSettings):
@@ -429,18 +432,19 @@ class Transformer(nn.Module):
         self._ready = True  # (a layer unpacked later makes its new form at its next forward)
 
     def forward(self, tokens: torch.Tensor, start: int = 0, cache: KVCache | None = None,
-                last: bool = False, cancel=None) -> torch.Tensor:
+                last: bool = False, cancel=None, desc: str | None = None) -> torch.Tensor:
         """tokens: [B, T] at positions start..start+T-1 -> logits [B, T, V] (float32); last: of the last position
         only, [B, 1, V]. cancel: an Event; once set, raises errors.Cancelled before the next block (a long prompt
-        on the CPU takes seconds a block; a GPU's blocks are queued faster than they run)."""
+        on the CPU takes seconds a block; a GPU's blocks are queued faster than they run). desc: a progress bar over
+        the blocks, shown once they have taken BLOCKS_BAR_DELAY seconds (a long prompt on the CPU)."""
         T = tokens.shape[1]
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds the KV cache ({cache.max_len})")
         pos = torch.arange(start, start + T, device=tokens.device)
-        return self.step(tokens, pos, cache, start + T, causal=start == 0, last=last, cancel=cancel)
+        return self.step(tokens, pos, cache, start + T, causal=start == 0, last=last, cancel=cancel, desc=desc)
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache | None, kv_len: int,
-             causal: bool = False, last: bool = False, cancel=None) -> torch.Tensor:
+             causal: bool = False, last: bool = False, cancel=None, desc: str | None = None) -> torch.Tensor:
         """forward() with positions as a tensor: with a fixed kv_len it can be captured in a CUDA graph. causal: the
         queries are positions 0..T-1 and see only each other (a prompt from the start), so attention needs no mask
         and can take the flash kernel, which takes no explicit mask."""
@@ -462,7 +466,8 @@ class Transformer(nn.Module):
                 mask = causal_lower_right(tokens.shape[1], kv_len)
             else:
                 mask = attention_mask(pos, kv_len if cache is not None else None)
-        for blk in self.blocks:
+        blocks = self.blocks if desc is None else progress(self.blocks, desc, unit="layer", delay=BLOCKS_BAR_DELAY)
+        for blk in blocks:
             if cancel is not None and cancel.is_set():
                 raise Cancelled()
             h = blk(h, cos, sin, pos, cache, mask, fused)

@@ -280,6 +280,23 @@ def test_reuse_cache_reads_only_what_the_kv_cache_lacks(tiny_quant):
     assert generate(lm, msgs, max_new_tokens=12, temperature=1.0, seed=2, stream=True).stats.cached_tokens == 0
 
 
+def test_a_prompt_read_on_the_cpu_shows_its_progress(lm, monkeypatch):
+    """A prompt on the CPU is read under a progress bar over the layers, once it has taken BLOCKS_BAR_DELAY seconds
+    (here at once); the reply's tokens are not."""
+    from localllm import model as model_mod
+    from localllm.progress import observe
+    monkeypatch.setattr(model_mod, "BLOCKS_BAR_DELAY", 0)
+    lm.model.make_ready()  # (the weights' CPU form has a bar of its own)
+    seen = []
+    with observe(lambda *a: seen.append(a)):
+        s = generate(lm, "Once upon a time", max_new_tokens=4, stream=True)
+        s.text()
+    layers = lm.model.cfg.num_layers
+    bars = {a[0] for a in seen}
+    assert bars == {f"reading the prompt ({s.stats.prompt_tokens} tokens)"}
+    assert seen[-1][1:] == (layers, layers, "layer")
+
+
 def test_a_full_context_ends_the_reply_and_says_so(lm):
     lm.eos_ids = []
     limit = lm.model.cfg.max_position_embeddings

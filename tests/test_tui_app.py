@@ -307,6 +307,28 @@ async def test_new_chat_copy_and_save(tiny_quant, tmp_path, replies):
 
 
 @scenario
+async def test_a_reply_shows_how_far_its_prompt_is_read(tiny_quant, monkeypatch, replies):
+    """Reading a long prompt on the CPU takes seconds: the reply's meta line says how far it is, then "generating"."""
+    from localllm import model as model_mod
+    from localllm.tui.transcript import GENERATING
+    monkeypatch.setattr(model_mod, "BLOCKS_BAR_DELAY", 0)  # every prompt counts as long
+    seen, real = [], ReplyMessage.reading
+
+    def reading(view, *a):
+        real(view, *a)
+        seen.append(str(view.query_one(".meta", Static).render()))
+
+    monkeypatch.setattr(ReplyMessage, "reading", reading)
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=4, seed=1))
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        reply = await done(pilot, await send(pilot, replies, "Hello"))
+    n = reply.stats.prompt_tokens
+    assert seen[0].startswith(f"reading the prompt ({n} tokens): ") and seen[0].endswith(" layer (Esc cancels)")
+    assert seen[-1] == GENERATING
+
+
+@scenario
 async def test_a_saved_chat_goes_on_where_it_stopped(tiny_quant, tmp_path, replies):
     """--resume: a chat that Ctrl+S saved is shown as it was, its turns go with the next message (and its system
     prompt with them), and saving again keeps what each earlier reply was generated with."""

@@ -48,6 +48,14 @@ class ReplyPiece(Message):
         self.reply, self.piece = reply, piece
 
 
+class ReplyProgress(Message):
+    """How far a reply's prompt has been read (localllm.progress, from the worker)."""
+
+    def __init__(self, reply: Reply, desc: str, n: float, total: float | None, unit: str):
+        super().__init__()
+        self.reply, self.desc, self.n, self.total, self.unit = reply, desc, n, total, unit
+
+
 class ReplyDone(Message):
     def __init__(self, reply: Reply):
         super().__init__()
@@ -149,8 +157,9 @@ class ChatApp(App):
     def _generate(self, reply: Reply) -> None:
         # cancelling this worker (Esc, or the app closing) sets cancelled_event: the reply stops after this token
         try:
-            reply.run(self.session, lambda piece: self.post_message(ReplyPiece(reply, piece)),
-                      get_current_worker().cancelled_event)
+            with observe(lambda *a: self.post_message(ReplyProgress(reply, *a))):  # a long prompt on the CPU
+                reply.run(self.session, lambda piece: self.post_message(ReplyPiece(reply, piece)),
+                          get_current_worker().cancelled_event)
         finally:
             self.post_message(ReplyDone(reply))
 
@@ -198,6 +207,10 @@ class ChatApp(App):
     def on_reply_piece(self, m: ReplyPiece) -> None:
         if self._current and self._current[0] is m.reply:
             self._current[1].write(m.piece)
+
+    def on_reply_progress(self, m: ReplyProgress) -> None:
+        if self._current and self._current[0] is m.reply:
+            self._current[1].reading(m.desc, m.n, m.total, m.unit)
 
     async def on_reply_done(self, m: ReplyDone) -> None:
         self.session.finish(m.reply)

@@ -6,6 +6,7 @@ import time
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Label, Markdown, Static
 
+from .loading import amount
 from .session import Reply
 
 # control characters as their visible symbols (ESC as ␛ ...): text from the model or a paste never reaches the
@@ -16,6 +17,9 @@ _VISIBLE = {c: 0x2400 + c for c in range(32) if chr(c) not in "\n\t"} | {0x7F: 0
 
 def printable(text: str) -> str:
     return text.translate(_VISIBLE)
+
+
+GENERATING = "generating… (Esc cancels)"
 
 
 class UserMessage(Vertical):
@@ -61,7 +65,7 @@ class ReplyMessage(Vertical):
     def compose(self):
         yield Label(self.who, classes="who")
         yield Markdown()
-        yield Static("generating… (Esc cancels)", classes="meta", markup=False)
+        yield Static(GENERATING, classes="meta", markup=False)
 
     @property
     def markdown(self) -> Markdown:
@@ -87,6 +91,12 @@ class ReplyMessage(Vertical):
         self._busy, self._last = False, time.monotonic()
         self._cost = self._last - start
         self._schedule()
+
+    def reading(self, desc: str, n: float, total: float | None, unit: str) -> None:
+        """How far the prompt has been read, where the numbers will be (a long prompt on the CPU takes seconds)."""
+        done = total is not None and n >= total
+        text = GENERATING if done else f"{desc}: {amount(n, total, unit)} (Esc cancels)"
+        self.query_one(".meta", Static).update(text)
 
     async def show_saved(self, text: str, note: str) -> None:
         """A reply of a chat read back (--resume): its whole text, and `note` where the numbers would be."""
