@@ -28,7 +28,11 @@ def cmd_generate(a) -> None:
     from .generate import generate
     from .runtime import load
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else a.args
-    if model is None and Path(prompt).expanduser().exists() and len(prompt.split()) == 1:
+    if prompt == "-":  # the prompt from standard input: `cat notes.txt | localllm generate MODEL -`
+        prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise LocalLLMError("the prompt from standard input (-) is empty: pipe some text in")
+    elif model is None and Path(prompt).expanduser().exists() and len(prompt.split()) == 1:
         raise LocalLLMError(f"generate got one argument, {prompt!r}, which is a path: give the prompt too "
                             f"(localllm generate {prompt} \"PROMPT\")")
     # untuned QDEC on a GPU stays so for a one-off reply (tuning would take longer); the summary line says so
@@ -284,7 +288,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text (streams to stdout)", usage="localllm generate [MODEL] PROMPT "
-                       "[options]", description="localllm generate [MODEL] PROMPT: with no MODEL, the demo model.")
+                       "[options]", description="localllm generate [MODEL] PROMPT: with no MODEL, the demo model; "
+                       "PROMPT - reads it from standard input.")
     g.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")

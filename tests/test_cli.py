@@ -1,4 +1,5 @@
 """The `localllm` command as a user runs it."""
+import io
 import json
 import re
 import subprocess
@@ -163,7 +164,7 @@ def test_the_source_is_recorded_by_its_absolute_path(tiny_ckpt, tmp_path, monkey
     assert json.loads((out / "localllm.json").read_text())["source"]["path"] == str(tiny_ckpt.resolve())
 
 
-def test_small_things_a_user_meets(tiny_quant, capsys):
+def test_small_things_a_user_meets(tiny_quant, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out.startswith("localllm ")
@@ -175,6 +176,15 @@ def test_small_things_a_user_meets(tiny_quant, capsys):
                  "--qdec", "off"]) == 0
     err = capsys.readouterr().err
     assert "--system needs the model's chat template" in err and "; QDEC off;" in err
+    # "-": the prompt from standard input, as given on the command line
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi"))
+    assert main(["generate", str(tiny_quant), "-", "--max-new-tokens", "4", "--seed", "3"]) == 0
+    piped = capsys.readouterr().out
+    assert main(["generate", str(tiny_quant), "hi", "--max-new-tokens", "4", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == piped
+    monkeypatch.setattr("sys.stdin", io.StringIO(" \n"))
+    assert main(["generate", str(tiny_quant), "-"]) == 2
+    assert "the prompt from standard input (-) is empty" in capsys.readouterr().err
 
 
 def test_summary_says_why_qdec_is_off():
