@@ -250,11 +250,9 @@ class QuantWeight:
         g = self.scales.shape[1]
         codes = torch.empty(r.stop - r.start, g * gs, dtype=torch.int8 if self.bits < 8 else torch.int16,
                             device=self.qweight.device)
-        for b in _row_blocks(r.stop - r.start, k, TILE_N, codes.device):  # bounded int32 temporaries
-            a = slice(r.start + b.start, r.start + b.stop)
-            c = F.pad(unpack_codes(self.qweight[a.start // TILE_N:a.stop // TILE_N], self.bits).short(),
-                      (0, g * gs - k))
-            codes[b] = (c.view(len(c), g, gs) - self.zeros[a, :, None].short()).view(len(c), -1).to(codes.dtype)
+        for b, a, c in _code_blocks(self.qweight, self.bits, r, k, g * gs):
+            codes[b] = (c.short().view(len(c), g, gs) - self.zeros[a, :, None].short()).view(len(c), -1) \
+                .to(codes.dtype)
         return Unpacked(codes, k, scales=self.scales[r].float())
 
 
@@ -423,15 +421,23 @@ class QuantLUT:
         gs = self.group_size or k
         g = -(-k // gs)
         codes = torch.empty(n, g * gs, dtype=torch.uint8, device=self.qweight.device)
-        for b in _row_blocks(n, k, TILE_N, codes.device):
-            a = slice(r.start + b.start, r.start + b.stop)
-            codes[b] = F.pad(unpack_codes(self.qweight[a.start // TILE_N:a.stop // TILE_N], self.bits), (0, g * gs - k))
+        for b, _, c in _code_blocks(self.qweight, self.bits, r, k, g * gs):
+            codes[b] = c
         if self.scales is None:
             values = table[:, None]
         else:
             s, o = (t[r].double()[..., None] for t in (self.scales, self.offsets))
             values = o + s * table[:, None]  # [n, G, 2^bits]
         return Unpacked(codes, k, table=values.float())
+
+
+def _code_blocks(qweight: Tensor, bits: int, r: slice, k: int, width: int):
+    """The codes of rows r (whole tiles) of a packed weight of K = k, a block of rows at a time (bounded int32
+    temporaries): (the block within r, the same rows of the whole weight, uint8 codes [rows, width] zero-padded past
+    k)."""
+    for b in _row_blocks(r.stop - r.start, k, TILE_N, qweight.device):
+        a = slice(r.start + b.start, r.start + b.stop)
+        yield b, a, F.pad(unpack_codes(qweight[a.start // TILE_N:a.stop // TILE_N], bits), (0, width - k))
 
 
 def _tile_rows(rows: slice, n: int) -> slice:

@@ -65,4 +65,3 @@ def load(path: str | Path) -> dict:
         raise LocalLLMError(f"{path}: its messages are not a system prompt then user and assistant turns in "
                             f"alternation, as a saved chat's are; {fix}")
     return {"system": system, "turns": turns, "model": d.get("model"), "saved": d.get("saved")}
-
