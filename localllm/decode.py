@@ -64,6 +64,19 @@ class Decoder:
         """The tokens whose keys and values the cache holds, from position 0."""
         return (self._prompt + self._out)[:self._at]
 
+    def kept(self) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """What the cache holds (cached()) and its entries, on the CPU (a GPU frees this cache before a larger one is
+        made), for restore() into a larger Decoder."""
+        n, c = self._at, self.cache
+        names = ("k", "v") if c.bits == 16 else ("k", "v", "k_sz", "v_sz")
+        return self.cached(), {name: getattr(c, name)[:, :, :, :n].to("cpu", copy=True) for name in names}
+
+    def restore(self, ids: list[int], entries: dict[str, torch.Tensor]) -> None:
+        """Take over kept()'s tokens and entries from a Decoder of the same model and KV cache width."""
+        for name, t in entries.items():
+            getattr(self.cache, name)[:, :, :, :t.shape[3]].copy_(t)
+        self._prompt, self._out, self._at = list(ids), [], len(ids)
+
     def prefill(self, ids: list[int], cancel=None, reuse: bool = False) -> torch.Tensor:
         """Logits [V] after the prompt, from position 0 or (reuse) from the first token that differs from what the
         cache holds (at least the last token is run: its logits are the result); cancel: see Transformer.forward."""

@@ -50,9 +50,32 @@ class Stream:
             self.stats.finish_reason = "cancelled"
 
 
-def encode_prompt(lm: LocalModel, prompt: str | list[dict]) -> list[int]:
+def encode_prompt(lm: LocalModel, prompt: str | list[dict], cached: list[int] | None = None) -> list[int]:
     """The token ids of a plain prompt, or of chat messages through the model's chat template. A template that
-    takes no system message (Mistral v0.1/v0.2's) gets it at the start of the first user message, as chat apps do."""
+    takes no system message (Mistral v0.1/v0.2's) gets it at the start of the first user message, as chat apps do.
+    cached: the tokens a KV cache holds (LocalModel.cached_tokens); where the messages' text begins with theirs, they
+    are its first tokens (_splice)."""
+    ids = _encode(lm, prompt)
+    return _splice(lm.tokenizer, ids, cached) if cached and not isinstance(prompt, str) else ids
+
+
+def _splice(tok, ids: list[int], cached: list[int]) -> list[int]:
+    """ids with their start replaced by `cached` where the two decode to the same text: a chat's earlier reply is
+    then the model's own tokens, which the KV cache holds, not its text tokenized anew (a model's tokens are not
+    always the canonical tokenization of their text: the demo model's sampled replies on the CPU with QDEC part from it
+    within ~130 tokens, and everything after that point was read again)."""
+    n = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
+    if n == len(cached):
+        return ids
+    decode = lambda t: tok.decode(t, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
+    text, head = decode(ids), decode(cached)
+    if not text.startswith(head):
+        return ids
+    spliced = cached + tok(text[len(head):], add_special_tokens=False)["input_ids"]
+    return spliced if decode(spliced) == text else ids  # a tokenizer that adds a space at a piece's start: as it was
+
+
+def _encode(lm: LocalModel, prompt: str | list[dict]) -> list[int]:
     tok = lm.tokenizer
     if isinstance(prompt, str):
         return tok(prompt, add_special_tokens=True)["input_ids"]
@@ -194,8 +217,9 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     "cancelled"); on the CPU also between layers while the prompt is read (a GPU queues the prompt's kernels at once,
     and they finish first).
     reuse_cache: read only the prompt's tokens after what it shares with the model's KV cache (the previous prompt
-    and the part of its reply that was run): a chat's next turn then reads only the new messages (`localllm chat`
-    does this). The cache's entries round differently from one pass over the prompt, and QDEC's channel selection can
+    and the part of its reply that was run; messages whose text begins with those tokens' keep them, so an earlier
+    reply is its own tokens, not its text tokenized anew): a chat's next turn then reads only the new messages
+    (`localllm chat` does this). The cache's entries round differently from one pass over the prompt, and QDEC's channel selection can
     turn that into other tokens.
     The same seed gives the same text (with reuse_cache, after the same earlier calls)."""
     lm = model if isinstance(model, LocalModel) else load(model)
@@ -210,7 +234,7 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
     s = Stream(iter(()))
-    ids = encode_prompt(lm, prompt)
+    ids = encode_prompt(lm, prompt, lm.cached_tokens() if reuse_cache else None)
     if not ids:
         raise LocalLLMError("the prompt is empty (no tokens): give some text")
     s.pieces = _run(lm, ids, max_new_tokens, params, stops, seed, s.stats, cancel, reuse_cache)

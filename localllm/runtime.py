@@ -77,6 +77,7 @@ class LocalModel:
             limit = self.model.cfg.max_position_embeddings
             need = min(limit, -(-max_len // 256) * 256)
             n = min(limit, max(need, 2 * self._decoder.max_len if self._decoder is not None else 0))
+            kept = self._decoder.kept() if self._decoder is not None else None
             self._decoder = None  # free the old cache first
             dev = self.model.device
             if dev.type == "cuda":
@@ -90,7 +91,13 @@ class LocalModel:
                     n = need  # the doubling does not fit: just what is needed
                     check_kv_cache(self.model.cfg, n, self.kv_bits, free - WORKSPACE_BYTES)
             self._decoder = Decoder(self.model, n, kv_bits=self.kv_bits)
+            if kept is not None:  # a chat that outgrows its cache keeps what it holds
+                self._decoder.restore(*kept)
         return self._decoder
+
+    def cached_tokens(self) -> list[int]:
+        """The tokens whose keys and values the KV cache holds from position 0 (Decoder.cached; none before a reply)."""
+        return self._decoder.cached() if self._decoder is not None else []
 
     def warm_up(self, max_len: int) -> None:
         """On a GPU, do now what a first reply of up to max_len tokens (prompt and reply) would otherwise wait for:

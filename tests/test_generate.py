@@ -280,6 +280,44 @@ def test_reuse_cache_reads_only_what_the_kv_cache_lacks(tiny_quant):
     assert generate(lm, msgs, max_new_tokens=12, temperature=1.0, seed=2, stream=True).stats.cached_tokens == 0
 
 
+def test_a_chat_keeps_its_replies_tokens_and_a_cache_it_outgrows(tiny_quant):
+    """The next turn's prompt holds the previous reply as the tokens the model made where they are not the canonical
+    tokenization of its text (here one token a character), with the same text; an edited reply is tokenized as
+    before. A turn longer than the KV cache gets a larger one holding the old one's entries: it reads only what is
+    new, and the kept keys and values are those of reading the whole prompt, up to rounding."""
+    from localllm.decode import Decoder
+    from localllm.generate import _encode
+    lm = load(tiny_quant, qdec="off")
+    lm.eos_ids = []
+    tok = lm.tokenizer
+    msgs = [{"role": "user", "content": "Hello"}]
+    reply = "Hello there"
+    held = _encode(lm, msgs) + [t for c in reply for t in tok(c, add_special_tokens=False)["input_ids"]]
+    msgs2 = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "More"}]
+    plain = _encode(lm, msgs2)
+    assert plain[:len(held)] != held  # tokenized anew, the reply's text is other tokens
+    ids = encode_prompt(lm, msgs2, held)
+    assert ids[:len(held)] == held and tok.decode(ids) == tok.decode(plain)
+    edited = msgs + [{"role": "assistant", "content": "Hello thorn"}, {"role": "user", "content": "More"}]
+    assert encode_prompt(lm, edited, held) == _encode(lm, edited)
+    assert encode_prompt(lm, "Hello there", held) == _encode(lm, "Hello there")  # plain prompts as they are
+
+    lm._decoder = dec = Decoder(lm.model, 96)  # below the 256 tokens a first reply's cache is rounded up to
+    with torch.inference_mode():
+        dec.prefill(held)  # as a reply of those tokens leaves it
+    s = generate(lm, msgs2, max_new_tokens=dec.max_len + 1 - len(ids), temperature=1.0, seed=7, stream=True,
+                 reuse_cache=True)
+    assert next(iter(s))  # the prompt is read
+    new, n = lm._decoder, len(held)
+    assert new is not dec and new.max_len > dec.max_len and s.stats.cached_tokens == n
+    want = Decoder(lm.model, new.max_len)
+    with torch.inference_mode():
+        want.prefill(ids)
+    for a, b in ((new.cache.k, want.cache.k), (new.cache.v, want.cache.v)):
+        assert torch.allclose(a[:, :, :, :n], b[:, :, :, :n], rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    s.text()
+
+
 def test_a_prompt_read_on_the_cpu_shows_its_progress(lm, monkeypatch):
     """A prompt on the CPU is read under a progress bar over the layers, once it has taken BLOCKS_BAR_DELAY seconds
     (here at once); the reply's tokens are not."""
