@@ -74,6 +74,27 @@ def test_a_llama_cpp_gguf_runs_as_its_source(ckpt, tmp_path):
         assert (load(f).model(ids) - load(ckpt).model(ids)).abs().max() < 1e-4
 
 
+def test_a_gguf_is_parsed_once_while_it_loads(ckpt, tmp_path, monkeypatch):
+    """transformers reads the file for the config, the tokenizer and the weights: one parse serves the three, and
+    gguf's own reader is back in place afterwards, even after a refused file."""
+    import gguf
+    parses = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parses.append(str(path))
+            super().__init__(path, mode)
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    half = cfg["hidden_size"] // cfg["num_attention_heads"] // 2
+    f = write_gguf(ckpt, tmp_path / "tiny-F32.gguf", rope_freqs=[1.0] * half)  # our own read of the factors too
+    open_checkpoint(f)
+    assert parses == [str(f)] and gguf.GGUFReader is Counting
+    with pytest.raises(LocalLLMError):
+        open_checkpoint(write_gguf(ckpt, tmp_path / "miss.gguf", drop={"blk.1.ffn_down.weight"}))
+    assert gguf.GGUFReader is Counting
+
+
 def llama3_factors(cfg: dict) -> list[float]:
     """What llama.cpp's converter writes as rope_freqs for a Llama-3.1-scaled checkpoint: each frequency's divisor."""
     import math
