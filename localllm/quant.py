@@ -241,19 +241,21 @@ class QuantWeight:
     def unpacked_nbytes(self) -> int:
         """Bytes of unpacked() (all rows): the codes, the last group padded, and the float32 scales."""
         n, g = self.scales.shape
-        return n * g * (self.group_size * (1 if self.bits < 8 else 2) + 4)
+        return n * g * (self.group_size + (8 if self.bits == 8 else 4))
 
     def unpacked(self, rows: slice = slice(None)) -> Unpacked:
-        """The rows' codes unpacked as code - zero (int8; int16 at 8 bits), with the scales (rows whole tiles)."""
+        """The rows' codes unpacked as code - zero (int8), with the scales (rows whole tiles); at 8 bits, where the
+        difference needs 9 bits, the codes (uint8) and the zeros apart."""
         r = _tile_rows(rows, self.out_features)
         k, gs = self.in_features, self.group_size
         g = self.scales.shape[1]
-        codes = torch.empty(r.stop - r.start, g * gs, dtype=torch.int8 if self.bits < 8 else torch.int16,
+        wide = self.bits == 8
+        codes = torch.empty(r.stop - r.start, g * gs, dtype=torch.uint8 if wide else torch.int8,
                             device=self.qweight.device)
         for b, a, c in _code_blocks(self.qweight, self.bits, r, k, g * gs):
-            codes[b] = (c.short().view(len(c), g, gs) - self.zeros[a, :, None].short()).view(len(c), -1) \
-                .to(codes.dtype)
-        return Unpacked(codes, k, scales=self.scales[r].float())
+            codes[b] = c if wide else (c.view(len(c), g, gs).to(torch.int8) - self.zeros[a, :, None].to(torch.int8)) \
+                .view(len(c), -1)
+        return Unpacked(codes, k, scales=self.scales[r].float(), zeros=self.zeros[r].float() if wide else None)
 
 
 def _rtn_groups(w: Tensor, bits: int, group_size: int, clip: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -457,18 +459,21 @@ def _dequantized(q, unpacked, dtype: torch.dtype) -> Tensor:
 
 @dataclass
 class Unpacked:
-    """A quantized weight's codes unpacked, one byte a code (two for the 8-bit head), with what turns them into W_hat:
+    """A quantized weight's codes unpacked, one byte a code, with what turns them into W_hat:
     rows() gives W_hat's rows exactly as dequantize() does (it is how dequantize() computes them). A model on the CPU
     runs from these, a slice of rows per matmul, where its float32 weights would not fit the host (model.Linear.unpack):
     ~1 byte a weight instead of 4."""
-    codes: Tensor  # [N, G * gs], the last group padded: uniform code - zero (int8 / int16), tables the code (uint8)
+    codes: Tensor  # [N, G * gs], the last group padded: uniform code - zero (int8; 8 bits: the code, uint8), tables
+    # the code (uint8)
     in_features: int  # K
     scales: Tensor | None = None  # uniform: float32 [N, G]
     table: Tensor | None = None  # tables: float32 [N, G, 2^bits], the value each code takes per row and group
+    zeros: Tensor | None = None  # uniform 8 bits: float32 [N, G]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.table) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.table, self.zeros)
+                   if t is not None)
 
     def rows(self, r: slice = slice(None)) -> Tensor:
         """W_hat[r] as float32 [n, K]."""
@@ -476,8 +481,10 @@ class Unpacked:
         n = len(c)
         if self.table is None:
             # (code - zero) * scale: the difference is exact, so the product rounds once, as float math on codes
-            # would. A cast, then an in-place product: torch.mul on int8 and float32 takes twice as long.
+            # would. A cast, then in-place arithmetic: torch.mul on int8 and float32 takes twice as long.
             w = c.float().view(n, self.scales.shape[1], -1)
+            if self.zeros is not None:
+                w.sub_(self.zeros[r, :, None])
             w.mul_(self.scales[r, :, None])
         else:  # each code looked up in its row and group's values: int32 flat indices take half gather's time
             t = self.table[r]

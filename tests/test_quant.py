@@ -152,8 +152,9 @@ def test_rtn_matches_naive(bits, k, gs, seed):
     assert torch.equal(q.zeros, zeros), f"seed={seed}"
     assert torch.equal(q.dequantize(), w_hat), f"seed={seed}"
     assert q.dequantize(torch.float16).dtype == torch.float16
-    u = q.unpacked()  # the CPU's low-memory form: one byte a code (two at 8 bits), the same rows
-    assert u.codes.dtype == (torch.int16 if bits == 8 else torch.int8) and u.nbytes == 16 * g * gs * u.codes.itemsize + 16 * g * 4
+    u = q.unpacked()  # the CPU's low-memory form: one byte a code (8 bits: the zeros apart), the same rows
+    assert u.codes.dtype == (torch.uint8 if bits == 8 else torch.int8)
+    assert u.nbytes == 16 * g * gs + 16 * g * (8 if bits == 8 else 4)
     assert torch.equal(u.rows(), w_hat) and torch.equal(u.rows(slice(3, 9)), w_hat[3:9]) and q.unpacked_nbytes == u.nbytes
     # Each weight lies within half a step of the grid; the fp16 scale rounding (relative
     # 2^-11, times maxq steps) may stretch that slightly at the group ends.
