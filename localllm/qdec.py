@@ -70,7 +70,8 @@ def bucket_index(a: Tensor, b0: float, b15: float) -> Tensor:
         a <  b15: 16 + clamp(floor((b15 - a) * inv_lo), 0, 15)
     Returns uint8 of a's shape.
     """
-    return torch.from_numpy(_buckets(_numpy(a), b0, b15)).to(a.device)
+    with np.errstate(all="ignore"):  # as torch: inf and nan inputs land where IEEE arithmetic puts them, silently
+        return torch.from_numpy(_buckets(_numpy(a), b0, b15).astype(np.uint8)).to(a.device)
 
 
 def _numpy(x: Tensor) -> np.ndarray:
@@ -78,20 +79,38 @@ def _numpy(x: Tensor) -> np.ndarray:
 
 
 def _buckets(a: np.ndarray, b0: float, b15: float) -> np.ndarray:
-    """bucket_index on float32 a (every operation in float32)."""
-    f = np.float32
-    inv_hi, inv_lo = (f(v) for v in bucket_widths(b0, b15))
-    with np.errstate(all="ignore"):  # as torch: inf and nan inputs land where IEEE arithmetic puts them, silently
-        upper = np.minimum(np.maximum(np.floor((f(b0) - a) * inv_hi), 0), _HALF - 1)
-        lower = _HALF + np.minimum(np.maximum(np.floor((f(b15) - a) * inv_lo), 0), _HALF - 1)
-        return np.where(a >= f(b15), upper, lower).astype(np.uint8)
+    """bucket_index on float32 a, as float32 (every operation in float32, in place where it can be: a decode step's
+    selection is a few dozen operations, an evaluation window's is bound by passes over its inputs)."""
+    fb0, fb15, inv_hi, inv_lo = _bucket_args(b0, b15)
+    upper = fb0 - a
+    upper *= inv_hi
+    np.floor(upper, out=upper)
+    np.clip(upper, 0, _HALF - 1, out=upper)
+    lower = fb15 - a
+    lower *= inv_lo
+    np.floor(lower, out=lower)
+    np.clip(lower, 0, _HALF - 1, out=lower)
+    lower += _HALF
+    return np.where(a >= fb15, upper, lower)
+
+
+@functools.cache
+def _bucket_args(b0: float, b15: float) -> tuple[np.float32, ...]:
+    """b0, b15 and bucket_widths' inv_hi, inv_lo as float32 scalars."""
+    return tuple(np.float32(v) for v in (b0, b15, *bucket_widths(b0, b15)))
+
+
+_M1, _M2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
 
 
 def _fmix32(h: np.ndarray) -> np.ndarray:
-    """MurmurHash3's 32-bit finalizer on uint32 (numpy's uint32 products wrap mod 2^32)."""
-    h = (h ^ (h >> 16)) * np.uint32(0x85EBCA6B)
-    h = (h ^ (h >> 13)) * np.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
+    """MurmurHash3's 32-bit finalizer on uint32 h, in place (numpy's uint32 products wrap mod 2^32)."""
+    h ^= h >> 16
+    h *= _M1
+    h ^= h >> 13
+    h *= _M2
+    h ^= h >> 16
+    return h
 
 
 def boundary_order(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -103,21 +122,23 @@ def boundary_order(x: Tensor) -> tuple[Tensor, Tensor]:
     function of the input (the same on CPU and GPU, in eager and graph replay) that changes with it.
     """
     xs = _numpy(x)
-    h = _element_hashes(xs, np.arange(xs.shape[-1], dtype=np.uint32))
+    with np.errstate(over="ignore"):  # beyond fp16's range: inf, as the kernel's fp16 input has
+        h = _element_hashes(xs, np.arange(xs.shape[-1], dtype=np.uint32) << 16)
     A, off = _order_of(h.sum(-1, keepdims=True, dtype=np.uint64))
     return torch.from_numpy(A.astype(np.int64)).to(x.device), torch.from_numpy(off.astype(np.int64)).to(x.device)
 
 
-def _element_hashes(x: np.ndarray, i: np.ndarray) -> np.ndarray:
-    """fmix32(i * 65536 + u) of float32 x, u its fp16 bits, i each channel's place in its chunk (uint32)."""
-    with np.errstate(over="ignore"):  # beyond fp16's range: inf, as the kernel's fp16 input has
-        u = x.astype(np.float16).view(np.uint16).astype(np.uint32)
-    return _fmix32((i << 16) | u)
+def _element_hashes(x: np.ndarray, i16: np.ndarray) -> np.ndarray:
+    """fmix32(i * 65536 + u) of float32 x, u its fp16 bits, i each channel's place in its chunk (i16 = i << 16,
+    uint32). Casting values beyond fp16's range warns: the caller decides."""
+    h = x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    h |= i16
+    return _fmix32(h)
 
 
 def _order_of(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(A, off) uint32 of each chunk from the sum of its element hashes (any unsigned width)."""
-    h = _fmix32((sums & 0xFFFFFFFF).astype(np.uint32))
+    h = _fmix32(sums.astype(np.uint32))  # the sum mod 2^32
     return 2 * (h & 511) + 1, (h >> 9) & 1023
 
 
@@ -133,15 +154,13 @@ def _chunk_picks(x: np.ndarray, k_chunk: int, pick: Callable[[np.ndarray, int], 
     [T, k_total]. (Chunk by chunk, a decode step's selection cost a CPU ~0.2 ms per chunk, mostly per-operation
     overhead.)"""
     T, K = x.shape
-    C, r = divmod(K, CHUNK)
     parts = []
-    for start, n, size in ((0, C, CHUNK), (C * CHUNK, 1, r)):
-        if n and size:
-            k = k_for_chunk(k_chunk, size)
-            xc = x[:, start:start + n * size].reshape(T, n, size)
-            idx = np.sort(pick(xc, k), axis=-1).astype(np.int64) if k else np.zeros((T, n, 0), np.int64)
-            parts.append((idx + start + np.arange(n)[:, None] * size).reshape(T, n * k))
-    return np.concatenate(parts, axis=-1)
+    for start, n, size in _layout(K)[0]:
+        k = k_for_chunk(k_chunk, size)
+        xc = x[:, start:start + n * size].reshape(T, n, size)
+        idx = np.sort(pick(xc, k), axis=-1).astype(np.int64) if k else np.zeros((T, n, 0), np.int64)
+        parts.append((idx + start + np.arange(n)[:, None] * size).reshape(T, n * k))
+    return np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
 def _torch_top(a: np.ndarray, k: int) -> np.ndarray:
@@ -165,9 +184,10 @@ def select_approx(x: Tensor, k_chunk: int, b0: float, b15: float) -> Tensor:
     its loops): a 512-token window at K = 4096 took 71 ms at once, 47 ms in blocks and 25 ms in blocks on two threads.
     """
     xs = _numpy(x)
-    blocks = [xs[r:r + _ROWS] for r in range(0, xs.shape[0], _ROWS)] or [xs]
-    picks = _pool().map(lambda b: _approx(b, k_chunk, b0, b15), blocks) if len(blocks) > 1 else \
-        [_approx(blocks[0], k_chunk, b0, b15)]
+    if len(xs) <= _ROWS:
+        return torch.from_numpy(_approx(xs, k_chunk, b0, b15)).to(x.device)
+    blocks = [xs[r:r + _ROWS] for r in range(0, xs.shape[0], _ROWS)]
+    picks = _pool().map(lambda b: _approx(b, k_chunk, b0, b15), blocks)
     return torch.from_numpy(np.concatenate(list(picks))).to(x.device)
 
 
@@ -181,22 +201,33 @@ def _pool() -> ThreadPoolExecutor:
 
 def _approx(xs: np.ndarray, k_chunk: int, b0: float, b15: float) -> np.ndarray:
     """select_approx of float32 rows xs [T, K], as numpy int64 [T, k_total]."""
-    i, chunk = _places(xs.shape[1])
+    T, K = xs.shape
+    parts, i16, starts = _layout(K)
     # The rule takes the k smallest keys bucket * 1024 + p per chunk, p the boundary order's priority (a
     # permutation of 0..1023, so keys are distinct): every bucket before the boundary one is smaller than any key
-    # from there on, and inside the boundary bucket lower p goes first. Keys of the whole input at once:
-    sums = np.add.reduceat(_element_hashes(xs, i), np.arange(0, xs.shape[1], CHUNK), axis=-1, dtype=np.uint64)
-    A, off = _order_of(sums)
-    p = (i * A[:, chunk] + off[:, chunk]) & (CHUNK - 1)
-    key = _buckets(np.abs(xs), b0, b15).astype(np.int32) * CHUNK + p.astype(np.int32)
+    # from there on, and inside the boundary bucket lower p goes first. Keys of the whole input at once (int32:
+    # numpy partitions int16 4x slower):
+    with np.errstate(all="ignore"):  # fp16's range and inf / nan inputs: as the kernel's arithmetic has them
+        A, off = _order_of(np.add.reduceat(_element_hashes(xs, i16), starts, axis=-1, dtype=np.uint64))
+        key = _buckets(np.abs(xs), b0, b15).astype(np.int32) << 10
+    c = 0
+    for s, n, size in parts:  # p of each channel, from its chunk's A and off (views of key: split axes)
+        kc = key[:, s:s + n * size].reshape(T, n, size)
+        kc |= ((_PLACES[:size] * A[:, c:c + n, None] + off[:, c:c + n, None]) & (CHUNK - 1)).view(np.int32)
+        c += n
     return _chunk_picks(key, k_chunk, lambda kc, k: np.argpartition(kc, k - 1, axis=-1)[..., :k])
 
 
+_PLACES = np.arange(CHUNK, dtype=np.uint32)
+
+
 @functools.cache
-def _places(K: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each of K channels' place in its 1024-channel chunk (uint32) and its chunk's number."""
-    pos = np.arange(K, dtype=np.uint32)
-    return pos % CHUNK, pos // CHUNK
+def _layout(K: int) -> tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray]:
+    """K channels' chunks as (start, count, size) parts (the full chunks, then a partial one), each channel's place
+    in its chunk << 16 (uint32), and the chunks' starts."""
+    C, r = divmod(K, CHUNK)
+    parts = [(s, n, size) for s, n, size in ((0, C, CHUNK), (C * CHUNK, 1, r)) if n and size]
+    return parts, (np.arange(K, dtype=np.uint32) % CHUNK) << 16, np.arange(0, K, CHUNK)
 
 
 def select_static(importance: Tensor, k_chunk: int, t: int) -> Tensor:
