@@ -219,8 +219,8 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     reuse_cache: read only the prompt's tokens after what it shares with the model's KV cache (the previous prompt
     and the part of its reply that was run; messages whose text begins with those tokens' keep them, so an earlier
     reply is its own tokens, not its text tokenized anew): a chat's next turn then reads only the new messages
-    (`localllm chat` does this). The cache's entries round differently from one pass over the prompt, and QDEC's channel selection can
-    turn that into other tokens.
+    (`localllm chat` does this). The cache's entries round differently from one pass over the prompt, and QDEC's
+    channel selection can turn that into other tokens.
     The same seed gives the same text (with reuse_cache, after the same earlier calls)."""
     lm = model if isinstance(model, LocalModel) else load(model)
     if qdec is not None:

@@ -263,7 +263,7 @@ def _unreadable_gguf(f: Path, e: Exception) -> LocalLLMError:
 def _gguf_parsed_once():
     """transformers parses a GGUF file anew for its config, its tokenizer and its weights (the tokenizer's fields:
     seconds each), and builds gguf's tensor-name map once per submodule of the model. While this is open, one parse
-    per file and one map per (architecture, layers) serve every call: the demo model's GGUF opens in ~6 s instead of
+    per file and one map per (architecture, layers) serve every call: the demo model's GGUF opens in ~8 s instead of
     ~17 on two cores. Both are only read. Process-wide while a GGUF loads (gguf's own names are what transformers
     imports at each call)."""
     import gguf
