@@ -159,16 +159,21 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 2**bits):
         raise ValueError(f"codes must lie in [0, {2**bits})")
     dev = codes.device
-    word, pos = (t.to(dev) for t in _bit_table(bits))
-    # [N/16, K/64, 4 mma tiles, 16 rows, 16 cols] -> [N/16, K/64, 32 lanes, 4 mma tiles, 8 elements]
-    c = codes.long().view(n // 16, 16, k // 64, 4, 16).permute(0, 2, 3, 1, 4)
-    f = c[:, :, :, _ROW.to(dev), _COL.to(dev)].transpose(2, 3)
-    words = torch.zeros(n // 16, k // 64, 32, bits, dtype=torch.int64, device=dev)
-    for b in range(bits):  # every bit of a word is written exactly once, so adding is or-ing
-        part = ((f >> b) & 1) << pos[:, :, b]
-        words.scatter_add_(3, word[:, :, b].reshape(1, 1, 1, 32).expand(*part.shape[:3], 32), part.flatten(3))
-    words = as_int32(words)
-    return words.view(n // 16, k * bits // 2)
+    nt, kt = n // 16, k // 64
+    # each step's codes in (lane, mma tile, element) order: [N/16, K/64, 32, 4, 8]
+    c = codes.to(torch.int64).view(nt, 16, kt, 64).transpose(1, 2).reshape(nt, kt, 1024)
+    f = c[..., _tile_order().flatten().argsort().to(dev)].view(nt, kt, 32, 4, 8)
+    word0, pos0, spread = (t.to(dev) for t in _fields(bits))
+    # a field's bits at their place in its word; every bit of a word is written once, so adding is or-ing
+    words = torch.zeros(nt, kt, 32, bits, dtype=torch.int64, device=dev)
+    whole = ~spread
+    words.scatter_add_(3, word0[whole].expand(nt, kt, 32, -1), (f[..., whole] << pos0[whole]))
+    if spread.any():  # the 3-bit register whose code bits lie in bit 15 of words 0, 1, 2
+        word, pos = (t.to(dev) for t in _bit_table(bits))
+        m, e = spread.nonzero(as_tuple=True)
+        for b in range(bits):
+            words.scatter_add_(3, word[m, e, b].expand(nt, kt, 32, -1), ((f[..., m, e] >> b) & 1) << pos[m, e, b])
+    return as_int32(words).view(nt, k * bits // 2)
 
 
 @functools.cache
