@@ -63,6 +63,25 @@ def test_reuse_cache_reads_the_rest_of_a_prompt_on_the_gpu(tiny_quant):
         assert (got - want).abs().max() <= 1e-2 * want.abs().max()
 
 
+@pytest.mark.parametrize("kv_bits", [16, 4])
+def test_a_cache_outgrown_on_the_gpu_is_kept(tiny_quant, kv_bits):
+    """A reply longer than the GPU's KV cache gets a larger cache holding the old one's entries (a 4-bit cache's codes
+    and scales too): the next prompt reads only what is new, with the logits of reading it whole, up to rounding."""
+    lm = load(tiny_quant, device="cuda", qdec="off", kv_bits=kv_bits)
+    V = lm.model.cfg.vocab_size
+    ids = torch.randint(0, V, (40,)).tolist()
+    lm._decoder = dec = Decoder(lm.model, 64, kv_bits=kv_bits)
+    with torch.no_grad():
+        dec.prefill(ids)
+        new = lm.decoder(100)
+        assert new is not dec and new.max_len >= 100 and new.cached() == ids
+        more = ids + torch.randint(0, V, (30,)).tolist()
+        got = new.prefill(more, reuse=True).float()
+        assert new.reused == len(ids)
+        want = Decoder(lm.model, new.max_len, kv_bits=kv_bits).prefill(more).float()
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+
+
 def test_graph_replay_equals_eager(tiny_quant):
     lm = load(tiny_quant, device="cuda", qdec="off")
     ids = torch.randint(0, lm.model.cfg.vocab_size, (12,)).tolist()
