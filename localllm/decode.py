@@ -67,9 +67,8 @@ class Decoder:
     def kept(self) -> tuple[list[int], dict[str, torch.Tensor]]:
         """What the cache holds (cached()) and its entries, on the CPU (a GPU frees this cache before a larger one is
         made), for restore() into a larger Decoder."""
-        n, c = self._at, self.cache
-        names = ("k", "v") if c.bits == 16 else ("k", "v", "k_sz", "v_sz")
-        return self.cached(), {name: getattr(c, name)[:, :, :, :n].to("cpu", copy=True) for name in names}
+        n = self._at
+        return self.cached(), {name: t[:, :, :, :n].to("cpu", copy=True) for name, t in self.cache.named_buffers()}
 
     def restore(self, ids: list[int], entries: dict[str, torch.Tensor]) -> None:
         """Take over kept()'s tokens and entries from a Decoder of the same model and KV cache width."""

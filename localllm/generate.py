@@ -64,8 +64,7 @@ def _splice(tok, ids: list[int], cached: list[int]) -> list[int]:
     then the model's own tokens, which the KV cache holds, not its text tokenized anew (a model's tokens are not
     always the canonical tokenization of their text: the demo model's sampled replies on the CPU with QDEC part from it
     within ~130 tokens, and everything after that point was read again)."""
-    n = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
-    if n == len(cached):
+    if ids[:len(cached)] == cached:
         return ids
     decode = lambda t: tok.decode(t, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
     text, head = decode(ids), decode(cached)
