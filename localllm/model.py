@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.nn.attention.bias import causal_lower_right
 
 from . import kvquant, ops, qdec
 from .config import ModelConfig, rope_inv_freq
@@ -356,10 +356,11 @@ class Block(nn.Module):
         self.mlp_norm, self.gate_up, self.down = mlp_norm, gate_up, down
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, pos: torch.Tensor,
-                cache: KVCache | None, mask: torch.Tensor | None, fused: FusedDecode | None = None) -> torch.Tensor:
-        """h: [B, T, D] at positions pos [T]; mask [T, keys] from attention_mask(), with a cache the keys being its
-        first mask.shape[1] entries, or a lower-right CausalBias (the queries are the last T of its seq_len_kv
-        entries); or mask None: the T queries are positions 0..T-1 and attend causally. fused: the fused decode
+                cache: KVCache | None, mask: torch.Tensor | None, fused: FusedDecode | None = None,
+                keys: int | None = None) -> torch.Tensor:
+        """h: [B, T, D] at positions pos [T]; with a cache, attention reads its first `keys` entries (the new ones
+        appended first). mask [T, keys] from attention_mask(), or a lower-right CausalBias (the queries are the last
+        T keys); or mask None: the T queries are positions 0..T-1 and attend causally. fused: the fused decode
         attention serves this step (cos, sin and mask are then None)."""
         c = self.cfg
         B, T, _ = h.shape
@@ -368,12 +369,12 @@ class Block(nn.Module):
             a = ops.attend_decode(qkv, fused.inv_freq, cache.layer(self.layer), pos, c.num_heads, c.num_kv_heads,
                                   fused.span).view(B, T, c.q_size)
         else:
-            a = self._attend(qkv, cos, sin, pos, cache, mask)
+            a = self._attend(qkv, cos, sin, pos, cache, mask, keys)
         h = self.o(a, residual=h)
         return self.down(self.gate_up(h, norm=self.mlp_norm), residual=h, glu=True)
 
     def _attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                cache: KVCache | None, mask: torch.Tensor) -> torch.Tensor:
+                cache: KVCache | None, mask: torch.Tensor | None, keys: int | None) -> torch.Tensor:
         """RoPE, cache append and attention with torch ops: qkv [B, T, q + k + v] -> [B, T, q]."""
         c = self.cfg
         B, T, _ = qkv.shape
@@ -384,7 +385,6 @@ class Block(nn.Module):
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         if cache is not None:
             cache.append(self.layer, pos, k, v)
-            keys = T if mask is None else mask.seq_len_kv if isinstance(mask, CausalBias) else mask.shape[1]
             k, v = cache.read(self.layer, keys, B)
         with sdpa_kernel(_SDPA_BACKENDS):
             a = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
@@ -470,7 +470,7 @@ class Transformer(nn.Module):
         for blk in blocks:
             if cancel is not None and cancel.is_set():
                 raise Cancelled()
-            h = blk(h, cos, sin, pos, cache, mask, fused)
+            h = blk(h, cos, sin, pos, cache, mask, fused, keys=kv_len)
         return self.head(h[:, -1:] if last else h, norm=self.norm).float()
 
     @property

@@ -189,6 +189,16 @@ class LocalModel:
                                f"tune {self.path}`)"
             self.qdec_untuned = True
 
+    def profiles_changed(self) -> None:
+        """Tuning profiles were written next to the model: the next set_qdec("on") looks them up again."""
+        self._tuned = None
+
+    @property
+    def tuning_warned(self) -> bool:
+        """Whether looking up this GPU's tuning profile printed a warning (profiles there, made for another GPU or
+        model)."""
+        return self._tuned is not None and bool(self._tuned.warnings)
+
     def autotune(self) -> None:
         """Tune QDEC on this GPU for self.budget (GEMV timings and measured decode steps, no perplexity), write the
         profile next to the model and use it. load(..., tune=True) does this where QDEC would run untuned (`localllm
@@ -412,7 +422,7 @@ def _tune_or_say(lm: LocalModel, tune: bool) -> None:
             lm.autotune()
         except LocalLLMError as e:  # e.g. a profile file in the way, a read-only folder: run with the default
             print(f"localllm: could not tune QDEC ({e}); using {lm.qdec_source}", file=sys.stderr)
-    elif lm._tuned is None or not lm._tuned.warnings:
+    elif not lm.tuning_warned:
         print(f"localllm: no QDEC tuning profile for this GPU and model, so every layer compensates at k_chunk "
               f"{DEFAULT_K_CHUNK}, which can slow decoding by half or more; `localllm tune {lm.path}` makes one "
               "(seconds, once)", file=sys.stderr)

@@ -328,7 +328,7 @@ class ChatApp(App):
 
     async def _show_saved(self, session: ChatSession, saved: dict) -> None:
         """A chat read back: its turns go on in this session (the next reply gets them) and are shown as they were."""
-        session.turns = [dict(t) for t in saved["turns"]]
+        session.go_on(saved)
         transcript = self.query_one(Transcript)
         for t in session.turns:
             if t["role"] == "user":

@@ -161,6 +161,10 @@ class ChatSession:
                            "settings": {**asdict(reply.settings), "seed": reply.seed, "qdec": reply.qdec},
                            "stats": {**asdict(reply.stats), "tokens_per_second": reply.stats.tokens_per_second}})
 
+    def go_on(self, saved: dict) -> None:
+        """Go on with a saved chat (history.load): its turns are the conversation the next reply gets."""
+        self.turns = [dict(t) for t in saved["turns"]]
+
     def new_chat(self) -> None:
         """Forget the conversation; a reply still running belongs to the old chat and is not recorded."""
         self.turns = []

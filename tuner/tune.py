@@ -278,5 +278,5 @@ def tune(lm, budgets, evaluate: bool = True, tokens: int = 512, write: bool = Tr
                            bench.tokens if evaluate else None)
             path, old = profiles.write(lm.path, p, force=force)
             result.paths.append((path, old))
-        lm._tuned = None  # set_qdec("on") looks again
+        lm.profiles_changed()
     return result
