@@ -152,7 +152,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     full = limit - len(ids) < max_new_tokens  # the context ends the reply first
     max_new_tokens = min(max_new_tokens, limit - len(ids))
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed + 1)
-    dec = lm.decoder(len(ids) + max_new_tokens)
+    dec = lm.decoder(len(ids) + max_new_tokens, keep=reuse)
     seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=dev)
     seen[torch.tensor(ids, device=dev)] = True
     # one uniform draw per token, made on the CPU: the same seed chooses the same tokens on every device

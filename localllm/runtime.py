@@ -66,18 +66,19 @@ class LocalModel:
                   "quantized unsmoothed, with larger errors: `localllm quantize` the source again to get them",
                   file=sys.stderr)
 
-    def decoder(self, max_len: int):
+    def decoder(self, max_len: int, keep: bool = False):
         """A Decoder whose cache holds max_len tokens: the one kept from an earlier reply when it is long enough (so
         its captured CUDA graph is replayed, not captured again), else a new one, rounded up to 256 tokens and, where
         memory allows, at least twice the old one's length: a chat's history grows every turn, and each new Decoder
-        costs a graph capture (~40 ms for the demo model on the H100). On a GPU a cache that does not fit is refused
-        in one line naming the kv-bits setting that would fit."""
+        costs a graph capture (~40 ms for the demo model on the H100). keep: a new Decoder takes over what the old
+        one's cache holds (a chat reusing it). On a GPU a cache that does not fit is refused in one line naming the
+        kv-bits setting that would fit."""
         from .decode import Decoder
         if self._decoder is None or self._decoder.max_len < max_len:
             limit = self.model.cfg.max_position_embeddings
             need = min(limit, -(-max_len // 256) * 256)
             n = min(limit, max(need, 2 * self._decoder.max_len if self._decoder is not None else 0))
-            kept = self._decoder.kept() if self._decoder is not None else None
+            kept = self._decoder.kept() if keep and self._decoder is not None else None
             self._decoder = None  # free the old cache first
             dev = self.model.device
             if dev.type == "cuda":

@@ -355,8 +355,11 @@ def test_decoder_is_kept_and_grows_geometrically(lm):
     lm._decoder = None
     first = lm.decoder(100)
     assert first.max_len == 256 and lm.decoder(200) is first
-    second = lm.decoder(300)
+    with torch.inference_mode():
+        first.prefill([1, 2, 3])
+    second = lm.decoder(300)  # (not keep: a reply that does not reuse the cache takes nothing from it)
     assert second is not first and second.max_len == min(512, lm.model.cfg.max_position_embeddings)
+    assert second.cached() == []
     assert lm.decoder(2000).max_len == min(2048, lm.model.cfg.max_position_embeddings)
 
 

@@ -73,7 +73,7 @@ def test_a_cache_outgrown_on_the_gpu_is_kept(tiny_quant, kv_bits):
     lm._decoder = dec = Decoder(lm.model, 64, kv_bits=kv_bits)
     with torch.no_grad():
         dec.prefill(ids)
-        new = lm.decoder(100)
+        new = lm.decoder(100, keep=True)
         assert new is not dec and new.max_len >= 100 and new.cached() == ids
         more = ids + torch.randint(0, V, (30,)).tolist()
         got = new.prefill(more, reuse=True).float()
