@@ -259,7 +259,7 @@ def select_channels(lin: Linear, x: torch.Tensor, k_chunk: int) -> torch.Tensor:
         raise RuntimeError(f"QDEC mode '{s.mode}' needs calibration statistics, which this model lacks")
     if s.mode == "static":
         return qdec.select_static(lin.stats.sq_mean, k_chunk, x.shape[0])
-    return qdec.select_approx(x, k_chunk, lin.stats.b0, float(lin.stats.kth[k_chunk - 1]))
+    return qdec.select_approx(x, k_chunk, lin.stats.b0, lin.stats.b15(k_chunk))
 
 
 class RMSNorm(nn.Module):

@@ -311,6 +311,10 @@ class ActStats:
     def kth(self) -> Tensor:
         return self._kth.clone()
 
+    def b15(self, k_chunk: int) -> float:
+        """The approximate selection's b15 for k_chunk: kth[k_chunk - 1] (without kth's copy: read every step)."""
+        return float(self._kth[k_chunk - 1])
+
     @property
     def sq_mean(self) -> Tensor:
         return (self._sq_sum / max(self._count, 1)).float()

@@ -300,7 +300,7 @@ class LocalModel:
             grid = grid_of(N, dev)
             n_tb = (nts or {}).get(lin.kind) or qdec.default_n_tb(K, N, grid)
             lin.comp = qdec.Call(lin.host_residual, qdec.new_state(K, N, dev), part, k, n_tb, lin.stats.b0,
-                                 float(lin.stats.kth[k - 1]), grid)
+                                 lin.stats.b15(k), grid)
 
     def qdec_summary(self) -> str:
         """What QDEC does and why, one line: "QDEC approx: k_chunk 16 (set by hand)", "QDEC off: tuned on ... for a

@@ -142,7 +142,7 @@ class GemvTimer:
             lin, comp = s["lin"], None
             if k_chunk > 0:
                 comp = qdec.Call(lin.host_residual, s["state"], self.part, k_chunk, n_tb, lin.stats.b0,
-                                 float(lin.stats.kth[k_chunk - 1]), s["grid"])
+                                 lin.stats.b15(k_chunk), s["grid"])
             calls.append(functools.partial(gemv, s["x"], lin.packed, out=s["out"], residual=s["residual"],
                                            norm=s["norm"], glu=s["glu"], held=lin.held, comp=comp))
         # the first point of a kind replays its layers until they reach decode's steady state (time_graph's warm_s);
