@@ -2,6 +2,7 @@
 (or --device cuda: the GPU's fp16 path and its QDEC kernel, token by token where QDEC is on).
 
     python scripts/eval_methods.py MODEL_DIR... [--tokens 4096] [--ctx 512] [--settings off,k8,k32] [--device cuda]
+        [--text FILE]
 
 Each cell: perplexity / mean KL divergence per token from the source checkpoint each model was quantized from (the
 source is loaded once per model; --no-kl skips it). Columns: QDEC off; approx k_chunk 8 on every layer; approx k_chunk 8
@@ -26,6 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("models", nargs="+")
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--text", help="UTF-8 text file (default: the evaluation text shipped with localllm)")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--no-kl", action="store_true", help="perplexity only")
     p.add_argument("--settings", default=",".join(SETTINGS), help="columns, of " + ", ".join(SETTINGS))
@@ -47,7 +49,7 @@ def main() -> None:
     scored, labels = [], []  # per model: {setting: per-token losses}
     for m in a.models:
         lm = load(m, qdec="off", device=a.device)
-        ids = tokenize(lm, read_text(None)[0], a.tokens)
+        ids = tokenize(lm, read_text(a.text)[0], a.tokens)
         src = source_path(lm)
         ref = None if a.no_kl or not src else Reference(load(src, qdec="off", device=a.device), lm)
         cells, scored_m = [], {}

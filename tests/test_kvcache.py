@@ -83,7 +83,7 @@ def test_attention_reads_the_dequantized_cache(tiny_ckpt, bits):
         qkv = torch.randn(1, T, c.q_size + 2 * c.kv_size) * 2
         rot = qkv[0].clone()
         ops.rope_(rot, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim)  # the torch reference RoPE
-        got = blk._attend(qkv.clone(), cos, sin, pos, cache, attention_mask(pos, start + T))[0]
+        got = blk._attend(qkv.clone(), cos, sin, pos, cache, attention_mask(pos, start + T), start + T)[0]
         q = rot[:, :c.q_size].view(T, c.num_heads, c.head_dim)
         k_new, v_new = (rot[:, o: o + c.kv_size].view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)
                         for o in (c.q_size, c.q_size + c.kv_size))
