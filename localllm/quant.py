@@ -162,7 +162,7 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     nt, kt = n // 16, k // 64
     # each step's codes in (lane, mma tile, element) order: [N/16, K/64, 32, 4, 8]
     c = codes.to(torch.int64).view(nt, 16, kt, 64).transpose(1, 2).reshape(nt, kt, 1024)
-    f = c[..., _tile_order().flatten().argsort().to(dev)].view(nt, kt, 32, 4, 8)
+    f = c[..., _tile_place().to(dev)].view(nt, kt, 32, 4, 8)
     word0, pos0, spread = (t.to(dev) for t in _fields(bits))
     # a field's bits at their place in its word; every bit of a word is written once, so adding is or-ing
     words = torch.zeros(nt, kt, 32, bits, dtype=torch.int64, device=dev)
@@ -193,6 +193,13 @@ def _tile_order() -> Tensor:
     lane, m, e = torch.meshgrid(_LANE, torch.arange(4), _ELEM, indexing="ij")
     src[_ROW[lane, e], m, _COL[lane, e]] = lane * 32 + m * 8 + e
     return src.view(16, 64)
+
+
+@functools.cache
+def _tile_place() -> Tensor:
+    """The inverse of _tile_order: for each of a step's 1024 places (lane, mma tile, element), the row-major index
+    (row * 64 + column) of the code that goes there."""
+    return _tile_order().flatten().argsort()
 
 
 def unpack_codes(qweight: Tensor, bits: int) -> Tensor:
