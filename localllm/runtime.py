@@ -298,7 +298,7 @@ class LocalModel:
         for lin in lins:
             K, N, k = lin.in_features, lin.out_features, ks[lin.kind]
             grid = grid_of(N, dev)
-            n_tb = (nts or {}).get(lin.kind) or qdec.default_n_tb(K, N, grid)
+            n_tb = (nts or {}).get(lin.kind) or qdec.default_n_tb(K, N, grid, k)
             lin.comp = qdec.Call(lin.host_residual, qdec.new_state(K, N, dev), part, k, n_tb, lin.stats.b0,
                                  lin.stats.b15(k), grid)
 

@@ -30,7 +30,7 @@ if k_chunk:
     r = QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32), (torch.rand(N) * 0.01).half())
     a = x.float().abs()
     comp = qdec.Call(qdec.HostResidual.pin(r), qdec.new_state(K, N, "cuda"), qdec.new_part([(K, N)], "cuda"), k_chunk,
-                     qdec.default_n_tb(K, N, grid), float(a.max()), float(a[:1024].topk(k_chunk).values[-1]), grid)
+                     qdec.default_n_tb(K, N, grid, k_chunk), float(a.max()), float(a[:1024].topk(k_chunk).values[-1]), grid)
 for _ in range(3):
     gemv(x, w, variant=variant, blocks_per_sm=bps, comp=comp)
 torch.cuda.synchronize()

@@ -120,7 +120,7 @@ for k in ks:
             print(f"  {names[i]:13} {np.median(rel[:, i]):7.2f} {rel[:, i].max():7.2f}")
         continue
     n_tbs = [int(n) for n in sys.argv[4].split(",")] if len(sys.argv) > 4 and sys.argv[4] != "-" else \
-        sorted({qdec.default_n_tb(K, N, grid), qdec.viable_n_tb(K, N, grid)[-1]})
+        sorted({qdec.default_n_tb(K, N, grid, k), qdec.viable_n_tb(K, N, grid)[-1]})
     for n_tb in n_tbs:
         a = x.float().abs()
         comp = qdec.Call(res, qdec.new_state(K, N, "cuda"), part, k, n_tb, float(a.max()),

@@ -40,7 +40,7 @@ def setup(N, K, bits, k_chunk, n_tb=None, x=None):
     b0, b15 = boundaries(x, k_chunk)
     comp = qdec.Call(qdec.HostResidual.pin(r), qdec.new_state(K, N, "cuda"),
                      qdec.new_part([(K, N)], "cuda"), k_chunk,
-                     n_tb or qdec.default_n_tb(K, N, grid), b0, b15, grid,
+                     n_tb or qdec.default_n_tb(K, N, grid, k_chunk), b0, b15, grid,
                      torch.empty(2 * qdec.chunks(K) * k_chunk, dtype=torch.int32, device="cuda"))
     return q, r, w, x, comp
 

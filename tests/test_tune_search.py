@@ -248,7 +248,12 @@ def test_viable_n_tb_follows_appendix_a():
     assert qdec.viable_n_tb(14336, 4096, 132) == [1, 2, 3, 4, 5, 7, 14, 28]  # 16 segments: p = 2 only (28 <= 33)
     assert qdec.viable_n_tb(4096, 6144, 132) == [1, 2, 4] + [4 * p for p in (2, 3, 4, 5, 6, 8)]  # 24 segments
     assert qdec.viable_n_tb(4096, 64, 4) == [1, 2]
-    assert qdec.default_n_tb(4096, 6144, 132) == 4  # one chunk per block, no split
+    # untuned: one chunk per block while a block's residual rows stay under FETCH_PER_BLOCK (k_chunk 8: 4 x 8 rows
+    # of 3 KB in 4 blocks), more blocks where they would not (64 rows per chunk: 786 KB, 16 blocks of <= 48 KB)
+    assert qdec.default_n_tb(4096, 6144, 132, 8) == 4
+    assert qdec.default_n_tb(4096, 6144, 132, 64) == 16
+    assert qdec.default_n_tb(4096, 28672, 132, 64) == 32  # 3.7 MB: the largest viable
+    assert qdec.default_n_tb(4096, 28672, 20, 64) == 4  # a 20-SM GPU: a quarter of its grid at most
 
 
 def test_largest_k_from_shared_memory():
