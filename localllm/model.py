@@ -384,6 +384,8 @@ class Block(nn.Module):
         k = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         if cache is not None:
+            if keys is None:  # read(None) would take every entry, the unwritten ones too
+                raise ValueError("Block.forward with a cache needs keys, the number of cache entries to read")
             cache.append(self.layer, pos, k, v)
             k, v = cache.read(self.layer, keys, B)
         with sdpa_kernel(_SDPA_BACKENDS):
