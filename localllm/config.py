@@ -10,6 +10,10 @@ from .errors import LocalLLMError
 
 # model_type -> whether q/k/v carry a bias. Everything else about these is the same Llama block.
 SUPPORTED = {"llama": False, "mistral": False, "qwen2": True}
+# keys a config.json may leave out, which then take their architecture's default in transformers (not one of ours:
+# a Mistral without sliding_window slides at 4096, a Llama without rms_norm_eps has 1e-6)
+DEFAULTED = ("rms_norm_eps", "max_position_embeddings", "sliding_window", "use_sliding_window", "max_window_layers",
+             "hidden_act")
 
 
 @dataclass
@@ -44,6 +48,10 @@ class ModelConfig:
         if unsupported:
             raise LocalLLMError(f"unsupported Llama variant ({' and '.join(unsupported)} true: biases on o_proj or the "
                                 "MLP, which localllm does not run); pick a checkpoint without them")
+        cfg = {**_hf_defaults(mt), **cfg}
+        if cfg.get("hidden_act") not in ("silu", "swish"):  # swish is silu
+            raise LocalLLMError(f"unsupported activation '{cfg.get('hidden_act')}' (hidden_act): localllm runs the "
+                                "SwiGLU MLP of Llama-family models (silu); pick a checkpoint with hidden_act silu")
         try:
             heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
@@ -52,7 +60,7 @@ class ModelConfig:
             rope_type = rope.get("rope_type") or rope.get("type") or "default"
             native = rope.get("original_max_position_embeddings")
             if rope_type == "dynamic":  # dynamic NTK is the default RoPE up to the native context: run it there
-                rope_type, cap = "default", native or cfg.get("max_position_embeddings", 4096)
+                rope_type, cap = "default", native or cfg["max_position_embeddings"]
             else:
                 cap = None
             if rope_type not in ("default", "llama3", "linear", "factors"):  # factors: a GGUF's rope_freqs
@@ -62,11 +70,9 @@ class ModelConfig:
                                                                     if native else "")
                     + " to run the model at its native context")
             rope = {} if rope_type == "default" else {**rope, "rope_type": rope_type}
-            if mt == "mistral" and cfg.get("sliding_window"):
-                # Sliding-window attention only differs past the window; we cap the context there.
-                max_pos = min(cfg.get("max_position_embeddings", 4096), cfg["sliding_window"])
-            else:
-                max_pos = cfg.get("max_position_embeddings", 4096)
+            max_pos = cfg["max_position_embeddings"]
+            if _slides(mt, cfg):  # sliding-window attention only differs past the window: we cap the context there
+                max_pos = min(max_pos, cfg["sliding_window"])
             max_pos = min(max_pos, cap or max_pos)
             return cls(
                 vocab_size=cfg["vocab_size"],
@@ -74,9 +80,9 @@ class ModelConfig:
                 intermediate_size=cfg["intermediate_size"],
                 num_layers=cfg["num_hidden_layers"],
                 num_heads=heads,
-                num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                num_kv_heads=cfg.get("num_key_value_heads") or (8 if mt == "mistral" else heads),  # transformers
                 head_dim=cfg.get("head_dim") or hidden // heads,
-                rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+                rms_norm_eps=cfg["rms_norm_eps"],
                 rope_theta=float(theta),
                 rope_scaling=rope,
                 max_position_embeddings=max_pos,
@@ -102,6 +108,25 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def _hf_defaults(model_type: str) -> dict:
+    """transformers' defaults of DEFAULTED for a model type."""
+    from transformers import AutoConfig
+    d = AutoConfig.for_model(model_type).to_dict()
+    return {k: d[k] for k in DEFAULTED if k in d}
+
+
+def _slides(model_type: str, cfg: dict) -> bool:
+    """Whether some layer attends over a sliding window (cfg with DEFAULTED filled in): Mistral's every layer where
+    sliding_window is set; Qwen2's layers from max_window_layers on where use_sliding_window (or layer_types) says."""
+    if not cfg.get("sliding_window"):
+        return False
+    if cfg.get("layer_types"):
+        return "sliding_attention" in cfg["layer_types"]
+    if model_type == "qwen2":
+        return bool(cfg.get("use_sliding_window")) and cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"]
+    return model_type == "mistral"
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -404,7 +404,9 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     fit = GpuMemoryFit(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    toks, calib = calibration_tokens(ckpt.tokenizer, text, text_name, calib_tokens, seq_len)
+    # sequences no longer than the model's context: the statistics are of attention as the model runs it
+    toks, calib = calibration_tokens(ckpt.tokenizer, text, text_name, calib_tokens,
+                                     min(seq_len, cfg.max_position_embeddings))
     fingerprint = ckpt.fingerprint()
     pos = torch.arange(toks.shape[1], device=dev)
     rope = rope_tables(rope_inv_freq(cfg).to(dev), pos)

@@ -33,16 +33,19 @@ def tokenizer(vocab_size: int):
 def checkpoint(path: Path, arch: str = "llama", seed: int = 0, std: float = 0.08, tokenizer_vocab: int | None = None,
                dtype: torch.dtype = torch.float32, **config) -> Path:
     """A Hugging Face checkpoint folder (safetensors, config, tokenizer) of model type `arch` with `config`; every
-    matrix drawn from N(0, std) (larger than the initializer's, so that layers matter), the rest as initialized.
-    The tokenizer has min(vocab_size, tokenizer_vocab) tokens (default: vocab_size)."""
+    matrix and bias drawn from N(0, std) (larger than the initializer's, so that layers matter), every norm weight
+    from N(1, 0.1) (not all ones and zeros, so that one left out or misplaced shows). The tokenizer has
+    min(vocab_size, tokenizer_vocab) tokens (default: vocab_size)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.for_model(arch, **config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or name.endswith(".bias"):
                 p.normal_(0, std)
+            else:
+                p.normal_(1, 0.1)
     model.save_pretrained(str(path))
     tokenizer(min(cfg.vocab_size, tokenizer_vocab or cfg.vocab_size)).save_pretrained(str(path))
     return path

@@ -77,6 +77,29 @@ def test_llama_biases_it_cannot_run_are_refused():
     assert not ModelConfig.from_hf({**base, "model_type": "llama", "attention_bias": False}).qkv_bias
 
 
+def test_config_keys_left_out_take_transformers_defaults_and_other_activations_are_refused():
+    """A config.json without a key means what transformers makes of it for that architecture; an MLP other than
+    SwiGLU (hidden_act) and a Qwen2 that slides its window are not run silently as something else."""
+    from localllm.config import ModelConfig
+    from localllm.errors import LocalLLMError
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=16)
+    llama = ModelConfig.from_hf({**base, "model_type": "llama"})
+    assert (llama.rms_norm_eps, llama.max_position_embeddings, llama.num_kv_heads) == (1e-6, 2048, 16)
+    mistral = ModelConfig.from_hf({**base, "model_type": "mistral"})  # slides at 4096 with 8 kv heads
+    assert (mistral.max_position_embeddings, mistral.num_kv_heads) == (4096, 8)
+    assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": None}).max_position_embeddings \
+        == 131072
+    assert ModelConfig.from_hf({**base, "model_type": "llama", "hidden_act": "swish"}).num_layers == 2
+    for act in ("gelu", "gelu_pytorch_tanh"):
+        with pytest.raises(LocalLLMError, match=f"unsupported activation '{act}' \\(hidden_act\\)"):
+            ModelConfig.from_hf({**base, "model_type": "qwen2", "hidden_act": act})
+    qwen = {**base, "model_type": "qwen2", "max_position_embeddings": 512, "sliding_window": 16}
+    assert ModelConfig.from_hf(qwen).max_position_embeddings == 512  # use_sliding_window false: full attention
+    slide = {**qwen, "use_sliding_window": True, "max_window_layers": 1}  # layer 1 slides
+    assert ModelConfig.from_hf(slide).max_position_embeddings == 16
+    assert ModelConfig.from_hf({**slide, "max_window_layers": 2}).max_position_embeddings == 512  # none slides
+
+
 def test_unsupported_architecture_is_refused(tmp_path):
     import json
     from localllm.errors import LocalLLMError
