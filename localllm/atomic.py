@@ -101,6 +101,7 @@ def new_folder(path: str | os.PathLike, replace: bool = False):
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
+                os.chmod(f, _usual_mode(0o666))  # as open() makes files (safetensors writes 0600: private)
         if path.exists():
             if not replace:
                 raise LocalLLMError(f"{path} appeared while writing; the new copy was discarded, nothing was replaced")

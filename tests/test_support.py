@@ -59,7 +59,8 @@ def test_written_files_and_folders_get_the_usual_permissions(tmp_path):
     old = os.umask(0o022)
     try:
         with atomic.new_folder(tmp_path / "m") as tmp:
-            (tmp / "w.safetensors").write_bytes(b"w")
+            from safetensors.torch import save_file
+            save_file({"w": torch.zeros(2)}, str(tmp / "w.safetensors"))  # safetensors makes its files 0600
         atomic.write_bytes(tmp_path / "m" / "localllm.json", b"{}")
         atomic.write_new(tmp_path / "m" / "profile.json", b"{}")
     finally:
