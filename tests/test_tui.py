@@ -73,6 +73,34 @@ def test_a_stopped_reply_keeps_what_was_shown_and_the_model_goes_on(lm):
     assert nxt.text == want and not nxt.cancelled
 
 
+def test_a_reply_cancelled_before_its_first_word_leaves_the_conversation_as_it_was(lm):
+    s = ChatSession(lm, ReplySettings(max_new_tokens=8, seed=3))
+    first, _ = reply_to(s, "One")
+    stop = threading.Event()
+    stop.set()  # Esc before the first token
+    reply, shown = reply_to(s, "Two", stop)
+    assert reply.cancelled and reply.text == "" and shown == []
+    assert [t["content"] for t in s.turns] == ["One", first.text] and s.last_reply() == first.text
+
+
+def test_a_qdec_change_asked_for_while_one_is_applied_is_not_lost(tiny_quant, monkeypatch):
+    lm = load(tiny_quant)
+    s = ChatSession(lm)
+    set_qdec = lm.set_qdec
+
+    def toggled_back_meanwhile(*a, **kw):  # the user turns QDEC on again while it is being turned off
+        set_qdec(*a, **kw)
+        s.want_qdec = True
+
+    monkeypatch.setattr(lm, "set_qdec", toggled_back_meanwhile)
+    s.want_qdec = False
+    s.sync_qdec()
+    assert lm.settings.mode == "off" and s.want_qdec  # the later request stands: its own sync applies it
+    monkeypatch.setattr(lm, "set_qdec", set_qdec)
+    s.sync_qdec()
+    assert lm.settings.mode == "approx" and s.want_qdec
+
+
 def test_a_failed_reply_is_a_message_and_leaves_the_conversation_as_it_was(lm, monkeypatch):
     s = ChatSession(lm, ReplySettings(max_new_tokens=4, seed=1))
     reply_to(s, "One")
@@ -180,6 +208,8 @@ def test_history_is_saved_to_a_new_file_and_never_replaces_one(lm, tmp_path, mon
     assert history.save(s, tmp_path) == tmp_path / "chat-fixed-3.json"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat-fixed-2.json", "chat-fixed-3.json",
                                                           "chat-fixed.json"]  # no temp files left
+    with pytest.raises(LocalLLMError, match="chat-fixed.json is a file, not a folder"):  # not "all names taken"
+        history.save(s, tmp_path / "chat-fixed.json")
 
 
 def test_control_characters_are_shown_not_sent_to_the_terminal():

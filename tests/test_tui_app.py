@@ -15,7 +15,7 @@ from textual.widgets import Input, Static, Switch
 
 from conftest import same_kv_cache
 from localllm.generate import Stats, Stream, generate
-from localllm.tui.app import ChatApp
+from localllm.tui.app import ChatApp, PromptInput
 from localllm.tui.loading import LoadingPanel
 from localllm.tui.session import ChatSession, ReplySettings
 from localllm.tui.settings import SettingsPanel
@@ -192,21 +192,27 @@ async def test_a_conversation_longer_than_the_context_leaves_out_its_oldest_exch
         limit = session.lm.model.cfg.max_position_embeddings
         sent = []
         for i in range(6):  # long messages pasted in (typing them key by key takes the test a minute)
-            app.query_one("#prompt", Input).value = f"message {i}: " + "tell me more " * 12
+            app.query_one(PromptInput).text = f"message {i}: " + "tell me more " * 12
             await pilot.press("enter")
             await until(pilot, lambda: len(replies) > i, "the reply to start")
             sent.append(await done(pilot, replies[-1]))
         assert all(r.error is None for r in sent) and len(session.turns) == 12  # every exchange kept and shown
         last = sent[-1]
-        assert last.left_out >= 1 and sent[0].left_out == 0
-        trimmed, n = fit_context(session.lm, last.prompt, 16)
-        assert n == last.left_out and trimmed[0]["role"] == "system" and trimmed[-1] == last.prompt[-1]
-        assert trimmed[1:] == last.prompt[1 + 2 * n:]  # the oldest exchanges went, the rest stayed in order
-        assert len(encode_prompt(session.lm, trimmed)) + 16 <= limit < len(encode_prompt(session.lm, last.prompt)) + 16
-        fewer = last.prompt[:1] + last.prompt[1 + 2 * (n - 1):]  # one exchange fewer left out: too long (the fewest)
-        assert len(encode_prompt(session.lm, fewer)) + 16 > limit
-        assert session.turns[-1]["left_out"] == n  # a saved chat says what the reply's prompt did not hold
-        assert last.text == generate(session.lm, trimmed, max_new_tokens=16, seed=3)  # what was sent
+        outs = [r.left_out for r in sent]
+        assert outs[0] == 0 and outs[-1] >= 1 and outs == sorted(outs)  # what went once stays out
+        # where more had to go, they went until a quarter of the context was free besides (the fewest that do)
+        i = next(i for i in range(1, 6) if outs[i] > outs[i - 1])
+        trimmed, n = fit_context(session.lm, sent[i].prompt, 16, outs[i - 1])
+        assert n == outs[i] and trimmed[0]["role"] == "system" and trimmed[-1] == sent[i].prompt[-1]
+        assert trimmed[1:] == sent[i].prompt[1 + 2 * n:]  # the oldest exchanges went, the rest stayed in order
+        size = lambda p: len(encode_prompt(session.lm, p)) + 16  # noqa: E731
+        assert size(trimmed) + limit // 4 <= limit
+        fewer = sent[i].prompt[:1] + sent[i].prompt[1 + 2 * (n - 1):]  # one exchange fewer left out
+        assert size(fewer) + limit // 4 > limit and size(sent[i].prompt[:1] + sent[i].prompt[1 + 2 * outs[i - 1]:]) > limit
+        # the replies after one that left out as many as the reply before read only their new messages
+        assert any(outs[j] == outs[j - 1] >= 1 and sent[j].stats.cached_tokens > 0 for j in range(i + 1, 6))
+        trimmed, n = fit_context(session.lm, last.prompt, 16, outs[-2])
+        assert n == last.left_out and session.turns[-1]["left_out"] == n  # a saved chat says what was not sent
         meta = str(app.query(ReplyMessage).last().query_one(".meta", Static).render())
         assert "oldest exchange" in meta and "left out to fit the model's context" in meta
 
@@ -266,10 +272,10 @@ async def test_loading_shows_its_progress_and_the_ui_stays_live(tiny_quant, monk
         await until(pilot, lambda: "downloading the demo model" in str(panel.query_one(".said").render()),
                     "what the library said")
         await pilot.press("f2")  # the UI answers while the model loads
-        assert app.query_one(SettingsPanel).display and app.query_one("#prompt", Input).disabled
+        assert app.query_one(SettingsPanel).display and app.query_one(PromptInput).disabled
         go_on.set()
         await loaded(pilot)
-        assert not app.query(LoadingPanel) and not app.query_one("#prompt", Input).disabled
+        assert not app.query(LoadingPanel) and not app.query_one(PromptInput).disabled
 
 
 @scenario
@@ -281,7 +287,7 @@ async def test_a_load_error_is_shown_in_the_app(tmp_path):
         text = str(app.query_one(LoadingPanel).query_one(".error", Static).render())
         assert text.startswith("no such file or folder") or "no-such-model" in text
         await pilot.press(*"hello", "enter", "ctrl+n", "ctrl+s", "escape")
-        assert app.is_running and app.session is None and app.query_one("#prompt", Input).disabled
+        assert app.is_running and app.session is None and app.query_one(PromptInput).disabled
 
 
 @scenario
@@ -366,6 +372,14 @@ def test_resume_refuses_what_is_not_a_saved_chat(tmp_path, capsys):
     bad.write_text(json.dumps({"format": "localllm-chat/1", "messages": [{"role": "assistant", "content": "hi"}]}))
     assert main(["chat", "--resume", str(bad)]) != 0
     assert "user and assistant turns in alternation" in capsys.readouterr().err
+    for text, why in (("[" * 100000 + "]" * 100000, "RecursionError"),  # JSON the parser cannot take
+                      (json.dumps({"format": "localllm-chat/1", "messages": [  # what saving could not write again
+                          {"role": "user", "content": "hi \ud800"}, {"role": "assistant", "content": "?"}]}),
+                       "not valid Unicode")):
+        bad.write_text(text)
+        assert main(["chat", "--resume", str(bad)]) != 0
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"localllm: error: {bad}") and why in err and len(err.splitlines()) == 1
 
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "chat.svg"
@@ -393,9 +407,10 @@ async def test_screenshot_matches_the_snapshot(tiny_quant, monkeypatch, replies,
         await loaded(pilot)
         for inp in app.query(Input):
             inp.cursor_blink = False
+        app.query_one(PromptInput).cursor_blink = False
         await done(pilot, await send(pilot, replies, "How do tides work?"))
         await pilot.press("f2")
-        app.query_one("#prompt", Input).focus()
+        app.query_one(PromptInput).focus()
         await pilot.pause()
         svg = normalized(app.export_screenshot())
     if os.environ.get("LOCALLLM_UPDATE_SNAPSHOTS") == "1":
@@ -407,6 +422,46 @@ async def test_screenshot_matches_the_snapshot(tiny_quant, monkeypatch, replies,
     assert svg == SNAPSHOT.read_text(), (
         f"the chat screen changed (Textual {textual.__version__}): compare {fresh} with {SNAPSHOT}; if the change is "
         "right, run with LOCALLLM_UPDATE_SNAPSHOTS=1 and look at the new snapshot")
+
+
+@scenario
+async def test_a_pasted_text_keeps_its_lines_and_enter_sends_it_once(tiny_quant, replies):
+    from textual import events
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=4, seed=1))
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await pilot.press(*"Look:", "ctrl+j")  # ctrl+j: a new line, not a send
+        app.post_message(events.Paste("def f(x):\n    return x + 1\n\nWhat does it do?"))
+        await pilot.pause()
+        assert not replies and app.query_one(PromptInput).text == "Look:\ndef f(x):\n    return x + 1\n\nWhat does it do?"
+        await pilot.press("enter")
+        reply = await done(pilot, await until_sent(pilot, replies))
+        assert len(replies) == 1 and reply.user_text == "Look:\ndef f(x):\n    return x + 1\n\nWhat does it do?"
+        assert app.query_one(PromptInput).text == "" and app.query(UserMessage).last().text == reply.user_text
+        await pilot.press("f2")  # the system prompt is one line: a pasted one keeps its lines, joined
+        system = app.query_one("#system", Input)
+        system.focus()
+        app.post_message(events.Paste("Be brief.\nAnswer in French."))
+        await pilot.pause()
+        assert system.value == "Be brief. Answer in French." and app.settings.system == system.value
+
+
+async def until_sent(pilot, replies):
+    await until(pilot, lambda: replies, "the reply to start")
+    return replies[-1]
+
+
+@scenario
+async def test_notices_show_paths_as_they_are(tiny_quant, tmp_path, replies):
+    folder = tmp_path / "notes [draft]" / "[/x]"  # Textual markup in a path: shown, not applied (nor a crash)
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=4, seed=1), save_dir=folder)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await done(pilot, await send(pilot, replies, "Hi"))
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        saved = next(folder.glob("chat-*.json"))
+        assert app.is_running and any(f"Saved the chat to {saved}" == n.message for n in app._notifications)
 
 
 @scenario
@@ -422,6 +477,8 @@ async def test_a_failing_reply_is_a_message_and_the_chat_goes_on(tiny_quant, mon
         meta = str(app.query(ReplyMessage).last().query_one(".meta", Static).render())
         assert meta.startswith("⚠ the GPU failed (CUDA error: unspecified launch failure); restart") and app.is_running
         assert failed.error and session.turns == []
+        assert app.query_one(PromptInput).text == "Hello"  # dropped with the reply: back in the box to send again
+        app.query_one(PromptInput).text = ""
         monkeypatch.setattr("localllm.tui.session.generate", generate)
         ok = await done(pilot, await send(pilot, replies, "Hello"))
         assert ok.error is None and ok.prompt == [{"role": "user", "content": "Hello"}]

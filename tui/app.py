@@ -9,9 +9,10 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
-from textual.widgets import Footer, Header, Input, Static
+from textual.widgets import Footer, Header, Input, Static, TextArea
 from textual.worker import Worker, get_current_worker
 
+from localllm.errors import LocalLLMError
 from localllm.progress import observe
 from localllm.runtime import LocalModel
 
@@ -73,8 +74,27 @@ class _Closing(BaseException):
     that no `except Exception` on the way turns it into an error)."""
 
 
-class PromptInput(Input):
-    BINDINGS = [Binding("enter", "submit", "Send")]  # shown in the footer while typing
+class PromptInput(TextArea):
+    """The message being typed: Enter sends it, ctrl+j (or shift+enter where the terminal tells it apart) starts a new
+    line, and a paste keeps all its lines. PageUp / PageDown scroll the transcript, not this box."""
+    BINDINGS = [Binding("enter", "submit", "Send"), Binding("ctrl+j,shift+enter", "newline", "New line", show=False),
+                Binding("pageup", "app.scroll_transcript(-1)", show=False),
+                Binding("pagedown", "app.scroll_transcript(1)", show=False)]
+
+    class Submitted(Message):
+        pass
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":  # not TextArea's new line (its handler runs after this one unless prevented)
+            event.stop()
+            event.prevent_default()
+            self.action_submit()
+
+    def action_submit(self) -> None:
+        self.post_message(self.Submitted())
+
+    def action_newline(self) -> None:
+        self.move_cursor(self.replace("\n", *self.selection).end_location)
 
 
 class ChatApp(App):
@@ -82,14 +102,14 @@ class ChatApp(App):
     ENABLE_COMMAND_PALETTE = False
     CSS = """
     #chat { width: 1fr; }
-    #prompt { margin: 0 1; }
+    #prompt { margin: 0 1; height: auto; max-height: 10; }
     #status { height: auto; max-height: 2; padding: 0 1; background: $panel; color: $text-muted; }
     """
     BINDINGS = [
         Binding("escape", "cancel", "Cancel reply"),
         Binding("ctrl+c", "cancel", "Cancel reply", show=False, priority=True),  # only while a reply runs
         Binding("ctrl+n", "new_chat", "New chat"),
-        Binding("ctrl+y", "copy_reply", "Copy reply"),
+        Binding("ctrl+y", "copy_reply", "Copy reply", priority=True),  # before the message box's redo
         Binding("ctrl+s", "save", "Save chat"),
         Binding("f2", "toggle_settings", "Settings"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
@@ -117,7 +137,8 @@ class ChatApp(App):
         with Horizontal():
             with Vertical(id="chat"):
                 yield Transcript(id="transcript")
-                yield PromptInput(placeholder="Type a message, Enter sends", id="prompt", disabled=True)
+                yield PromptInput(placeholder="Type a message: Enter sends, ctrl+j starts a new line", id="prompt",
+                                  disabled=True)
             yield SettingsPanel(self.settings, id="settings")
         yield Static("loading…", id="status", markup=False)
         yield Footer()
@@ -188,7 +209,7 @@ class ChatApp(App):
         self.query_one(SettingsPanel).show_qdec(session)
         self.session = session  # last: the chat's actions are enabled once its screen is ready
         self._show_status()
-        prompt = self.query_one("#prompt", Input)
+        prompt = self.query_one(PromptInput)
         prompt.disabled = False
         prompt.focus()
         self.refresh_bindings()
@@ -214,6 +235,9 @@ class ChatApp(App):
 
     async def on_reply_done(self, m: ReplyDone) -> None:
         self.session.finish(m.reply)
+        prompt = self.query_one(PromptInput)
+        if m.reply.error is not None and m.reply.chat == self.session.chat and not prompt.text.strip():
+            prompt.text = m.reply.user_text  # a failed reply is dropped with its message: back to edit and send again
         if self._current and self._current[0] is m.reply:
             await self._current[1].finish(m.reply)
             self._current = None
@@ -223,7 +247,7 @@ class ChatApp(App):
 
     def on_qdec_done(self, m: QdecDone) -> None:
         if m.error:
-            self.notify(m.error, title="QDEC", severity="error")
+            self.notify(m.error, title="QDEC", severity="error", markup=False)
         self.query_one(SettingsPanel).show_qdec(self.session)
         self._show_status()
 
@@ -237,7 +261,7 @@ class ChatApp(App):
             if panels:
                 panels.first().say(line)
             else:
-                self.notify(line.removeprefix("localllm:").strip(), severity="warning")
+                self.notify(line.removeprefix("localllm:").strip(), severity="warning", markup=False)
 
     # --- the user's actions ------------------------------------------------------------------------------------
 
@@ -249,15 +273,19 @@ class ChatApp(App):
             return True if self.session is not None else None
         return True
 
-    async def on_input_submitted(self, event: Input.Submitted) -> None:
-        if event.input.id == "prompt":
-            await self.action_send()
-        else:  # Enter in a settings field: back to the message
-            self.query_one("#prompt", Input).focus()
+    async def on_prompt_input_submitted(self) -> None:
+        await self.action_send()
+
+    def on_input_submitted(self) -> None:  # Enter in a settings field: back to the message
+        self.query_one(PromptInput).focus()
+
+    def action_scroll_transcript(self, pages: int) -> None:
+        t = self.query_one(Transcript)
+        t.scroll_page_down() if pages > 0 else t.scroll_page_up()
 
     async def action_send(self) -> None:
-        prompt = self.query_one("#prompt", Input)
-        text = prompt.value.strip()
+        prompt = self.query_one(PromptInput)
+        text = prompt.text.strip()
         if self.session is None or not text:
             return
         if self.session.running is not None:
@@ -283,7 +311,7 @@ class ChatApp(App):
         transcript = self.query_one(Transcript)
         await transcript.clear()
         await transcript.add(Notice("New chat."))
-        self.query_one("#prompt", Input).focus()
+        self.query_one(PromptInput).focus()
 
     def action_copy_reply(self) -> None:
         text = self.session.last_reply()
@@ -299,10 +327,10 @@ class ChatApp(App):
             return
         try:
             path = history.save(self.session, self.save_dir)
-        except OSError as e:
-            self.notify(f"Could not save the chat: {e}", severity="error")
+        except (OSError, LocalLLMError) as e:
+            self.notify(f"Could not save the chat: {e}", severity="error", markup=False)
             return
-        self.notify(f"Saved the chat to {path}", title="Saved", timeout=10)
+        self.notify(f"Saved the chat to {path}", title="Saved", timeout=10, markup=False)
 
     def action_toggle_settings(self) -> None:
         panel = self.query_one(SettingsPanel)
@@ -310,7 +338,7 @@ class ChatApp(App):
         if panel.display:
             panel.query_one(Input).focus()
         else:
-            self.query_one("#prompt", Input).focus()
+            self.query_one(PromptInput).focus()
 
     def on_settings_panel_changed(self, m: SettingsPanel.Changed) -> None:
         self.settings = m.settings

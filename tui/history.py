@@ -33,6 +33,7 @@ def save(session: ChatSession, folder: str | Path) -> Path:
     folder = Path(folder).expanduser().resolve()
     data = (json.dumps(history(session), indent=2, ensure_ascii=False) + "\n").encode()
     stem = time.strftime("chat-%Y%m%d-%H%M%S")
+    atomic.check_writable(folder / f"{stem}.json")  # a file where the folder should be, or a read-only one: say so
     for n in range(1, 1000):
         path = folder / (stem + (f"-{n}" if n > 1 else "") + ".json")
         try:
@@ -52,8 +53,8 @@ def load(path: str | Path) -> dict:
         d = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise LocalLLMError(f"no such file: {path}; {fix}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LocalLLMError(f"{path} is not a saved chat ({e}); {fix}") from None
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, not JSON, a number past its limits
+        raise LocalLLMError(f"{path} is not a saved chat ({type(e).__name__}: {str(e)[:120]}); {fix}") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         got = d.get("format") if isinstance(d, dict) else None
         raise LocalLLMError(f"{path} is not a saved chat (format {got!r}, not {FORMAT!r}); {fix}")
@@ -64,4 +65,9 @@ def load(path: str | Path) -> dict:
     if not ok or len(turns) % 2 or any(m.get("role") != ("user", "assistant")[i % 2] for i, m in enumerate(turns)):
         raise LocalLLMError(f"{path}: its messages are not a system prompt then user and assistant turns in "
                             f"alternation, as a saved chat's are; {fix}")
+    try:  # what save() could not write again (a lone surrogate from a \ud800 escape)
+        json.dumps(msgs, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise LocalLLMError(f"{path}: its messages hold text that is not valid Unicode (a lone surrogate); {fix}") \
+            from None
     return {"system": system, "turns": turns, "model": d.get("model"), "saved": d.get("saved")}

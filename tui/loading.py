@@ -26,7 +26,7 @@ class LoadingPanel(Vertical):
         self.what = what
 
     def compose(self):
-        yield Label(f"Loading {self.what} …", classes="title")
+        yield Label(f"Loading {self.what} …", classes="title", markup=False)
         yield ProgressBar(total=None, show_eta=False)  # no total yet: an animated bar, until a step reports one
         yield Static("", classes="step", markup=False)
         yield Static("", classes="said", markup=False)

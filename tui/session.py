@@ -70,6 +70,7 @@ class Reply:
     qdec: dict = field(default_factory=dict)  # the QDEC setting in force: mode, k_chunk per layer type, source
     error: str | None = None
     left_out: int = 0  # the oldest exchanges not sent, so that the conversation fits the model's context
+    keep_out: int = 0  # the previous reply's left_out: the prompt starts where that one did (its KV cache stays)
 
     @property
     def user_text(self) -> str:
@@ -89,7 +90,7 @@ class Reply:
                 s = session.lm.settings
                 self.qdec = {"mode": s.mode, "k_chunk": dict(s.k_chunk), "source": session.lm.qdec_source}
                 st = self.settings
-                prompt, self.left_out = fit_context(session.lm, self.prompt, st.max_new_tokens)
+                prompt, self.left_out = fit_context(session.lm, self.prompt, st.max_new_tokens, self.keep_out)
                 stream = generate(session.lm, prompt, max_new_tokens=st.max_new_tokens, temperature=st.temperature,
                                   top_p=st.top_p, min_p=st.min_p, seed=self.seed, stream=True, cancel=stop,
                                   reuse_cache=True)  # each turn reads only the new messages
@@ -103,19 +104,31 @@ class Reply:
                 self.error = readable(e)
 
 
-def fit_context(lm: LocalModel, prompt: list[dict], room: int) -> tuple[list[dict], int]:
-    """`prompt` without its oldest exchanges (user message and reply), as many as it takes for the rest and `room`
-    tokens of reply (at most half the context) to fit the model's context, and how many were left out. The system
-    message and the new user message always stay: a prompt still too long is generate()'s error."""
+def fit_context(lm: LocalModel, prompt: list[dict], room: int, at_least: int = 0) -> tuple[list[dict], int]:
+    """`prompt` without its oldest exchanges (user message and reply), at least `at_least` of them (what the previous
+    reply left out, so that the prompt starts as its did and the KV cache serves it), and as many more as it takes
+    for the rest and `room` tokens of reply (at most half the context) to fit the model's context; and how many were
+    left out. Where more must go, they go until a quarter of the context is free besides, so that the next turns
+    fit too and read only their new messages (leaving out one exchange per turn would change the prompt's start,
+    and so re-read all of it, every turn). The system message and the new user message always stay."""
     limit = lm.model.cfg.max_position_embeddings
     room = min(room, limit // 2)
     first = 1 if prompt and prompt[0]["role"] == "system" else 0
     without = lambda n: prompt[:first] + prompt[first + 2 * n:]  # noqa: E731 - the n oldest exchanges left out
-    fits = lambda n: len(encode_prompt(lm, without(n))) + room <= limit  # noqa: E731
-    # the fewest to leave out: the length only shrinks as more go, so bisect (a long chat re-encodes a few times)
-    lo, hi = 0, max(0, (len(prompt) - first - 1) // 2)
-    if fits(lo):
-        return prompt, 0
+    most = max(0, (len(prompt) - first - 1) // 2)
+    lo = min(at_least, most)
+    if len(encode_prompt(lm, without(lo))) + room <= limit:
+        return without(lo), lo
+    if (need := len(encode_prompt(lm, without(most)))) >= limit:  # the new message (and system prompt) alone
+        what = "your message and the system prompt (F2)" if first else "your message"
+        raise LocalLLMError(f"{what} take {need} tokens, and this model's context is {limit}: shorten "
+                            f"{'them' if first else 'it'}")
+    slack = limit // 4
+    fits = lambda n: len(encode_prompt(lm, without(n))) + room + slack <= limit  # noqa: E731
+    if not fits(most):  # (with less than `room` left, the reply ends when the context is full)
+        return without(most), most
+    # the fewest more to leave out: the length only shrinks as more go, so bisect (a long chat re-encodes a few times)
+    hi = most
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
@@ -145,15 +158,17 @@ class ChatSession:
         prompt = system + [{"role": t["role"], "content": t["content"]} for t in self.turns] + \
             [{"role": "user", "content": text}]
         seed = st.seed if st.seed is not None else secrets.randbelow(2**31)
-        self.running = Reply(prompt, st, seed, self.chat)
+        last = next((t for t in reversed(self.turns) if t["role"] == "assistant"), {})
+        self.running = Reply(prompt, st, seed, self.chat, keep_out=last.get("left_out", 0))
         return self.running
 
     def finish(self, reply: Reply) -> None:
         """Record a reply that run() finished. A cancelled reply stays in the conversation with the text that was
-        shown (the model sees what the user saw); a failed one is dropped with its user message."""
+        shown (the model sees what the user saw); one cancelled before its first word, or a failed one, is dropped
+        with its user message."""
         if reply is self.running:
             self.running = None
-        if reply.error is not None or reply.chat != self.chat:
+        if reply.error is not None or reply.chat != self.chat or (reply.cancelled and not reply.text.strip()):
             return
         self.turns.append({"role": "user", "content": reply.user_text})
         self.turns.append({"role": "assistant", "content": reply.text, "cancelled": reply.cancelled,
@@ -171,7 +186,7 @@ class ChatSession:
         self.chat += 1
 
     def last_reply(self) -> str | None:
-        return next((t["content"] for t in reversed(self.turns) if t["role"] == "assistant"), None)
+        return next((t["content"] for t in reversed(self.turns) if t["role"] == "assistant" and t["content"]), None)
 
     @property
     def qdec_in_force(self) -> bool:
@@ -192,8 +207,10 @@ class ChatSession:
                 return  # (a budget changed while QDEC is off applies when it is turned on)
             try:
                 self.lm.set_qdec(self.qdec_on if on else "off", budget)
-            finally:  # it may have failed or fallen back to off: want what is in force, so it is not retried
-                self.want_qdec, self.want_budget = self.qdec_in_force, self.lm.budget
+            finally:  # it may have failed or fallen back to off: want what is in force, so it is not retried,
+                # unless the panel asked for something else meanwhile (its worker applies that next)
+                if (self.want_qdec, self.want_budget) == (on, budget):
+                    self.want_qdec, self.want_budget = self.qdec_in_force, self.lm.budget
 
 
 def readable(e: BaseException) -> str:

@@ -2,6 +2,7 @@
 the tuning budget, with the k_chunk per layer type in force and where it comes from."""
 from __future__ import annotations
 
+from textual import events
 from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.validation import Function, ValidationResult, Validator
@@ -33,6 +34,16 @@ class _Valid(Validator):
             label, rule = FIELDS[self.name]
             return self.failure(f"{label} must be {rule}", value)
         return self.success()
+
+
+class _SystemInput(Input):
+    """The system prompt's one-line field: a paste keeps all its lines, joined by spaces (Input keeps the first)."""
+
+    def _on_paste(self, event: events.Paste) -> None:
+        event.stop()
+        event.prevent_default()
+        text = " ".join(line.strip() for line in event.text.splitlines() if line.strip())
+        self.insert_text_at_cursor(text) if self.selection.is_empty else self.replace(text, *self.selection)
 
 
 def budget_of(text: str) -> float | None:
@@ -77,7 +88,8 @@ class SettingsPanel(VerticalScroll):
         yield Label("Settings", classes="title")
         for name, (label, _) in FIELDS.items():
             yield Label(label)
-            yield Input(str(getattr(self.settings, name)), id=name, validators=[_Valid(self, name)],
+            yield (_SystemInput if name == "system" else Input)(
+                str(getattr(self.settings, name)), id=name, validators=[_Valid(self, name)],
                         validate_on=["changed"], placeholder="none" if name == "system" else "", compact=True)
         yield Static("", classes="why", markup=False)
         yield Static("Changes apply to the next reply.", classes="hint")

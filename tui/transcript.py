@@ -63,7 +63,7 @@ class ReplyMessage(Vertical):
         self._cost = 0.0  # seconds from its start to then
 
     def compose(self):
-        yield Label(self.who, classes="who")
+        yield Label(self.who, classes="who", markup=False)  # a model folder's name, not markup
         yield Markdown()
         yield Static(GENERATING, classes="meta", markup=False)
 
