@@ -24,6 +24,17 @@ def _qdec_arg(s: str):
         raise argparse.ArgumentTypeError(f"--qdec takes on, off or a k_chunk integer, not {s!r}") from None
 
 
+def _seed_arg(s: str) -> int:
+    from .generate import MAX_SEED
+    try:
+        v = int(s)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"--seed takes a whole number from 0 to {MAX_SEED}, not {s!r}")
+    return v
+
+
 def cmd_generate(a) -> None:
     from .generate import generate
     from .runtime import load
@@ -299,7 +310,7 @@ def parser() -> argparse.ArgumentParser:
                    help="drop tokens less likely than this times the most likely one (0 = off; 0.05-0.1 is typical)")
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=_seed_arg)
     g.add_argument("--system", help="system prompt (chat models)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
     _model_options(g)
@@ -313,7 +324,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=0.9)
     c.add_argument("--min-p", type=float, default=0.0, help="as generate's --min-p (0 = off)")
     c.add_argument("--max-new-tokens", type=int, default=512)
-    c.add_argument("--seed", type=int, help="the same seed for every reply (default: a new one each)")
+    c.add_argument("--seed", type=_seed_arg, help="the same seed for every reply (default: a new one each)")
     _model_options(c)
     c.add_argument("--resume", metavar="FILE",
                    help="go on with a chat that ctrl+s saved (with its system prompt, unless --system)")
@@ -362,7 +373,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--k-chunk", default="8", help="comma-separated channels per 1024 for the modes other than off")
     e.add_argument("--ctx", type=int, help="tokens per window (default 512, or the model's context where shorter)")
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
-    e.add_argument("--seed", type=int, default=0, help="seed of the random picks (boundary bucket, random mode)")
+    e.add_argument("--seed", type=_seed_arg, default=0, help="seed of the random picks (boundary bucket, random mode)")
     e.add_argument("--reference", nargs="?", const="source", metavar="MODEL",
                    help="also report KL(MODEL || model) per token; with no MODEL, the source checkpoint the model was "
                         "quantized from (its path is recorded in the model folder)")
@@ -424,7 +435,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--sections", help="comma-separated: quality, outliers, kernel, pareto (default: all; the GPU "
                                       "ones, kernel and pareto, only where a GPU is usable)")
     r.add_argument("--text", help="UTF-8 evaluation text (default: the one shipped with localllm)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the random picks (default 0)")
+    r.add_argument("--seed", type=_seed_arg, default=0, help="seed of the random picks (default 0)")
     r.add_argument("--gguf-file", help="which GGUF file of a folder to use")
     r.add_argument("--force", action="store_true", help="replace --out when it exists")
     r.add_argument("--update", action="store_true",
@@ -438,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     a.argv = sys.argv[1:] if argv is None else list(argv)  # how it was called (the report records it)
     if a.command == "generate" and len(a.args) > 2:
         parser().error("generate takes [MODEL] PROMPT: quote the prompt")
+    for stream in (sys.stdout, sys.stderr):  # a terminal that is not UTF-8 shows what it cannot as ?, not a crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     try:
         a.func(a)
     except LocalLLMError as e:

@@ -76,6 +76,10 @@ def _splice(tok, ids: list[int], cached: list[int]) -> list[int]:
 
 def _encode(lm: LocalModel, prompt: str | list[dict]) -> list[int]:
     tok = lm.tokenizer
+    for text in [prompt] if isinstance(prompt, str) else [m.get("content") for m in prompt if isinstance(m, dict)]:
+        if isinstance(text, str) and not _is_unicode(text):
+            raise LocalLLMError("the prompt is not UTF-8 text (bytes that decode to no character: another encoding, "
+                                "or binary data); convert it, e.g. `iconv -f LATIN1 -t UTF-8`")
     if isinstance(prompt, str):
         return tok(prompt, add_special_tokens=True)["input_ids"]
     if not getattr(tok, "chat_template", None):
@@ -100,6 +104,16 @@ def _encode(lm: LocalModel, prompt: str | list[dict]) -> list[int]:
 
 
 _TOLD_NO_SYSTEM = weakref.WeakSet()
+MAX_SEED = 2**63 - 2  # _run seeds torch with seed + 1, a signed 64-bit number
+
+
+def _is_unicode(text: str) -> bool:
+    """No lone surrogates: what Python makes of bytes that are not UTF-8 in arguments and standard input."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _fold_system(messages: list[dict]) -> list[dict] | None:
@@ -232,6 +246,8 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
         raise LocalLLMError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
+    if not 0 <= seed <= MAX_SEED:
+        raise LocalLLMError(f"seed must be a whole number from 0 to {MAX_SEED}, got {seed}")
     s = Stream(iter(()))
     ids = encode_prompt(lm, prompt, lm.cached_tokens() if reuse_cache else None)
     if not ids:

@@ -89,7 +89,7 @@ def calibration_tokens(tokenizer, text: str, name: str, n_tokens: int, seq_len: 
     """Token ids [n_seq, seq_len] from the calibration text, and its record for the manifest."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     seq_len = min(seq_len, len(ids))
-    n_seq = min(max(1, n_tokens // seq_len), len(ids) // seq_len)
+    n_seq = min(max(1, n_tokens // seq_len), len(ids) // seq_len) if seq_len else 0
     if n_seq < 1 or seq_len < 16:
         raise LocalLLMError(f"calibration text {name} is too short ({len(ids)} tokens); give at least a few "
                             "thousand tokens of text")

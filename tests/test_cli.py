@@ -185,6 +185,12 @@ def test_small_things_a_user_meets(tiny_quant, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(" \n"))
     assert main(["generate", str(tiny_quant), "-"]) == 2
     assert "the prompt from standard input (-) is empty" in capsys.readouterr().err
+    # bytes that are not UTF-8 (Python reads them as lone surrogates), a seed beyond 64 bits: one line each
+    assert main(["generate", str(tiny_quant), "caf\udce9", "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err.strip().startswith("localllm: error: the prompt is not UTF-8 text")
+    with pytest.raises(SystemExit):
+        main(["generate", str(tiny_quant), "hi", "--seed", str(2**64)])
+    assert "--seed takes a whole number from 0 to" in capsys.readouterr().err
 
 
 def test_summary_says_why_qdec_is_off():

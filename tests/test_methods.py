@@ -736,3 +736,13 @@ def test_quantize_keeps_the_model_when_the_block_values_run_out_of_memory(tiny_c
     assert "blocks" not in v and set(v["kl"]) == set(KINDS)
     assert "ran out of memory measuring QDEC's value per block; the model is saved without it" in capsys.readouterr().err
     load(out, qdec="off")
+
+
+def test_a_calibration_text_too_short_is_refused_in_one_line():
+    from localllm.errors import LocalLLMError
+    from localllm.quantize import calibration_tokens
+    from localllm.synthetic import tokenizer
+    tok = tokenizer(384)
+    for text in ("", "a few words"):  # an empty file once divided by zero
+        with pytest.raises(LocalLLMError, match="too short"):
+            calibration_tokens(tok, text, "notes.txt", 4096, 512)
