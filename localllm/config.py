@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import torch
 
@@ -99,6 +99,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        """A config that to_dict() wrote (a model file's manifest)."""
+        names = {f.name for f in fields(cls)}
+        if set(d) - names or any(f.name not in d for f in fields(cls) if f.default is MISSING and
+                                 f.default_factory is MISSING) or d.get("model_type", "llama") not in SUPPORTED:
+            raise LocalLLMError(f"the model's config ({', '.join(sorted(set(d) ^ names)) or d.get('model_type')}) is "
+                                "not one this localllm writes: upgrade localllm, or re-run `localllm quantize`")
         return cls(**d)
 
     @property

@@ -101,16 +101,25 @@ def read_manifest(path: Path) -> dict:
     if not f.exists():
         raise LocalLLMError(f"{path} is not a localllm model (no {MANIFEST}); create one with `localllm quantize`")
     try:
-        m = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise LocalLLMError(f"{f} is corrupt ({e}); re-run `localllm quantize`") from None
-    v = m.get("format_version")
-    if m.get("format") != "localllm" or not isinstance(v, int):
+        m = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # a folder, not UTF-8, not JSON
+        raise LocalLLMError(f"{f} is corrupt ({type(e).__name__}: {str(e)[:100]}); re-run `localllm quantize`") \
+            from None
+    v = m.get("format_version") if isinstance(m, dict) else None
+    if not isinstance(m, dict) or m.get("format") != "localllm" or not isinstance(v, int):
         raise LocalLLMError(f"{f} is not a localllm manifest; re-run `localllm quantize`")
     if v > FORMAT_VERSION:
         raise LocalLLMError(f"{path} was written by a newer localllm (format {v}, this one reads {FORMAT_VERSION}); "
                             "upgrade localllm")
-    layout = m.get("quant", {}).get("layout")
+    # what every reader takes from it, of the right kinds (a hand-edited or damaged manifest: one line, not a traceback)
+    files = m.get("files")
+    bad = [k for k in ("config", "quant", "calibration", "files") if not isinstance(m.get(k), dict)] + \
+        [f"files.{n}" for n, e in (files.items() if isinstance(files, dict) else [])
+         if not isinstance(e, dict) or not isinstance(e.get("bytes"), int)]
+    if bad:
+        raise LocalLLMError(f"{f} is damaged ({', '.join(bad)} missing or not what localllm writes); re-run "
+                            "`localllm quantize`")
+    layout = m["quant"].get("layout")
     if v < 1 or (v == 1 and layout != WEIGHT_LAYOUT):
         raise LocalLLMError(f"{path} uses an older format (version {v}); re-run `localllm quantize` on the source")
     if layout not in READABLE[v]:

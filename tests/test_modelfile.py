@@ -136,6 +136,22 @@ def test_missing_file_and_newer_format_are_refused(broken):
         load(broken)
 
 
+def test_a_damaged_manifest_is_refused_in_one_line(broken):
+    f = broken / "localllm.json"
+    good = json.loads(f.read_text())
+    damage = {"a list": lambda m: [1, 2], "no config": lambda m: {k: v for k, v in m.items() if k != "config"},
+              "a file without its size": lambda m: {**m, "files": {n: {"sha256": "0"} for n in m["files"]}},
+              "quant not a record": lambda m: {**m, "quant": "x"},
+              "a config key from elsewhere": lambda m: {**m, "config": {**m["config"], "sliding_window": 5}}}
+    for what, change in damage.items():
+        f.write_text(json.dumps(change(json.loads(json.dumps(good)))))
+        with pytest.raises(LocalLLMError, match="manifest|damaged|not one this localllm writes"):
+            load(broken)
+    f.write_bytes(b"\xff\xfe{")  # not UTF-8
+    with pytest.raises(LocalLLMError, match="is corrupt"):
+        load(broken)
+
+
 def test_shape_mismatch_is_refused(broken):
     m = json.loads((broken / "localllm.json").read_text())
     m["config"]["intermediate_size"] += 32
