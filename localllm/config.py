@@ -115,6 +115,13 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def parameters(self) -> int:
+        """The checkpoint's weights: embeddings, the head unless tied, each block's projections, biases and norms."""
+        d, i, qkv = self.hidden_size, self.intermediate_size, self.q_size + 2 * self.kv_size
+        block = d * qkv + self.q_size * d + 3 * d * i + 2 * d + (qkv if self.qkv_bias else 0)
+        return self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * block + d
+
 
 def _hf_defaults(model_type: str) -> dict:
     """transformers' defaults of DEFAULTED for a model type."""

@@ -72,7 +72,7 @@ class LocalModel:
         memory allows, at least twice the old one's length: a chat's history grows every turn, and each new Decoder
         costs a graph capture (~40 ms for the demo model on the H100). keep: a new Decoder takes over what the old
         one's cache holds (a chat reusing it). On a GPU a cache that does not fit is refused in one line naming the
-        kv-bits setting that would fit."""
+        kv-bits setting that would fit; on the CPU one that does not fit the host's available memory."""
         from .decode import Decoder
         if self._decoder is None or self._decoder.max_len < max_len:
             limit = self.model.cfg.max_position_embeddings
@@ -81,16 +81,17 @@ class LocalModel:
             kept = self._decoder.kept() if keep and self._decoder is not None else None
             self._decoder = None  # free the old cache first
             dev = self.model.device
-            if dev.type == "cuda":
-                free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) \
-                    - torch.cuda.memory_allocated(dev)  # torch's own cache is free to this allocation too
+            free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(
+                dev) if dev.type == "cuda" else host_available()  # torch's own GPU cache is free to this one too
+            if free is not None:
+                memory = "GPU memory" if dev.type == "cuda" else "host memory"
                 try:
-                    check_kv_cache(self.model.cfg, n, self.kv_bits, free - WORKSPACE_BYTES)
+                    check_kv_cache(self.model.cfg, n, self.kv_bits, free - WORKSPACE_BYTES, memory)
                 except LocalLLMError:
                     if n == need:
                         raise
                     n = need  # the doubling does not fit: just what is needed
-                    check_kv_cache(self.model.cfg, n, self.kv_bits, free - WORKSPACE_BYTES)
+                    check_kv_cache(self.model.cfg, n, self.kv_bits, free - WORKSPACE_BYTES, memory)
             self._decoder = Decoder(self.model, n, kv_bits=self.kv_bits)
             if kept is not None:  # a chat that outgrows its cache keeps what it holds
                 self._decoder.restore(*kept)
@@ -470,10 +471,10 @@ WORKSPACE_BYTES = 256 << 20  # GPU memory kept free for activations and workspac
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def check_kv_cache(cfg, tokens: int, bits: int, free: int) -> None:
+def check_kv_cache(cfg, tokens: int, bits: int, free: int, memory: str = "GPU memory") -> None:
     """Refuse, in one line, a KV cache of `tokens` tokens at `bits` bits that needs more than `free` bytes, naming
     the kv-bits setting that would fit, or how many tokens fit at the smallest."""
     need = kvquant.bytes_per_token(cfg, bits) * tokens
@@ -487,7 +488,7 @@ def check_kv_cache(cfg, tokens: int, bits: int, free: int) -> None:
         b = min(kvquant.KV_BITS)
         hint = f"at most {max(free, 0) // kvquant.bytes_per_token(cfg, b)} tokens fit even at --kv-bits {b}: " \
                "use a shorter prompt or fewer new tokens"
-    raise LocalLLMError(f"a KV cache for {tokens} tokens at {bits} bits needs {_gib(need)} of GPU memory but "
+    raise LocalLLMError(f"a KV cache for {tokens} tokens at {bits} bits needs {_gib(need)} of {memory} but "
                         f"{_gib(max(free, 0))} is free; {hint}")
 
 
@@ -529,9 +530,20 @@ def check_shared_memory(lm: LocalModel, dev: torch.device) -> None:
                 raise LocalLLMError(f"{lm.path}: its {lin.kind} layers cannot run on this GPU: {e}") from None
 
 
+def check_float32_fits(cfg, fix: str) -> None:
+    """Refuse, in one line, a checkpoint whose float32 weights (how it runs, and how a GGUF's blocks are dequantized
+    on load) would not fit the host's available memory: past it the OOM killer ends the process without a word."""
+    need, free = 4 * cfg.parameters, host_available()
+    if free is not None and need > free:
+        raise LocalLLMError(f"the checkpoint takes {_gib(need)} as float32 weights, but {_gib(free)} of host memory "
+                            f"is available; {fix}")
+
+
 def dense_model(ckpt: Checkpoint) -> Transformer:
-    """The source checkpoint as a float32 decoder (the reference the quantized model is measured against)."""
+    """The source checkpoint as a float32 decoder (the reference the quantized model is measured against); refused
+    in one line where its float32 weights would not fit the host's available memory."""
     cfg, settings = ckpt.config, QdecSettings()
+    check_float32_fits(cfg, "`localllm quantize` it (that reads a block at a time) and run the quantized model")
     blocks = [build_block(cfg, i, ckpt.block_tensors(i), settings) for i in range(cfg.num_layers)]
     return Transformer(cfg, ckpt.embed(), blocks, RMSNorm(ckpt.final_norm(), cfg.rms_norm_eps), ckpt.lm_head(),
                        settings).eval()

@@ -189,7 +189,7 @@ def test_qdec_pins_no_more_than_the_host_has_available(tiny_quant, monkeypatch):
     lm = localllm.load(tiny_quant, device="cpu")
     need = sum(lin.residual.nbytes for lin in lm.model.linears())
     monkeypatch.setattr(runtime, "host_available", lambda: need - 1)
-    with pytest.raises(LocalLLMError, match=r"^QDEC's residuals need [\d.]+ GiB of pinned host memory but [\d.]+ GiB "
+    with pytest.raises(LocalLLMError, match=r"^QDEC's residuals need [\d.]+ [GM]iB of pinned host memory but [\d.]+ [GM]iB "
                                             r"is available; free host RAM, or run with QDEC off \(--qdec off\)$"):
         lm._place_qdec({k: 8 for k in KINDS})
     assert all(lin.host_residual is None for lin in lm.model.linears())
@@ -230,6 +230,25 @@ def test_cpu_path_runs_unpacked_where_its_float32_weights_outgrow_the_host(tiny_
     lm = localllm.load(tiny_quant, device="cpu")
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "; even that does not fit: expect swapping or the OOM killer; a GPU" in err
+
+
+def test_a_checkpoint_or_kv_cache_past_the_hosts_memory_is_refused_in_one_line(tiny_ckpt, tiny_quant, monkeypatch):
+    """A dense checkpoint runs as float32 weights, and a CPU KV cache is made whole for the prompt and every new
+    token: more than the host has available is refused before it is allocated, not left to the OOM killer."""
+    import localllm
+    from localllm import runtime
+    from localllm.errors import LocalLLMError
+    lm = localllm.load(tiny_ckpt)
+    weights = sum(p.numel() for p in lm.model.parameters() if p.dtype == torch.float32) * 4
+    assert weights == 4 * lm.model.cfg.parameters  # what the check counts is what loads
+    lm = localllm.load(tiny_quant)
+    monkeypatch.setattr(runtime, "host_available", lambda: weights - 1)
+    with pytest.raises(LocalLLMError, match=r"^the checkpoint takes [\d.]+ [GM]iB as float32 weights, but [\d.]+ [GM]iB .*"
+                                            "`localllm quantize` it"):
+        localllm.load(tiny_ckpt)
+    monkeypatch.setattr(runtime, "host_available", lambda: 1000)  # a cache of 256 tokens takes more
+    with pytest.raises(LocalLLMError, match="KV cache"):
+        localllm.generate(lm, "hi", max_new_tokens=200)
 
 
 def test_the_cpu_weights_are_made_before_the_first_token_with_progress(tiny_quant):
