@@ -422,7 +422,7 @@ def _tune_or_say(lm: LocalModel, tune: bool) -> None:
     if tune:
         try:
             lm.autotune()
-        except LocalLLMError as e:  # e.g. a profile file in the way, a read-only folder: run with the default
+        except (LocalLLMError, OSError) as e:  # e.g. a profile file in the way, a read-only folder: the default
             print(f"localllm: could not tune QDEC ({e}); using {lm.qdec_source}", file=sys.stderr)
     elif not lm.tuning_warned:
         print(f"localllm: no QDEC tuning profile for this GPU and model, so every layer compensates at k_chunk "

@@ -161,6 +161,7 @@ def check_free(model_dir: str | Path, gpu_name: str, sm_count: int, model_id: st
     """(path, the profile there to be replaced or None) for this target's profile; raises when the file at that
     path is something else (unreadable, or another GPU or model with the same file name) and not force."""
     path = path_for(model_dir, gpu_name, budget)
+    atomic.check_writable(path)  # a file where the profiles folder goes, a read-only model folder: one line
     if not path.exists():
         return path, None
     try:
