@@ -153,7 +153,7 @@ def cmd_quantize(a) -> None:
 
 
 def cmd_eval(a) -> None:
-    from .evaluate import Reference, paired_change, read_text, source_path, sweep, tokenize
+    from .evaluate import Reference, load_source, paired_change, read_text, source_path, sweep, tokenize
     from .loader import check_source
     from .model import QDEC_MODES
     from .runtime import load
@@ -192,8 +192,8 @@ def cmd_eval(a) -> None:
             if not Path(src).expanduser().exists():
                 raise LocalLLMError(f"the source checkpoint recorded in {lm.path} ({src}) is not on this machine: "
                                     "give --reference PATH")
-            ref_path = src
-        reference = Reference(load(ref_path, qdec="off", device=a.device), lm)
+        reference = Reference(load_source(lm, a.device) if ref_path == "source" else
+                              load(ref_path, qdec="off", device=a.device), lm)
     ctx = a.ctx if a.ctx is not None else min(512, lm.model.cfg.max_position_embeddings)
     rows = sweep(lm, ids, modes, ks, ctx=ctx, seed=a.seed, reference=reference)
     base = next((r for r in rows if r.mode == "off"), None)

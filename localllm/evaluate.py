@@ -70,6 +70,13 @@ def source_path(lm: LocalModel) -> str | None:
     return ((lm.manifest or {}).get("source") or {}).get("path")
 
 
+def load_source(lm: LocalModel, device: str = "cpu") -> LocalModel:
+    """The source checkpoint as recorded (its GGUF file too, where a folder holds several), QDEC off."""
+    from .runtime import load
+    src = (lm.manifest or {}).get("source") or {}
+    return load(src.get("path"), gguf_file=src.get("gguf_file"), qdec="off", device=device)
+
+
 class Reference:
     """A reference model's next-token log-probabilities per window, for KL(reference || model). It runs on the
     evaluated model's device; windows are cached (float16, on the CPU) up to REFERENCE_CACHE_BYTES."""

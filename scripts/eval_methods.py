@@ -38,7 +38,7 @@ def main() -> None:
     if bad:
         p.error(f"unknown setting {', '.join(bad)}: use off, kN (approx k_chunk N on every layer) or 'k8 gate_up'")
     settings = {n: SETTINGS.get(n) or {"mode": "approx", "k_chunk": int(n[1:])} for n in a.settings.split(",")}
-    from localllm.evaluate import Reference, losses, paired_change, read_text, source_path, tokenize
+    from localllm.evaluate import Reference, load_source, losses, paired_change, read_text, source_path, tokenize
     from localllm.modelfile import quant_label
     from localllm.runtime import load
     def header() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
         lm = load(m, qdec="off", device=a.device)
         ids = tokenize(lm, read_text(a.text)[0], a.tokens)
         src = source_path(lm)
-        ref = None if a.no_kl or not src else Reference(load(src, qdec="off", device=a.device), lm)
+        ref = None if a.no_kl or not src else Reference(load_source(lm, a.device), lm)
         cells, scored_m = [], {}
         for name, s in settings.items():
             if s != "off" and not lm.has_residuals:

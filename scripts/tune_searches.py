@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from localllm.evaluate import Reference, losses, read_text, source_path, tokenize
+from localllm.evaluate import Reference, load_source, losses, read_text, tokenize
 from localllm.model import KINDS
 from localllm.runtime import load
 from localllm.tuner.timing import setting
@@ -37,7 +37,7 @@ def main() -> None:
     for name, res in results.items():
         print(table(res, f"{name} search on this GPU"), flush=True)
     ids = tokenize(lm, read_text(None)[0], a.tokens + 1)
-    ref = Reference(load(source_path(lm), device="cuda", qdec="off"), lm)
+    ref = Reference(load_source(lm, "cuda"), lm)
 
     def score(qdec) -> str:
         lm.set_qdec(qdec)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from localllm.evaluate import Reference, losses, paired_change, read_text, source_path, tokenize
+from localllm.evaluate import Reference, load_source, losses, paired_change, read_text, tokenize
 from localllm.runtime import load
 from localllm.tuner.timing import setting
 from localllm.tuner.tune import describe, table, tune
@@ -32,7 +32,7 @@ def main() -> None:
         lm = load(d, device="cuda", qdec="off")
         if ids is None:
             ids = tokenize(lm, read_text(None)[0], a.tokens + 1)
-            ref = Reference(load(source_path(lm), device="cuda", qdec="off"), lm)
+            ref = Reference(load_source(lm, "cuda"), lm)
         res = tune(lm, [0.025, 0.05], evaluate=False, write=False)
         print(table(res, d), flush=True)
 
