@@ -575,6 +575,10 @@ def make_report(o: Options) -> Path:
     with atomic.new_folder(out, replace=out.exists()) as tmp:  # --out existed only with --force/--update or as ours
         (tmp / "report.json").write_text(json.dumps(report, indent=1) + "\n")
         render(report, tmp)
+        if o.update:  # what the user keeps beside the report (notes, data) stays: only --force replaces it all
+            for old in (out.iterdir() if out.is_dir() else ()):
+                if not (tmp / old.name).exists() and not old.name.startswith("."):
+                    (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
     return out
 
 

@@ -129,9 +129,13 @@ def test_an_existing_report_is_kept_unless_asked(report, tiny_ckpt, capsys):
     err = capsys.readouterr().err
     assert "already exists" in err and "--force" in err and len(err.strip().splitlines()) == 1
     assert (out / "report.md").read_text() == before
-    # --update measures the sections asked for and keeps the others
+    # --update measures the sections asked for and keeps the others, and the user's own files beside them
+    (out / "notes.md").write_text("mine")
+    (out / "data").mkdir()
+    (out / "data" / "x.csv").write_text("1")
     assert main(["report", str(tiny_ckpt), "--out", str(out), "--tokens", str(TOKENS), "--ctx", str(CTX),
                  "--bits", "2,3", "--k-chunk", "8,64", "--sections", "outliers", "--update"]) == 0
+    assert (out / "notes.md").read_text() == "mine" and (out / "data" / "x.csv").read_text() == "1"
     new = json.loads((out / "report.json").read_text())
     assert new["sections"]["quality"] == rep["sections"]["quality"]
     assert new["sections"]["outliers"]["run"] == 1 and len(new["runs"]) == 2
