@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 import sys
 from dataclasses import dataclass, field
@@ -131,6 +132,7 @@ class LocalModel:
         in self.budget; see tuner.profile.select), else DEFAULT_K_CHUNK with a one-line warning when the profiles
         here were made on another GPU or model. On the CPU, "on" is DEFAULT_K_CHUNK. Sets qdec_source (one line
         saying where the setting comes from) and qdec_overhead (the profile's measured slowdown, else None)."""
+        _check_budget(budget)
         if budget is not None and budget != self.budget:
             self.budget, self._tuned = budget, None
         self.qdec_untuned = False
@@ -218,10 +220,16 @@ class LocalModel:
         s = self.settings
         if mode not in QDEC_MODES[1:]:
             raise LocalLLMError(f"QDEC mode '{mode}' is unknown; use one of {', '.join(QDEC_MODES[1:])}")
-        ks = {kind: k for kind in KINDS} if isinstance(k, int) else {kind: int(k.get(kind, 0)) for kind in KINDS}
+        for name, v in (("k_chunk", k), ("n_tb", n_tb)):  # a kind misspelt would quietly turn it off
+            ok = v is None and name == "n_tb" or _whole(v) or isinstance(v, dict) and set(v) <= set(KINDS) and all(
+                _whole(x) or x is None and name == "n_tb" for x in v.values())  # (None: the default n_tb)
+            if not ok:
+                raise LocalLLMError(f"QDEC {name} {v!r} is not understood: give a whole number or a dict of the "
+                                    f"layer kinds {', '.join(KINDS)} to whole numbers")
+        ks = {kind: k for kind in KINDS} if _whole(k) else {kind: int(k.get(kind, 0)) for kind in KINDS}
         n = len(self.model.blocks)
-        bad = [kind for kind, b in (blocks or {}).items() if kind not in KINDS or not all(
-            isinstance(i, int) and 0 <= i < n for i in b)]
+        bad = [kind for kind, b in (blocks or {}).items() if kind not in KINDS or not isinstance(b, (list, tuple, set,
+               frozenset)) or not all(_whole(i) and 0 <= i < n for i in b)]
         if bad:
             raise LocalLLMError(f"QDEC blocks for {', '.join(map(str, bad))}: give layer kinds ({', '.join(KINDS)}) "
                                 f"and block indices within 0..{n - 1}")
@@ -381,6 +389,7 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
     this), tune=None (the default) says so in one line, tune=False runs it silently. kv_bits: the KV cache width, 16
     (default), 8 or 4 (LocalModel.set_kv_bits). prefill_int8: prompts with 8-bit activations (QdecSettings.act8)."""
     kvquant.check_bits(kv_bits)
+    _check_budget(budget)  # before loading
     dev = resolve_device(device)
     demo = src is None
     if demo:
@@ -428,6 +437,16 @@ def _tune_or_say(lm: LocalModel, tune: bool) -> None:
         print(f"localllm: no QDEC tuning profile for this GPU and model, so every layer compensates at k_chunk "
               f"{DEFAULT_K_CHUNK}, which can slow decoding by half or more; `localllm tune {lm.path}` makes one "
               "(seconds, once)", file=sys.stderr)
+
+
+def _check_budget(budget) -> None:
+    if budget is not None and not (isinstance(budget, (int, float)) and 0 < budget <= 1):
+        raise LocalLLMError(f"budget={budget!r}: the tuning budget is a fraction of the decode time in (0, 1], e.g. "
+                            "0.05 for 5%")
+
+
+def _whole(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)  # numpy's integers too
 
 
 def host_available() -> int | None:

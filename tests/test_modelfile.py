@@ -192,3 +192,17 @@ def test_gpu_memory_check_names_sizes_and_a_bit_width_that_fits(tiny_quant, monk
         check_gpu_memory(lm, torch.device("cuda"), context=4096)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (need + 1, 1 << 40))
     check_gpu_memory(lm, torch.device("cuda"), context=4096)  # fits: no error
+
+
+def test_qdec_settings_and_budgets_the_api_cannot_run_are_refused(tiny_quant):
+    """A layer kind misspelt would quietly leave it uncompensated; a budget of 5 meant as 5% would be 500%."""
+    lm = load(tiny_quant, qdec="off")
+    for bad in ({"k_chunk": {"qkv": 8, "gate": 8}}, {"k_chunk": "8"}, {"k_chunk": 8, "n_tb": {"up": 2}},
+                {"blocks": {"qkv": 1}}):
+        with pytest.raises(LocalLLMError, match="not understood|give layer kinds"):
+            lm.set_qdec(bad)
+    lm.set_qdec({"k_chunk": {"qkv": 8}})  # the kinds left out are off
+    assert lm.settings.k_chunk == {"qkv": 8, "o": 0, "gate_up": 0, "down": 0}
+    for budget in (5, -0.1, 0):
+        with pytest.raises(LocalLLMError, match=r"fraction of the decode time in \(0, 1\], e.g. 0.05 for 5%"):
+            load(tiny_quant, budget=budget)
