@@ -24,6 +24,16 @@ def _qdec_arg(s: str):
         raise argparse.ArgumentTypeError(f"--qdec takes on, off or a k_chunk integer, not {s!r}") from None
 
 
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number of at least 1, not {s!r}")
+    return v
+
+
 def _seed_arg(s: str) -> int:
     from .generate import MAX_SEED
     try:
@@ -403,7 +413,7 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens of the shipped evaluation text for the perplexity column (default 512)")
     t.add_argument("--force", action="store_true",
                    help="replace a file at a profile's name even when it is not this GPU/model/budget's profile")
-    t.add_argument("--reps", type=int, default=20, help="CUDA graph replays per GEMV timing point (default 20)")
+    t.add_argument("--reps", type=_positive, default=20, help="CUDA graph replays per GEMV timing point (default 20)")
     t.set_defaults(func=cmd_tune)
 
     r = sub.add_parser("report", help="the QDEC paper's experiments on a model: a Markdown report with plots",

@@ -175,7 +175,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     stats.prompt_tokens = len(ids)
     t0 = time.perf_counter()
     detok = Detokenizer(tok)
-    emitted = 0  # characters of the decoded text already yielded
+    text, emitted = "", 0  # the decoded text, and how many of its characters were yielded
     with torch.inference_mode():
         try:
             logits = dec.prefill(ids, cancel, reuse)
@@ -209,8 +209,8 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
                 emitted = end
         else:
             stats.finish_reason = "context" if full else "length"
-            if len(text) > emitted:
-                yield text[emitted:]
+        if stats.finish_reason in ("eos", "length", "context") and len(text) > emitted:
+            yield text[emitted:]  # what _ready held back: no stop string came (the tokens' text, as decode gives it)
 
 
 def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_tokens: int = 256,

@@ -156,9 +156,10 @@ def tokenizer_of(path: Path, **kw):
         # (transformers skips it for BPE anyway, with a warning on every run)
         return AutoTokenizer.from_pretrained(str(path), clean_up_tokenization_spaces=False, **kw)
     except Exception as e:
-        raise LocalLLMError(f"cannot load the tokenizer from {path} ({type(e).__name__}: {str(e)[:160]}); the folder "
-                            "needs an intact tokenizer.json or tokenizer.model beside config.json: copy them again "
-                            "from the source checkpoint") from None
+        why = " ".join(str(e).split())[:160]  # one line
+        raise LocalLLMError(f"cannot load the tokenizer from {path} ({type(e).__name__}: {why}); the folder needs "
+                            "intact tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json) and, "
+                            "for a checkpoint, a valid config.json: copy them again from the source") from None
 
 
 def _open_safetensors(path: Path, source: dict) -> Checkpoint:

@@ -159,6 +159,24 @@ def test_streaming_holds_back_what_could_begin_a_stop_string():
     assert _ready("say u\ufffd", ["abc"]) == 5
 
 
+def test_eos_shows_what_was_held_back(lm, monkeypatch):
+    """Text held back while it could still begin a stop string is shown when the reply ends without one."""
+    import importlib
+    g = importlib.import_module("localllm.generate")  # the module (the package exports its function by that name)
+    for prompt in ("Hello", "The river ran", "Once upon a time", "1 2 3"):  # one whose greedy reply varies
+        lm.eos_ids = []
+        g.generate(lm, prompt, max_new_tokens=8, temperature=0)
+        made = lm.cached_tokens()[len(g.encode_prompt(lm, prompt)):]  # the reply's tokens run (all but the last)
+        k = next((i for i in range(1, len(made)) if made[i] not in made[:i]), None)
+        if k is not None:
+            break
+    lm.eos_ids = [made[k]]
+    want = g.generate(lm, prompt, max_new_tokens=8, temperature=0)
+    monkeypatch.setattr(g, "_ready", lambda text, stops: 0)  # everything held back until the end
+    s = g.generate(lm, prompt, max_new_tokens=8, temperature=0, stream=True)
+    assert want and "".join(s) == want and s.stats.finish_reason == "eos" and s.stats.new_tokens == k
+
+
 def test_eos_ends_generation(lm):
     lm.eos_ids = list(range(lm.model.cfg.vocab_size))  # every token ends it
     s = generate(lm, "Hi", max_new_tokens=10, stream=True)
