@@ -402,7 +402,8 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         except LocalLLMError as e:
             if not demo:
                 raise
-            raise LocalLLMError(f"the cached demo model is damaged ({e}); delete {path} and run again: it is made "
+            what = str(e).split("; ")[0]  # its own fix (re-run quantize) is not the demo's
+            raise LocalLLMError(f"the cached demo model is damaged ({what}); delete {path} and run again: it is made "
                                 "anew from the demo GGUF") from None
         lm = LocalModel(model, tokenizer_of(path), manifest, str(path), manifest.get("eos_token_ids", []))
     else:
