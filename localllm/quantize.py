@@ -387,6 +387,8 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
     if method == "squeezellm" and group_size != TABLE_GROUP:
         raise LocalLLMError(f"--method squeezellm groups its tables by {TABLE_GROUP} input channels; drop --group-size "
                             f"{group_size} or use --method rtn or awq")
+    if not str(out).strip():
+        raise LocalLLMError("the output folder's name is empty: give -o a new folder, e.g. -o my-model-w4")
     if Path(out).expanduser().exists():
         raise LocalLLMError(f"{out} already exists; choose another output path or remove it first")
     atomic.check_writable(out)
