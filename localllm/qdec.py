@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from localllm.errors import LocalLLMError
 from localllm.quant import QuantResidual
 
 CHUNK = 1024
@@ -70,7 +71,7 @@ def bucket_index(a: Tensor, b0: float, b15: float) -> Tensor:
         a <  b15: 16 + clamp(floor((b15 - a) * inv_lo), 0, 15)
     Returns uint8 of a's shape.
     """
-    with np.errstate(all="ignore"):  # as torch: inf and nan inputs land where IEEE arithmetic puts them, silently
+    with np.errstate(all="ignore"):  # inf and nan inputs land where the kernel's arithmetic puts them, silently
         return torch.from_numpy(_buckets(_numpy(a), b0, b15).astype(np.uint8)).to(a.device)
 
 
@@ -85,13 +86,20 @@ def _buckets(a: np.ndarray, b0: float, b15: float) -> np.ndarray:
     upper = fb0 - a
     upper *= inv_hi
     np.floor(upper, out=upper)
-    np.clip(upper, 0, _HALF - 1, out=upper)
+    _clamp(upper)
     lower = fb15 - a
     lower *= inv_lo
     np.floor(lower, out=lower)
-    np.clip(lower, 0, _HALF - 1, out=lower)
+    _clamp(lower)
     lower += _HALF
     return np.where(a >= fb15, upper, lower)
+
+
+def _clamp(v: np.ndarray) -> None:
+    """v into [0, _HALF - 1] in place as the kernel's fminf(fmaxf(v, 0), 15): NaN becomes 0 (np.clip keeps it, and
+    casting NaN to an integer is undefined), so a NaN input lands in bucket 16 on both."""
+    np.fmax(v, 0, out=v)
+    np.fmin(v, _HALF - 1, out=v)
 
 
 @functools.cache
@@ -302,6 +310,10 @@ class ActStats:
                 self._kth = torch.maximum(self._kth, top[:, kc - 1].amax(0))
             self._sq_sum += xb.double().square().sum(0)
         self._count += x.shape[0]
+        if not torch.isfinite(self._b0):  # (NaN propagates into the max) the statistics would be NaN for good
+            raise LocalLLMError(f"the calibration inputs of a layer of {self.in_features} input channels hold NaN or "
+                                "inf: the checkpoint's weights are damaged, or its activations overflow; check the "
+                                "source model (e.g. `localllm eval SOURCE --qdec off`)")
 
     @property
     def b0(self) -> float:

@@ -315,9 +315,10 @@ def quantize_rtn(w: Tensor, bits: int, group_size: int = 128, clip: Tensor | Non
 
     K need not be a multiple of group_size (the last group is partial) but must be a multiple
     of 32. The group range is widened to include 0 so the integer zero point always lies in
-    [0, 2^bits - 1] and every weight is within scale/2 of the grid (a one-signed group would
-    otherwise be clipped). Codes use the fp16-rounded scale, so dequantize() is exactly the
-    stored representation. clip [N, G]: each group's range shrunk to clip * [min, max] (awq.clip_search).
+    [0, 2^bits - 1] (a one-signed group would otherwise be clipped). Codes use the fp16-rounded scale, so
+    dequantize() is exactly the stored representation; where that scale rounded down, a group's end weight can
+    round one code past the range and be clipped: within 0.6 of a step of the grid, not 0.5 (~2% of 8-bit
+    groups, rarer at fewer bits; the residual keeps the difference). clip [N, G]: each group's range shrunk to clip * [min, max] (awq.clip_search).
     """
     _check_rtn_args(w, bits, group_size, clip)
     n, k = w.shape

@@ -100,6 +100,26 @@ def test_bucket_index_monotone_and_degenerate(seed):
         assert b.min() >= 0 and b.max() <= 31
 
 
+def test_inf_and_nan_land_where_the_kernel_puts_them():
+    """The kernel's clamp is fminf(fmaxf(v, 0), 15), which turns NaN into 0: a NaN magnitude fails a >= b15 and lands
+    in bucket 16, an inf one in bucket 0 (casting NaN to an integer, as a plain clip would leave it, is undefined)."""
+    a = torch.tensor([float("nan"), float("inf"), 20.0, 10.0, 0.0])
+    assert bucket_index(a, 10.0, 1.0).tolist() == [16, 0, 0, 0, 31]
+    x = torch.full((1, 1024), 2.0)
+    x[0, 100], x[0, 200] = float("nan"), 9.0
+    assert select_approx(x, 1, 10.0, 1.0).tolist() == [[200]]  # 9 is in a higher bucket than NaN's 16
+
+
+def test_act_stats_refuse_nan_and_inf_inputs():
+    from localllm.errors import LocalLLMError
+    for bad in (float("nan"), float("inf")):
+        st = ActStats(1024, 8)
+        x = torch.randn(4, 1024)
+        x[1, 7] = bad
+        with pytest.raises(LocalLLMError, match="hold NaN or inf"):
+            st.update(x)
+
+
 def naive_exact(x: torch.Tensor, k_chunk: int) -> torch.Tensor:
     rows = []
     for t in range(x.shape[0]):
