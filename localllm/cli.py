@@ -180,6 +180,8 @@ def cmd_eval(a) -> None:
     if a.max_tokens is not None and a.max_tokens < 2:
         raise LocalLLMError(f"--max-tokens must be at least 2 (perplexity predicts each token from those before it), "
                             f"got {a.max_tokens}")
+    if a.ctx is not None and a.ctx < 2:  # (its upper bound, the model's context, is checked once it loads)
+        raise LocalLLMError(f"--ctx must be within 2..the model's context; got {a.ctx}")
     if a.prefill_int8 and a.device != "cpu":
         raise LocalLLMError("--prefill-int8 changes prompts only, and eval on the GPU runs token by token: measure its "
                             "effect with --device cpu (the GPU computes the same function)")

@@ -89,6 +89,19 @@ def test_paired_change_measures_a_shift_exactly_and_its_interval_covers_the_trut
         sd = 0.5 / math.sqrt(n if kind == "tokens" else n // PAIR_BLOCK)  # of the mean difference
         assert 0.88 <= covered / trials <= 0.995, (kind, covered)
         assert sum(halves) / trials == pytest.approx(100 * 1.96 * sd * math.exp(delta), rel=0.15), kind
+    # with few blocks the interval is Student's t, not the normal's 1.96 (which covers ~80% at 3 blocks)
+    hits = 0
+    for _ in range(400):
+        a = torch.randn(3 * PAIR_BLOCK, dtype=torch.float64) * 0.5
+        change, half = paired_change(a, torch.zeros_like(a))
+        hits += abs(change) <= half  # the true change is 0
+    assert 0.90 <= hits / 400 <= 0.99, hits
+
+
+def test_t975_is_students_t():
+    from localllm.evaluate import t975
+    known = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 10: 2.2281, 30: 2.0423, 1000: 1.9623}
+    assert all(t975(df) == pytest.approx(v, abs=0.005) for df, v in known.items())
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -123,6 +136,24 @@ def test_too_short_text_is_refused(tiny_quant, tmp_path):
     lm = load(tiny_quant)
     with pytest.raises(LocalLLMError, match="at least 2"):
         tokenize(lm, read_text(f)[0])
+
+
+def test_a_text_of_whitespace_is_refused_and_a_byte_order_mark_is_not_scored(tmp_path):
+    f = tmp_path / "blank.txt"
+    f.write_text("  \n\n\t ", encoding="utf-8")
+    with pytest.raises(LocalLLMError, match="holds no text"):
+        read_text(f)
+    f.write_bytes(b"\xef\xbb\xbfHello")
+    assert read_text(f)[0] == "Hello"
+
+
+def test_a_reference_tells_windows_of_another_text_apart_and_gives_each_setting_the_same_numbers(tiny_ckpt):
+    from localllm.evaluate import Reference, score
+    dense_lm = load(tiny_ckpt)
+    ref = Reference(dense_lm, dense_lm)
+    a, b = (tokenize(dense_lm, t, max_tokens=65) for t in (read_text(None)[0], "A different text, " * 20))
+    assert score(dense_lm, a, ctx=64, reference=ref)[1] == score(dense_lm, a, ctx=64, reference=ref)[1]
+    assert score(dense_lm, b, ctx=64, reference=ref)[1] == pytest.approx(0, abs=1e-5)  # not text a's windows
 
 
 def test_kl_from_the_source_matches_a_direct_computation_and_falls_with_compensation(tiny_ckpt, tiny_quant):
