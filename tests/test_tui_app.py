@@ -465,6 +465,20 @@ async def test_notices_show_paths_as_they_are(tiny_quant, tmp_path, replies):
 
 
 @scenario
+async def test_a_reply_cancelled_before_its_first_word_gives_the_message_back(tiny_quant, monkeypatch, replies):
+    def cancelled_at_once(*args, **kw):  # as Esc while the prompt is read
+        return Stream(iter(()), Stats(prompt_tokens=5, finish_reason="cancelled"))
+
+    monkeypatch.setattr("localllm.tui.session.generate", cancelled_at_once)
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=4, seed=1))
+    async with app.run_test(size=SIZE) as pilot:
+        session = await loaded(pilot)
+        await done(pilot, await send(pilot, replies, "Hello"))
+        meta = str(app.query(ReplyMessage).last().query_one(".meta", Static).render())
+        assert session.turns == [] and app.query_one(PromptInput).text == "Hello" and "not kept" in meta
+
+
+@scenario
 async def test_a_failing_reply_is_a_message_and_the_chat_goes_on(tiny_quant, monkeypatch, replies):
     def gpu_lost(*args, **kw):
         raise RuntimeError("CUDA error: unspecified launch failure\nCUDA kernel errors might be reported later")
@@ -477,8 +491,9 @@ async def test_a_failing_reply_is_a_message_and_the_chat_goes_on(tiny_quant, mon
         meta = str(app.query(ReplyMessage).last().query_one(".meta", Static).render())
         assert meta.startswith("⚠ the GPU failed (CUDA error: unspecified launch failure); restart") and app.is_running
         assert failed.error and session.turns == []
-        assert app.query_one(PromptInput).text == "Hello"  # dropped with the reply: back in the box to send again
-        app.query_one(PromptInput).text = ""
+        box = app.query_one(PromptInput)
+        assert box.text == "Hello" and box.cursor_location == box.document.end  # back in the box to send again
+        box.text = ""
         monkeypatch.setattr("localllm.tui.session.generate", generate)
         ok = await done(pilot, await send(pilot, replies, "Hello"))
         assert ok.error is None and ok.prompt == [{"role": "user", "content": "Hello"}]

@@ -78,6 +78,7 @@ class PromptInput(TextArea):
     """The message being typed: Enter sends it, ctrl+j (or shift+enter where the terminal tells it apart) starts a new
     line, and a paste keeps all its lines. PageUp / PageDown scroll the transcript, not this box."""
     BINDINGS = [Binding("enter", "submit", "Send"), Binding("ctrl+j,shift+enter", "newline", "New line", show=False),
+                Binding("ctrl+shift+z", "redo", show=False),  # (ctrl+y copies the last reply)
                 Binding("pageup", "app.scroll_transcript(-1)", show=False),
                 Binding("pagedown", "app.scroll_transcript(1)", show=False)]
 
@@ -102,7 +103,7 @@ class ChatApp(App):
     ENABLE_COMMAND_PALETTE = False
     CSS = """
     #chat { width: 1fr; }
-    #prompt { margin: 0 1; height: auto; max-height: 10; }
+    #prompt { margin: 0 1; height: auto; max-height: 40%; }
     #status { height: auto; max-height: 2; padding: 0 1; background: $panel; color: $text-muted; }
     """
     BINDINGS = [
@@ -211,7 +212,8 @@ class ChatApp(App):
         self._show_status()
         prompt = self.query_one(PromptInput)
         prompt.disabled = False
-        prompt.focus()
+        if not self.query_one(SettingsPanel).display:  # not away from a settings field being typed in
+            prompt.focus()
         self.refresh_bindings()
 
     def on_load_failed(self, m: LoadFailed) -> None:
@@ -236,8 +238,10 @@ class ChatApp(App):
     async def on_reply_done(self, m: ReplyDone) -> None:
         self.session.finish(m.reply)
         prompt = self.query_one(PromptInput)
-        if m.reply.error is not None and m.reply.chat == self.session.chat and not prompt.text.strip():
-            prompt.text = m.reply.user_text  # a failed reply is dropped with its message: back to edit and send again
+        dropped = m.reply.error is not None or m.reply.cancelled and not m.reply.text.strip()  # (session.finish)
+        if dropped and m.reply.chat == self.session.chat and not prompt.text.strip():
+            prompt.text = m.reply.user_text  # dropped with its reply: back in the box to edit and send again
+            prompt.move_cursor(prompt.document.end)
         if self._current and self._current[0] is m.reply:
             await self._current[1].finish(m.reply)
             self._current = None

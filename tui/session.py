@@ -120,8 +120,8 @@ def fit_context(lm: LocalModel, prompt: list[dict], room: int, at_least: int = 0
     if len(encode_prompt(lm, without(lo))) + room <= limit:
         return without(lo), lo
     if (need := len(encode_prompt(lm, without(most)))) >= limit:  # the new message (and system prompt) alone
-        what = "your message and the system prompt (F2)" if first else "your message"
-        raise LocalLLMError(f"{what} take {need} tokens, and this model's context is {limit}: shorten "
+        what = "your message and the system prompt (F2) take" if first else "your message takes"
+        raise LocalLLMError(f"{what} {need} tokens, and this model's context is {limit}: shorten "
                             f"{'them' if first else 'it'}")
     slack = limit // 4
     fits = lambda n: len(encode_prompt(lm, without(n))) + room + slack <= limit  # noqa: E731
