@@ -438,6 +438,10 @@ async def test_a_pasted_text_keeps_its_lines_and_enter_sends_it_once(tiny_quant,
         reply = await done(pilot, await until_sent(pilot, replies))
         assert len(replies) == 1 and reply.user_text == "Look:\ndef f(x):\n    return x + 1\n\nWhat does it do?"
         assert app.query_one(PromptInput).text == "" and app.query(UserMessage).last().text == reply.user_text
+        app.post_message(events.Paste("red \x1b[31mtext\x07\r\nnext"))  # escape sequences never reach the terminal
+        await pilot.pause()
+        assert app.query_one(PromptInput).text == "red [31mtext\nnext"
+        app.query_one(PromptInput).text = ""
         await pilot.press("f2")  # the system prompt is one line: a pasted one keeps its lines, joined
         system = app.query_one("#system", Input)
         system.focus()

@@ -74,6 +74,9 @@ class _Closing(BaseException):
     that no `except Exception` on the way turns it into an error)."""
 
 
+_CONTROLS = dict.fromkeys([*range(32), 127], None) | {9: 9, 10: 10}  # str.translate: C0 and DEL out, tab and newline kept
+
+
 class PromptInput(TextArea):
     """The message being typed: Enter sends it, ctrl+j (or shift+enter where the terminal tells it apart) starts a new
     line, and a paste keeps all its lines. PageUp / PageDown scroll the transcript, not this box."""
@@ -90,6 +93,15 @@ class PromptInput(TextArea):
             event.stop()
             event.prevent_default()
             self.action_submit()
+
+    async def _on_paste(self, event: events.Paste) -> None:
+        # control characters but tab and newline are not text a message means, and raw ESC sequences in this box
+        # would reach the terminal: dropped (TextArea's own handler, which would insert them, is prevented)
+        event.stop()
+        event.prevent_default()
+        text = event.text.replace("\r\n", "\n").replace("\r", "\n").translate(_CONTROLS)
+        if text and not self.read_only:
+            self.move_cursor(self.replace(text, *self.selection).end_location)
 
     def action_submit(self) -> None:
         self.post_message(self.Submitted())
