@@ -250,8 +250,7 @@ class ChatApp(App):
     async def on_reply_done(self, m: ReplyDone) -> None:
         self.session.finish(m.reply)
         prompt = self.query_one(PromptInput)
-        dropped = m.reply.error is not None or m.reply.cancelled and not m.reply.text.strip()  # (session.finish)
-        if dropped and m.reply.chat == self.session.chat and not prompt.text.strip():
+        if m.reply.dropped and m.reply.chat == self.session.chat and not prompt.text.strip():
             prompt.text = m.reply.user_text  # dropped with its reply: back in the box to edit and send again
             prompt.move_cursor(prompt.document.end)
         if self._current and self._current[0] is m.reply:

@@ -80,6 +80,11 @@ class Reply:
     def cancelled(self) -> bool:
         return self.stats.finish_reason == "cancelled"
 
+    @property
+    def dropped(self) -> bool:
+        """Not part of the conversation, with its user message: it failed, or was cancelled before its first word."""
+        return self.error is not None or self.cancelled and not self.text.strip()
+
     def run(self, session: "ChatSession", emit: Callable[[str], None], stop: threading.Event) -> None:
         """Generate, calling emit(piece) for each text piece; `stop` set: end after the current token (the piece
         decoded meanwhile is not shown), on the CPU also between layers while the prompt is read. Errors end up in
@@ -168,7 +173,7 @@ class ChatSession:
         with its user message."""
         if reply is self.running:
             self.running = None
-        if reply.error is not None or reply.chat != self.chat or (reply.cancelled and not reply.text.strip()):
+        if reply.dropped or reply.chat != self.chat:
             return
         self.turns.append({"role": "user", "content": reply.user_text})
         self.turns.append({"role": "assistant", "content": reply.text, "cancelled": reply.cancelled,

@@ -127,7 +127,7 @@ class ReplyMessage(Vertical):
         if reply.error is not None:
             meta.update(f"⚠ {reply.error} (this exchange is not kept in the conversation)")
             meta.add_class("-error")
-        elif reply.cancelled and not reply.text.strip():  # (ChatSession.finish drops it; the box has it back)
+        elif reply.dropped:  # cancelled before its first word (ChatSession.finish drops it; the box has it back)
             meta.update("cancelled before its first word (this exchange is not kept in the conversation)")
             meta.add_class("-cancelled")
         elif reply.cancelled:
