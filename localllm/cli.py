@@ -24,25 +24,18 @@ def _qdec_arg(s: str):
         raise argparse.ArgumentTypeError(f"--qdec takes on, off or a k_chunk integer, not {s!r}") from None
 
 
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"takes a whole number of at least 1, not {s!r}")
-    return v
-
-
-def _seed_arg(s: str) -> int:
-    from .generate import MAX_SEED
-    try:
-        v = int(s)
-    except ValueError:
-        v = -1
-    if not 0 <= v <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"--seed takes a whole number from 0 to {MAX_SEED}, not {s!r}")
-    return v
+def _whole_arg(name: str, lo: int, hi: int | None = None):
+    """An argparse type: a whole number within lo..hi (no upper bound without hi)."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            v = None
+        if v is None or v < lo or hi is not None and v > hi:
+            within = f"from {lo} to {hi}" if hi is not None else f"of at least {lo}"
+            raise argparse.ArgumentTypeError(f"{name} takes a whole number {within}, not {s!r}")
+        return v
+    return parse
 
 
 def cmd_generate(a) -> None:
@@ -305,6 +298,8 @@ def _kv_bits_option(p: argparse.ArgumentParser, what: str = "") -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from .generate import MAX_SEED
+    _seed = _whole_arg("--seed", 0, MAX_SEED)
     from . import __version__
     p = argparse.ArgumentParser(prog="localllm", description="Low-bit LLM inference with QDEC error compensation.")
     p.add_argument("--version", action="version", version=f"localllm {__version__}")
@@ -322,7 +317,7 @@ def parser() -> argparse.ArgumentParser:
                    help="drop tokens less likely than this times the most likely one (0 = off; 0.05-0.1 is typical)")
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--seed", type=_seed_arg)
+    g.add_argument("--seed", type=_seed)
     g.add_argument("--system", help="system prompt (chat models)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
     _model_options(g)
@@ -336,7 +331,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=0.9)
     c.add_argument("--min-p", type=float, default=0.0, help="as generate's --min-p (0 = off)")
     c.add_argument("--max-new-tokens", type=int, default=512)
-    c.add_argument("--seed", type=_seed_arg, help="the same seed for every reply (default: a new one each)")
+    c.add_argument("--seed", type=_seed, help="the same seed for every reply (default: a new one each)")
     _model_options(c)
     c.add_argument("--resume", metavar="FILE",
                    help="go on with a chat that ctrl+s saved (with its system prompt, unless --system)")
@@ -385,7 +380,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--k-chunk", default="8", help="comma-separated channels per 1024 for the modes other than off")
     e.add_argument("--ctx", type=int, help="tokens per window (default 512, or the model's context where shorter)")
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
-    e.add_argument("--seed", type=_seed_arg, default=0, help="seed of the random picks (boundary bucket, random mode)")
+    e.add_argument("--seed", type=_seed, default=0, help="seed of the random picks (boundary bucket, random mode)")
     e.add_argument("--reference", nargs="?", const="source", metavar="MODEL",
                    help="also report KL(MODEL || model) per token; with no MODEL, the source checkpoint the model was "
                         "quantized from (its path is recorded in the model folder)")
@@ -415,7 +410,8 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens of the shipped evaluation text for the perplexity column (default 512)")
     t.add_argument("--force", action="store_true",
                    help="replace a file at a profile's name even when it is not this GPU/model/budget's profile")
-    t.add_argument("--reps", type=_positive, default=20, help="CUDA graph replays per GEMV timing point (default 20)")
+    t.add_argument("--reps", type=_whole_arg("--reps", 1), default=20,
+                   help="CUDA graph replays per GEMV timing point (default 20)")
     t.set_defaults(func=cmd_tune)
 
     r = sub.add_parser("report", help="the QDEC paper's experiments on a model: a Markdown report with plots",
@@ -447,7 +443,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--sections", help="comma-separated: quality, outliers, kernel, pareto (default: all; the GPU "
                                       "ones, kernel and pareto, only where a GPU is usable)")
     r.add_argument("--text", help="UTF-8 evaluation text (default: the one shipped with localllm)")
-    r.add_argument("--seed", type=_seed_arg, default=0, help="seed of the random picks (default 0)")
+    r.add_argument("--seed", type=_seed, default=0, help="seed of the random picks (default 0)")
     r.add_argument("--gguf-file", help="which GGUF file of a folder to use")
     r.add_argument("--force", action="store_true", help="replace --out when it exists")
     r.add_argument("--update", action="store_true",

@@ -146,7 +146,7 @@ class LocalModel:
         if qdec is True or qdec == "on":  # (not `in ("on", True)`: 1 == True would make k_chunk 1 "on")
             self._set_on()
             return
-        if isinstance(qdec, int) and not isinstance(qdec, bool):
+        if _whole(qdec):
             placed = self._apply("approx", qdec)
         elif isinstance(qdec, dict):
             placed = self._apply(qdec.get("mode", "approx"), qdec.get("k_chunk", DEFAULT_K_CHUNK), qdec.get("n_tb"),
