@@ -290,34 +290,38 @@ class ActStats:
         self._kth = torch.zeros(min(kmax, CHUNK), dtype=torch.float32, device=device)  # [kmax]
         self._sq_sum = torch.zeros(in_features, dtype=torch.float64, device=device)  # float64: many vectors are summed
         self._count = 0
+        # per chunk: k_for_chunk of every tracked k_chunk, each in [1, c] (made once: a copy to the GPU waits for it)
+        self._ks = [torch.tensor([k_for_chunk(kc, e - s) for kc in range(1, self._kth.numel() + 1)], device=device)
+                    for s, e in chunk_bounds(in_features)]
 
     def update(self, x: Tensor) -> None:
         """Accumulate vectors x [..., K]."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected last dim {self.in_features}, got {x.shape[-1]}")
         x = x.reshape(-1, self.in_features)
-        k_chunks = range(1, self._kth.numel() + 1)
-        # Per chunk: k_for_chunk of every tracked k_chunk, each in [1, c].
-        ks = [torch.tensor([k_for_chunk(kc, e - s) for kc in k_chunks], device=x.device)
-              for s, e in chunk_bounds(self.in_features)]
         step = max(1, _BLOCK_ELEMS // self.in_features)  # token blocks bound the float32 copies
         for t0 in range(0, x.shape[0], step):
             xb = x[t0 : t0 + step]
             a = xb.float().abs()  # [Tb, K]
             self._b0 = torch.maximum(self._b0, a.max())
-            for (s, e), kc in zip(chunk_bounds(self.in_features), ks):
+            for (s, e), kc in zip(chunk_bounds(self.in_features), self._ks):
                 top = a[:, s:e].topk(int(kc.max()), dim=-1).values  # [Tb, max k] descending
                 self._kth = torch.maximum(self._kth, top[:, kc - 1].amax(0))
             self._sq_sum += xb.double().square().sum(0)
         self._count += x.shape[0]
-        if not torch.isfinite(self._b0):  # (NaN propagates into the max) the statistics would be NaN for good
+
+    def _finite(self) -> Tensor:
+        """b0, refused if any input was NaN or inf (NaN propagates into the max). Checked where the statistics are
+        read, not per update: on a GPU the test waits for the device."""
+        if not torch.isfinite(self._b0):
             raise LocalLLMError(f"the calibration inputs of a layer of {self.in_features} input channels hold NaN or "
                                 "inf: the checkpoint's weights are damaged, or its activations overflow; check the "
                                 "source model (e.g. `localllm eval SOURCE --qdec off`)")
+        return self._b0
 
     @property
     def b0(self) -> float:
-        return float(self._b0)
+        return float(self._finite())
 
     @property
     def kth(self) -> Tensor:
@@ -338,7 +342,7 @@ class ActStats:
     def state(self) -> dict[str, Tensor]:
         """Tensors only (safetensors-friendly); in_features and kmax follow from the shapes."""
         return {
-            "b0": self._b0.reshape(1).clone(),
+            "b0": self._finite().reshape(1).clone(),
             "kth": self._kth.clone(),
             "sq_sum": self._sq_sum.clone(),
             "count": torch.tensor([self._count], dtype=torch.int64),

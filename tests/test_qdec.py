@@ -116,8 +116,12 @@ def test_act_stats_refuse_nan_and_inf_inputs():
         st = ActStats(1024, 8)
         x = torch.randn(4, 1024)
         x[1, 7] = bad
+        st.update(x)
+        st.update(torch.randn(4, 1024))  # a later finite batch does not hide it
         with pytest.raises(LocalLLMError, match="hold NaN or inf"):
-            st.update(x)
+            st.state()  # what quantize saves
+        with pytest.raises(LocalLLMError, match="hold NaN or inf"):
+            st.b0
 
 
 def naive_exact(x: torch.Tensor, k_chunk: int) -> torch.Tensor:
