@@ -445,9 +445,9 @@ async def test_a_pasted_text_keeps_its_lines_and_enter_sends_it_once(tiny_quant,
         await pilot.press("f2")  # the system prompt is one line: a pasted one keeps its lines, joined
         system = app.query_one("#system", Input)
         system.focus()
-        app.post_message(events.Paste("Be brief.\nAnswer in French."))
+        app.post_message(events.Paste("Be brief.\r\nAnswer in \x1b[1mFrench."))  # its control characters dropped too
         await pilot.pause()
-        assert system.value == "Be brief. Answer in French." and app.settings.system == system.value
+        assert system.value == "Be brief. Answer in [1mFrench." and app.settings.system == system.value
 
 
 async def until_sent(pilot, replies):

@@ -20,7 +20,7 @@ from . import facts, history
 from .loading import LoadingPanel, amount
 from .session import ChatSession, Reply, ReplySettings, open_model, readable
 from .settings import SettingsPanel
-from .transcript import Notice, ReplyMessage, Transcript, UserMessage
+from .transcript import Notice, ReplyMessage, Transcript, UserMessage, pasted
 
 
 class Loaded(Message):
@@ -74,9 +74,6 @@ class _Closing(BaseException):
     that no `except Exception` on the way turns it into an error)."""
 
 
-_CONTROLS = dict.fromkeys([*range(32), 127], None) | {9: 9, 10: 10}  # str.translate: C0 and DEL out, tab and newline kept
-
-
 class PromptInput(TextArea):
     """The message being typed: Enter sends it, ctrl+j (or shift+enter where the terminal tells it apart) starts a new
     line, and a paste keeps all its lines. PageUp / PageDown scroll the transcript, not this box."""
@@ -95,11 +92,9 @@ class PromptInput(TextArea):
             self.action_submit()
 
     async def _on_paste(self, event: events.Paste) -> None:
-        # control characters but tab and newline are not text a message means, and raw ESC sequences in this box
-        # would reach the terminal: dropped (TextArea's own handler, which would insert them, is prevented)
         event.stop()
-        event.prevent_default()
-        text = event.text.replace("\r\n", "\n").replace("\r", "\n").translate(_CONTROLS)
+        event.prevent_default()  # TextArea's own handler would insert the control characters `pasted` drops
+        text = pasted(event.text)
         if text and not self.read_only:
             self.move_cursor(self.replace(text, *self.selection).end_location)
 

@@ -13,6 +13,7 @@ from localllm.tuner.profile import parse_budget, percent
 
 from . import facts
 from .session import ChatSession, ReplySettings
+from .transcript import pasted
 
 # field: (label, what it must be: generate's rules, as ReplySettings.check applies them)
 FIELDS = {"system": ("System prompt", "text"), "temperature": ("Temperature (0 = greedy)", "a number ≥ 0"),
@@ -42,7 +43,7 @@ class _SystemInput(Input):
     def _on_paste(self, event: events.Paste) -> None:
         event.stop()
         event.prevent_default()
-        text = " ".join(line.strip() for line in event.text.splitlines() if line.strip())
+        text = " ".join(line.strip() for line in pasted(event.text).split("\n") if line.strip())
         self.insert_text_at_cursor(text) if self.selection.is_empty else self.replace(text, *self.selection)
 
 

@@ -19,6 +19,15 @@ def printable(text: str) -> str:
     return text.translate(_VISIBLE)
 
 
+_CONTROLS = dict.fromkeys([*range(32), 127], None) | {9: 9, 10: 10}  # str.translate: C0 and DEL out, tab and newline kept
+
+
+def pasted(text: str) -> str:
+    """A paste as text to keep: lines end in newlines, and control characters but tab and newline (not text anyone
+    means; raw ESC sequences in a field would reach the terminal) are dropped."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").translate(_CONTROLS)
+
+
 GENERATING = "generating… (Esc cancels)"
 
 
