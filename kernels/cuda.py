@@ -36,8 +36,9 @@ def available() -> bool:
 def require(kernels: bool = True) -> None:
     """Raise a one-line LocalLLMError saying what is missing for the GPU kernels (kernels=False: for torch's CUDA)."""
     if not torch.cuda.is_available():
-        raise LocalLLMError("no CUDA GPU is visible; " + ("the GPU kernels need an NVIDIA GPU (the CPU path runs "
-                            "without)" if kernels else "use --device cpu (or auto)"))
+        raise LocalLLMError("no CUDA GPU is visible; " + ("the GPU kernels need an NVIDIA GPU: use --device cpu or "
+                            "auto (device='cpu' or 'auto' in Python) to run on the CPU" if kernels else
+                            "use --device cpu (or auto)"))
     if not kernels:
         return
     major, minor = torch.cuda.get_device_capability()

@@ -190,6 +190,13 @@ __device__ int first_above(const T* a, T x) {
 // floor(f x), f in [0, 1]
 __device__ __forceinline__ u64 times(float f, u64 x) { return (u64)((double)f * (double)x); }
 
+// top-p keeps the tokens whose mass before them is below top_p C (transformers' rule), so its last kept token is the
+// first whose running mass reaches top_p C: passes ceil(top_p C) - 1, as the masses are whole numbers
+__device__ __forceinline__ u64 top_p_mark(float top_p, u64 C) {
+    const u64 t = (u64)ceil((double)top_p * (double)C);
+    return t ? t - 1 : 0;
+}
+
 struct Shared {
     u32 ccnt[NBINS];
     u64 cmass[NBINS];
@@ -218,8 +225,8 @@ struct Shared {
 // - top-k on: bins 0.. the one holding the k-th token (the kept mass needs every kept token, ties with the k-th too);
 // - else min-p keeps mass M <= top_p * C (its last kept token comes first; C the total): from M's bin back to the
 //   draw's, u * M;
-// - else top-p < 1: from the bin where the mass passes top_p * C (the crossing) back to the one where it passes
-//   u * top_p * C (the draw is at or after it, as the kept mass is above top_p * C);
+// - else top-p < 1: from the bin where the mass passes top_p_mark (the crossing) back to the one where it passes
+//   u times that mark (the draw is at or after it, as the kept mass is above the mark);
 // - else: the draw's bin alone (u * M).
 __device__ void make_plan(const Work* w, int V, Shared& S) {
     if (threadIdx.x < 32) {  // inclusive prefix sums over the bins, 16 per lane
@@ -254,7 +261,7 @@ __device__ void make_plan(const Work* w, int V, Shared& S) {
         if (k > 0) {
             lo = 0, hi = min(first_above<u32>(S.ccnt, (u32)k - 1), NBINS - 1);
         } else if (top_p < 1.0f) {
-            const u64 thr = times(top_p, total);
+            const u64 thr = top_p_mark(top_p, total);
             if (M <= thr && M > 0) {  // min-p's last kept token: the mass through it is M
                 hi = first_above<u64>(S.cmass, M - 1), lo = min(first_above<u64>(S.cmass, times(u, M)), hi);
             } else {
@@ -346,7 +353,7 @@ __device__ int choose_gathered(const u64* cand, int n, Shared& S) {
     const u64 C = P.k > 0 ? S.sum : P.total;  // top-k: the gathered bins hold every kept token
     // min-p's kept tokens and top-k's are both prefixes of the order, so those both keep are the shorter one
     const u64 M = min(P.minp, C);
-    if (S.top_p < 1.0f) first_past(c, i0, n, times(S.top_p, C), &S.cut);  // top-p's last kept token
+    if (S.top_p < 1.0f) first_past(c, i0, n, top_p_mark(S.top_p, C), &S.cut);  // top-p's last kept token
     if (S.min_p > 0.0f)  // the first gathered token min-p drops
 #pragma unroll
         for (int e = 0; e < 4; e++)
@@ -514,7 +521,7 @@ __device__ int choose_whole(const float* z, int V, Work* w, u32& bar, Shared& S)
     }
     u64 c_last = C;
     int cut = -1;
-    if (S.top_p < 1.0f && grid_first(z, V, w, bar, 1, kkey, true, times(S.top_p, C), S, idx, c)) c_last = c, cut = idx;
+    if (S.top_p < 1.0f && grid_first(z, V, w, bar, 1, kkey, true, top_p_mark(S.top_p, C), S, idx, c)) c_last = c, cut = idx;
     const u64 M = min(P.minp, C);  // min-p's kept mass (of the tokens top-k keeps: both are prefixes)
     if (M < c_last) c_last = M, cut = -1;  // min-p's last kept token comes first
     if (grid_first(z, V, w, bar, 2, kkey, true, times(S.u, c_last), S, idx, c)) return idx;

@@ -1,4 +1,6 @@
-"""User-facing errors: one line that names the problem and the fix."""
+"""User-facing errors: one line that names the problem and the fix; and the test of a whole-number argument the
+checks before them share."""
+import numbers
 
 
 class LocalLLMError(Exception):
@@ -7,3 +9,8 @@ class LocalLLMError(Exception):
 
 class Cancelled(Exception):
     """Work stopped because the caller asked it to (generate's `cancel`)."""
+
+
+def is_whole(v) -> bool:
+    """An integer (numpy's too), not a bool and not a float that happens to be whole."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)

@@ -9,7 +9,8 @@ from typing import Iterator
 
 import torch
 
-from .errors import Cancelled, LocalLLMError
+from .errors import Cancelled, LocalLLMError, is_whole
+from . import kvquant
 from .runtime import LocalModel, load
 from .sampling import SamplingParams
 
@@ -166,6 +167,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     full = limit - len(ids) < max_new_tokens  # the context ends the reply first
     max_new_tokens = min(max_new_tokens, limit - len(ids))
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed + 1)
+    me = lm.reply = object()  # (under lm.lock, taken by the caller) a stream opened before this one stops at its next step
     dec = lm.decoder(len(ids) + max_new_tokens, keep=reuse)
     seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=dev)
     seen[torch.tensor(ids, device=dev)] = True
@@ -184,7 +186,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
             return
         stats.cached_tokens = dec.reused
         dec.start(logits, len(ids), seen, params, draws)
-        for step, t in enumerate(dec.tokens(max_new_tokens)):
+        for step, t in enumerate(_steps(lm, me, dec.tokens(max_new_tokens))):
             if step == 0:
                 stats.time_to_first_token = time.perf_counter() - t0
                 t1 = time.perf_counter()
@@ -213,6 +215,37 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
             yield text[emitted:]  # what _ready held back: no stop string came (the tokens' text, as decode gives it)
 
 
+def _steps(lm: LocalModel, me: object, tokens: Iterator[int]) -> Iterator[int]:
+    """tokens, each step taken under the model's lock and only while this reply is the model's latest (the decoder
+    advances inside next(): a reply started since then holds the cache now)."""
+    while True:
+        with lm.lock:
+            if lm.reply is not me:
+                raise LocalLLMError("another reply on this model began before this stream ended (replies share the "
+                                    "model's KV cache): finish or close() a stream before the next generate()")
+            t = next(tokens, None)
+        if t is None:
+            return
+        yield t
+
+
+def _check_call(prompt, max_new_tokens, stop, seed) -> list[str]:
+    """Refuse, in one line, arguments of the wrong kind (before anything about the model changes); the stop strings."""
+    chat = isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                        for m in prompt)
+    if not (isinstance(prompt, str) or chat):
+        raise LocalLLMError(f"the prompt must be a string or a non-empty list of chat messages ({{'role': ..., "
+                            f"'content': str}}), got {type(prompt).__name__}{' (empty)' if prompt == [] else ''}")
+    if not (is_whole(max_new_tokens) and max_new_tokens >= 1):
+        raise LocalLLMError(f"max_new_tokens must be a whole number, at least 1, got {max_new_tokens!r}")
+    if seed is not None and not (is_whole(seed) and 0 <= seed <= MAX_SEED):
+        raise LocalLLMError(f"seed must be a whole number from 0 to {MAX_SEED}, got {seed!r}")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if not (isinstance(stops, (list, tuple)) and all(isinstance(x, str) for x in stops)):
+        raise LocalLLMError(f"stop must be a string or a list of strings, got {stop!r}")
+    return [x for x in stops if x]  # an empty one would match at once
+
+
 def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_tokens: int = 256,
              temperature: float = 0.7, top_p: float = 0.9, top_k: int = 0, repetition_penalty: float = 1.0,
              stop: str | list[str] | None = None, seed: int | None = None, stream: bool = False,
@@ -220,8 +253,10 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
              cancel=None, reuse_cache: bool = False) -> str | Stream:
     """Generate a reply to `prompt` (a string, or chat messages [{"role": ..., "content": ...}] which get the
     model's chat template). `model` is a LocalModel, a model path, or None for the demo model.
-    Sampling as transformers' processors, in this order: repetition penalty, temperature (0 = greedy), top-k (0 =
-    off), top-p, min-p (0 = off: else tokens less likely than min_p times the most likely one are dropped).
+    Sampling as transformers' processors, in this order: repetition penalty, temperature (0, or under 1e-4: greedy),
+    top-k (0 = off), top-p, min-p (0 = off: else tokens less likely than min_p times the most likely one are dropped).
+    One reply at a time per model (they share its KV cache): a call from another thread waits while a reply without
+    stream runs, and a stream still open when the next reply begins raises LocalLLMError at its next piece.
 
     stream=True returns a Stream that yields text pieces as they decode; otherwise the whole text.
     qdec: None keeps the model's setting; "on" / "off" / a k_chunk / a dict (see LocalModel.set_qdec).
@@ -235,22 +270,23 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     (`localllm chat` does this). The cache's entries round differently from one pass over the prompt, and QDEC's
     channel selection can turn that into other tokens.
     The same seed gives the same text (with reuse_cache, after the same earlier calls)."""
-    lm = model if isinstance(model, LocalModel) else load(model)
-    if qdec is not None:
-        lm.set_qdec(qdec)
-    if kv_bits is not None:
-        lm.set_kv_bits(kv_bits)
     params = SamplingParams(temperature, top_p, top_k, repetition_penalty, min_p)
     params.check()
-    if max_new_tokens < 1:
-        raise LocalLLMError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-    seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
-    if not 0 <= seed <= MAX_SEED:
-        raise LocalLLMError(f"seed must be a whole number from 0 to {MAX_SEED}, got {seed}")
-    s = Stream(iter(()))
-    ids = encode_prompt(lm, prompt, lm.cached_tokens() if reuse_cache else None)
-    if not ids:
-        raise LocalLLMError("the prompt is empty (no tokens): give some text")
-    s.pieces = _run(lm, ids, max_new_tokens, params, stops, seed, s.stats, cancel, reuse_cache)
-    return s if stream else s.text()
+    stops = _check_call(prompt, max_new_tokens, stop, seed)
+    if kv_bits is not None:
+        kvquant.check_bits(kv_bits)
+    lm = model if isinstance(model, LocalModel) else load(model)
+    with lm.lock:  # not while another thread's reply takes a step
+        if qdec is not None:
+            lm.set_qdec(qdec)
+        if kv_bits is not None:
+            lm.set_kv_bits(kv_bits)
+        seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
+        s = Stream(iter(()))
+        ids = encode_prompt(lm, prompt, lm.cached_tokens() if reuse_cache else None)
+        if not ids:
+            raise LocalLLMError("the prompt is empty (no tokens): give some text")
+        s.pieces = _run(lm, ids, max_new_tokens, params, stops, seed, s.stats, cancel, reuse_cache)
+        if stream:
+            return s
+        return s.text()  # the whole reply under the lock: a reply another thread asks for meanwhile waits for it

@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 import functools
-import numbers
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from . import kvquant, modelfile, ops
-from .errors import LocalLLMError
+from .errors import LocalLLMError, is_whole
 from .loader import MANIFEST, Checkpoint, open_checkpoint, tokenizer_of
 from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block, in_blocks
 from .tuner import profile as tuning
@@ -40,6 +40,11 @@ class LocalModel:
     qdec_untuned: bool = False  # qdec="on" on a GPU fell back to the default k_chunk: no tuning profile applies
     _tuned: object = field(default=None, repr=False)  # tuner.profile.Selection for self.budget, looked up once
     kv_bits: int = 16  # KV cache width: 16 (the model's dtype), 8 or 4 (kvquant); set_kv_bits changes it
+    # generate() runs one reply at a time: the KV cache and the sampling generator are shared. A reply holds the lock
+    # while it reads its prompt and at each step; `reply` names the latest, and an earlier stream still open stops
+    # with an error at its next token instead of writing into the cache the later one uses.
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    reply: object = field(default=None, repr=False)
 
     @property
     def settings(self) -> QdecSettings:
@@ -146,9 +151,13 @@ class LocalModel:
         if qdec is True or qdec == "on":  # (not `in ("on", True)`: 1 == True would make k_chunk 1 "on")
             self._set_on()
             return
-        if _whole(qdec):
+        if is_whole(qdec):
             placed = self._apply("approx", qdec)
         elif isinstance(qdec, dict):
+            unknown = sorted(map(str, set(qdec) - {"mode", "k_chunk", "n_tb", "blocks"}))
+            if unknown:
+                raise LocalLLMError(f"qdec has unknown keys {', '.join(unknown)}; a dict takes mode, k_chunk, n_tb "
+                                    "and blocks")
             placed = self._apply(qdec.get("mode", "approx"), qdec.get("k_chunk", DEFAULT_K_CHUNK), qdec.get("n_tb"),
                                  qdec.get("blocks"))
         else:
@@ -221,15 +230,15 @@ class LocalModel:
         if mode not in QDEC_MODES[1:]:
             raise LocalLLMError(f"QDEC mode '{mode}' is unknown; use one of {', '.join(QDEC_MODES[1:])}")
         for name, v in (("k_chunk", k), ("n_tb", n_tb)):  # a kind misspelt would quietly turn it off
-            ok = v is None and name == "n_tb" or _whole(v) or isinstance(v, dict) and set(v) <= set(KINDS) and all(
-                _whole(x) or x is None and name == "n_tb" for x in v.values())  # (None: the default n_tb)
+            ok = v is None and name == "n_tb" or is_whole(v) or isinstance(v, dict) and set(v) <= set(KINDS) and all(
+                is_whole(x) or x is None and name == "n_tb" for x in v.values())  # (None: the default n_tb)
             if not ok:
                 raise LocalLLMError(f"QDEC {name} {v!r} is not understood: give a whole number or a dict of the "
                                     f"layer kinds {', '.join(KINDS)} to whole numbers")
-        ks = {kind: k for kind in KINDS} if _whole(k) else {kind: int(k.get(kind, 0)) for kind in KINDS}
+        ks = {kind: k for kind in KINDS} if is_whole(k) else {kind: int(k.get(kind, 0)) for kind in KINDS}
         n = len(self.model.blocks)
         bad = [kind for kind, b in (blocks or {}).items() if kind not in KINDS or not isinstance(b, (list, tuple, set,
-               frozenset)) or not all(_whole(i) and 0 <= i < n for i in b)]
+               frozenset)) or not all(is_whole(i) and 0 <= i < n for i in b)]
         if bad:
             raise LocalLLMError(f"QDEC blocks for {', '.join(map(str, bad))}: give layer kinds ({', '.join(KINDS)}) "
                                 f"and block indices within 0..{n - 1}")
@@ -349,6 +358,8 @@ def resolve_device(device: str | torch.device = "auto", kernels: bool = True) ->
     """"auto": the GPU when the CUDA kernels can run (GPU + CuPy), else the CPU. kernels=False: what needs torch's
     CUDA alone (quantizing), which asks for a GPU only."""
     from .kernels import cuda
+    if isinstance(device, str):
+        device = device.strip().lower()  # "CUDA", "Auto"
     if device == "auto":
         if not kernels or cuda.available():
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -444,10 +455,6 @@ def _check_budget(budget) -> None:
     if budget is not None and not (isinstance(budget, (int, float)) and 0 < budget <= 1):
         raise LocalLLMError(f"budget={budget!r}: the tuning budget is a fraction of the decode time in (0, 1], e.g. "
                             "0.05 for 5%")
-
-
-def _whole(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)  # numpy's integers too
 
 
 def host_available() -> int | None:

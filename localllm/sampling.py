@@ -5,17 +5,26 @@ the function; on a GPU choose() runs it as one kernel that sorts only the tokens
 (kernels/sampling.cu)."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 
-from .errors import LocalLLMError
+from .errors import LocalLLMError, is_whole
 from .ops import cuda_kernels
+
+
+# temperatures below this choose greedily: their limit, and float32 logits divided by ~1e-38 overflow into NaN
+GREEDY_BELOW = 1e-4
+
+
+def _real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 0.7   # 0 = greedy
+    temperature: float = 0.7   # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 0.9
     top_k: int = 0             # 0 = off
     repetition_penalty: float = 1.0
@@ -23,21 +32,25 @@ class SamplingParams:
 
     def check(self) -> None:
         # written as what must hold, so that NaN (which fails every comparison) is refused too
-        ok = {"temperature": self.temperature >= 0, "top_p": 0 < self.top_p <= 1, "top_k": self.top_k >= 0,
-              "repetition_penalty": self.repetition_penalty > 0, "min_p": 0 <= self.min_p <= 1}
-        bad = ", ".join(f"{k}={getattr(self, k)}" for k, good in ok.items() if not good)
+        real = {k: _real(getattr(self, k)) for k in ("temperature", "top_p", "repetition_penalty", "min_p")}
+        ok = {"temperature": real["temperature"] and self.temperature >= 0,
+              "top_p": real["top_p"] and 0 < self.top_p <= 1,
+              "top_k": is_whole(self.top_k) and self.top_k >= 0,
+              "repetition_penalty": real["repetition_penalty"] and self.repetition_penalty > 0,
+              "min_p": real["min_p"] and 0 <= self.min_p <= 1}
+        bad = ", ".join(f"{k}={getattr(self, k)!r}" for k, good in ok.items() if not good)
         if bad:
-            raise LocalLLMError(f"bad sampling settings ({bad}): need temperature >= 0, 0 < top_p <= 1, top_k >= 0, "
-                                "repetition_penalty > 0, 0 <= min_p <= 1")
+            raise LocalLLMError(f"bad sampling settings ({bad}): need numbers temperature >= 0, 0 < top_p <= 1, "
+                                "a whole top_k >= 0, repetition_penalty > 0, 0 <= min_p <= 1")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """float32 [5]: temperature (1 when greedy: unused), top_p, top_k, repetition penalty, min_p, as next_token
         takes them."""
-        t = self.temperature if self.temperature > 0 else 1.0
+        t = 1.0 if self.greedy else self.temperature
         return torch.tensor([t, self.top_p, self.top_k, self.repetition_penalty, self.min_p], dtype=torch.float32,
                             device=device)
 
@@ -64,9 +77,11 @@ def nucleus(logits: torch.Tensor, seen: torch.Tensor, params: torch.Tensor) -> t
     kth = s.index_select(0, (top_k.long() - 1).clamp(0, s.numel() - 1).view(1))
     e = torch.where((top_k > 0) & (s < kth), 0.0, (s - s[:1]).exp_())
     c = e.cumsum(-1)
-    # a token stays while the probability of the tokens before it is at most top_p; the mass before a token never
-    # decreases, so the kept tokens are the first n (top_p = 1 keeps every token, the zero ones are never drawn)
-    n = torch.searchsorted(c - e, top_p * c[-1:], right=True)
+    # a token stays while the probability of the tokens before it is below top_p (transformers' rule: [1, 1, 1, 1] at
+    # top_p 0.5 keeps two); the mass before a token never decreases, so the kept tokens are the first n (the first
+    # always, its mass before being 0); top_p = 1 keeps every token (those of zero or rounded-away mass are never drawn)
+    n = torch.searchsorted(c - e, top_p * c[-1:], right=False)
+    n = torch.where(top_p < 1, n, c.numel())
     # min-p after top-p: e never increases along the order, so the tokens it keeps are a prefix too (the first one,
     # e = 1, always)
     return order, e, c, torch.minimum(n, torch.searchsorted(-e, -min_p.view(1), right=True))

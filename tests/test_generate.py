@@ -24,6 +24,17 @@ def lm(tiny_quant):
     return load(tiny_quant)
 
 
+@pytest.mark.parametrize("V,top_p", [(4, 0.5), (2, 0.5), (4, 0.75), (8, 0.25), (300, 0.5), (8, 1.0)])
+def test_top_p_keeps_what_transformers_keeps_at_an_exact_boundary(V, top_p):
+    """Equal logits put the mass before a token exactly at top_p: that token goes, as in transformers' TopPLogitsWarper
+    ([1, 1, 1, 1] at top_p 0.5 keeps two tokens, not three)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+    logits = torch.full((V,), 0.37)
+    want = TopPLogitsWarper(top_p)(None, logits[None].clone())[0] if top_p < 1 else logits
+    got = probabilities(logits, torch.zeros(V, dtype=torch.bool), SamplingParams(1.0, top_p))
+    assert int((got > 0).sum()) == int(torch.isfinite(want).sum()) == max(1, round(V * top_p))
+
+
 @pytest.mark.parametrize("params", [SamplingParams(1.0, 1.0, 0, 1.3), SamplingParams(0.7, 0.9, 0, 1.0),
                                     SamplingParams(1.3, 1.0, 20, 1.0), SamplingParams(0.8, 0.5, 50, 0.8),
                                     SamplingParams(1.0, 1.0, 0, 1.0, 0.1), SamplingParams(1.5, 0.95, 0, 1.2, 0.05),
@@ -211,6 +222,71 @@ def test_bad_arguments_are_refused(lm):
         generate(lm, "x", qdec=5000)
     with pytest.raises(LocalLLMError, match="mode"):
         generate(lm, "x", qdec={"mode": "magic"})
+    with pytest.raises(LocalLLMError, match="unknown keys mdoe"):
+        generate(lm, "x", qdec={"k_chunk": 4, "mdoe": "exact"})
+    wrong = [dict(seed=True), dict(seed=1.5), dict(max_new_tokens=2.5), dict(max_new_tokens=True), dict(top_k=2.5),
+             dict(stop=5), dict(stop=["a", None]), dict(temperature="0.7"), dict(top_p=None)]
+    for kw in wrong:
+        with pytest.raises(LocalLLMError, match=next(iter(kw))):
+            generate(lm, "x", **kw)
+    for prompt in (None, 123, b"x", [], [{"role": "user"}], ["hi"]):
+        with pytest.raises(LocalLLMError, match="prompt must be a string or a non-empty list of chat messages"):
+            generate(lm, prompt)
+
+
+def test_a_refused_call_changes_nothing_about_the_model(lm):
+    """Every argument is checked before generate() applies qdec or kv_bits to the model."""
+    mode, kv = lm.settings.mode, lm.kv_bits
+    for kw in (dict(temperature=-1), dict(seed=-3), dict(max_new_tokens=0), dict(stop=5)):
+        with pytest.raises(LocalLLMError):
+            generate(lm, "x", qdec="off" if mode != "off" else 8, kv_bits=8 if kv != 8 else 16, **kw)
+        assert (lm.settings.mode, lm.kv_bits) == (mode, kv)
+
+
+def test_an_empty_stop_string_is_ignored(lm):
+    lm.eos_ids = []
+    kw = dict(max_new_tokens=12, temperature=0)
+    want = generate(lm, "The river ran", **kw)
+    assert want and generate(lm, "The river ran", stop="", **kw) == generate(lm, "The river ran", stop=[""], **kw) == want
+
+
+def test_a_tiny_temperature_chooses_greedily(lm):
+    """Temperatures below GREEDY_BELOW are greedy, their limit (1e-40 divided float32 logits into inf and NaN)."""
+    lm.eos_ids = []
+    kw = dict(max_new_tokens=12, top_p=1.0, seed=4)
+    greedy = generate(lm, "The river ran", temperature=0, **kw)
+    assert generate(lm, "The river ran", temperature=1e-40, **kw) == greedy
+    assert generate(lm, "The river ran", temperature=1e-5, **kw) == greedy
+
+
+def test_a_later_reply_stops_an_open_stream_and_threads_take_turns(lm):
+    """Replies share the model's KV cache: a stream still open when another reply begins stops at its next piece
+    with an error (it wrote into the new reply's cache before), the new reply is what it is alone, and replies from
+    two threads wait for each other."""
+    import threading
+    lm.eos_ids = []
+    kw = dict(max_new_tokens=16, temperature=1.0, top_p=1.0)
+    alone = {p: generate(lm, p, seed=2, **kw) for p in ("Once upon a time", "The river ran")}
+    first = iter(generate(lm, "Once upon a time", seed=2, stream=True, **kw))
+    got = next(first)
+    assert alone["Once upon a time"].startswith(got)
+    second = generate(lm, "The river ran", seed=2, stream=True, **kw)
+    it = iter(second)
+    text = next(it)
+    with pytest.raises(LocalLLMError, match="another reply on this model began before this stream ended"):
+        next(first)
+    assert text + "".join(it) == alone["The river ran"]
+    out = {}
+
+    def run(p):
+        out[p] = [generate(lm, p, seed=2, **kw) for _ in range(3)]
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in alone]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == {p: [want] * 3 for p, want in alone.items()}
 
 
 def test_closing_a_stream_stops_it_and_the_model_goes_on(lm):

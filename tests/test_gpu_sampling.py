@@ -94,6 +94,19 @@ def test_kernels_choose_the_reference_token_on_flat_logits(kind, params):
         assert_reference_choice(logits, seen, params, u, got)
 
 
+@pytest.mark.parametrize("cap", [None, 0], ids=["gathered", "whole-vocabulary"])
+@pytest.mark.parametrize("V", [4, 300, 128256])
+def test_kernels_cut_top_p_where_the_reference_does_at_an_exact_boundary(V, cap):
+    """Equal logits and top_p 0.5: the mass before token V/2 is exactly top_p, so it goes (transformers' rule), and
+    every draw picks one of the first V/2 tokens (ties in index order), the reference's."""
+    logits, seen = torch.full((V,), 0.25, device="cuda"), torch.zeros(V, dtype=torch.bool, device="cuda")
+    params = SamplingParams(1.0, 0.5)
+    for u in (0.001, 0.3, 0.7, 0.999):
+        got = kernel_choice(logits, seen, params, u, cap)
+        assert got < V // 2
+        assert_reference_choice(logits, seen, params, u, got)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(0.8, 0.9, 50, 1.0), SamplingParams(1.0, 0.95, 0, 1.0, 0.02)])
 @pytest.mark.parametrize("cap", [None, 0], ids=["gathered", "whole-vocabulary"])
 def test_sampled_kernel_draws_each_token_with_its_probability(cap, params):
