@@ -14,11 +14,13 @@ The GPU sections run when a CUDA GPU (with CuPy) is usable, else the report says
 add them later: `--sections kernel,pareto --update` measures only those and keeps the other sections of the report
 already in --out (each section records the machine and command that measured it).
 
-Long runs keep their work: report.json in --out is rewritten (atomically) after every measurement, with the run's
-identity (model digest, options, sections, evaluation text, a digest of localllm's code, torch version) and what
-it measured so far under "in_progress". Rerunning the same command resumes: what is saved is not measured again;
-another command (or changed code) is refused rather than mixed in. Once every section is measured the folder is
-written whole (report.md, plots, report.json without "in_progress").
+Long runs keep their work: report.unfinished.json in --out is rewritten (atomically) after every measurement, with
+the run's identity (model digest, options, sections, evaluation text, a digest of localllm's code, torch version) and
+what it measured so far under "in_progress"; a finished report.json there stays as it was meanwhile. Rerunning the
+same command resumes: what is saved is not measured again; another command (or changed code) is refused rather than
+mixed in. Once every section is measured, report.md and the plots are moved in (each file atomically), the plots of
+sections the report no longer has are removed, report.json is written and the unfinished file removed. Nothing else
+in --out (the user's notes, data, dotfiles) is touched, with --force or --update too.
 """
 from __future__ import annotations
 
@@ -26,12 +28,14 @@ import datetime
 import hashlib
 import importlib.util
 import json
+import os
 import platform
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +44,10 @@ import torch
 
 from . import __version__, atomic
 from .errors import LocalLLMError
+from .report_render import FILES
 
 FORMAT = 1
+UNFINISHED = "report.unfinished.json"  # a run's measurements until the report is finished
 SECTIONS = ("quality", "outliers", "kernel", "pareto")
 GPU_SECTIONS = ("kernel", "pareto")
 SELECTION_MODES = ("exact", "static", "random")  # compared with approx at --compare-bits (Fig. 15, 16)
@@ -306,7 +312,7 @@ class Run:
     def save(self) -> None:
         self.tick()
         self.out.mkdir(parents=True, exist_ok=True)
-        atomic.write_text(self.out / "report.json", json.dumps(self.report, indent=1) + "\n")
+        atomic.write_text(self.out / UNFINISHED, json.dumps(self.report, indent=1) + "\n")
 
 
 def pcie_bytes(lm, k_chunk: int, bits: int) -> int:
@@ -566,20 +572,30 @@ def make_report(o: Options) -> Path:
             record["settings"]["calibration"] = _calibration(r)
         except BaseException:
             if state["done"] or any(sec.get("run") == index for sec in report["sections"].values()):
-                print(f"localllm: the report's measurements so far are saved in {out / 'report.json'}; rerun the "
+                print(f"localllm: the report's measurements so far are saved in {out / UNFINISHED}; rerun the "
                       "same command to go on from there", file=sys.stderr)
             raise
     r.tick()
+    r.save()  # the last session's seconds, should writing the report below be interrupted
     report.pop("in_progress")
     report["skipped"] = {s: why_no_gpu for s in GPU_SECTIONS if s not in report["sections"] and why_no_gpu}
-    with atomic.new_folder(out, replace=out.exists()) as tmp:  # --out existed only with --force/--update or as ours
-        (tmp / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-        render(report, tmp)
-        if o.update:  # what the user keeps beside the report (notes, data) stays: only --force replaces it all
-            for old in (out.iterdir() if out.is_dir() else ()):
-                if not (tmp / old.name).exists() and not old.name.startswith("."):
-                    (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
+    _write(out, report, render)
     return out
+
+
+def _write(out: Path, report: dict, render) -> None:
+    """The finished report into out beside the user's files: report.md and plots rendered apart and moved in, the
+    report's plots that this one lacks removed, then report.json, then the unfinished file removed (interrupted on the
+    way, the same command finishes it again)."""
+    with tempfile.TemporaryDirectory(dir=out, prefix=".render.") as tmp:
+        render(report, Path(tmp))
+        made = {f.name for f in Path(tmp).iterdir()}
+        for name in made:
+            os.replace(Path(tmp) / name, out / name)
+    for name in set(FILES) - made:
+        (out / name).unlink(missing_ok=True)
+    atomic.write_text(out / "report.json", json.dumps(report, indent=1) + "\n")
+    (out / UNFINISHED).unlink(missing_ok=True)
 
 
 def _now() -> str:
@@ -587,30 +603,40 @@ def _now() -> str:
 
 
 def _check_out(o: Options, out: Path) -> dict | None:
-    """Refuse an --out this run may not write (the user's files are never replaced: --force and --update apply to a
-    report's folder only); its report.json, if any."""
-    prior = _read_report(out)
+    """Refuse an --out this run may not write (--force and --update apply to a report's folder only); the report
+    to go on with: an unfinished one, else the finished report.json, if any."""
     if not out.exists():
         atomic.check_writable(out)
-    elif "in_progress" not in (prior or {}):
-        if prior is None and (not out.is_dir() or any(out.iterdir())):
-            raise LocalLLMError(f"{out} exists and holds no localllm report (no readable report.json); --force and "
-                                "--update replace or extend a report's folder only: choose another --out")
-        if o.update and prior is None:
-            raise LocalLLMError(f"--update needs the report.json of an earlier report in {out}; there is none "
-                                "readable: run without --update (and --force to replace the folder)")
-        if not (o.update or o.force):
-            raise LocalLLMError(f"{out} already exists; choose another --out, --force to replace it, or --update to "
-                                "add sections to it")
+        return None
+    if not out.is_dir():
+        raise LocalLLMError(f"{out} is a file; choose a folder for --out")
+    atomic.check_writable(out / UNFINISHED)
+    unfinished = _read_report(out / UNFINISHED)
+    if unfinished is not None and "in_progress" in unfinished:
+        return unfinished
+    prior = _read_report(out / "report.json")
+    if prior is None and any(out.iterdir()):
+        raise LocalLLMError(f"{out} exists and holds no localllm report (no readable report.json of one); --force "
+                            "and --update replace or extend a report in its folder only: choose another --out")
+    if o.update and prior is None:
+        raise LocalLLMError(f"--update needs the report.json of an earlier report in {out}; there is none "
+                            "readable: run without --update")
+    if prior is not None and not (o.update or o.force):
+        raise LocalLLMError(f"{out} already holds a report; choose another --out, --force to replace it, or "
+                            "--update to add sections to it")
     return prior
 
 
-def _read_report(out: Path) -> dict | None:
-    """The report.json in --out (None when there is none or it is unreadable)."""
+def _read_report(path: Path) -> dict | None:
+    """A localllm report's JSON at path (None when there is none, or it is unreadable or not one: a report.json
+    another program wrote is not ours to replace)."""
     try:
-        return json.loads((out / "report.json").read_text())
-    except (OSError, ValueError):
+        r = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
         return None
+    ok = isinstance(r, dict) and isinstance(r.get("format"), int) and isinstance(r.get("runs"), list) \
+        and isinstance(r.get("sections"), dict) and isinstance(r.get("model"), dict)
+    return r if ok else None
 
 
 def _start(o: Options, out: Path, prior: dict | None, key: dict, sha: str, name: str, ckpt,

@@ -23,7 +23,14 @@ def _plt():
     return plt
 
 
+# every file render() may write: a report folder's own files (the rest of it is the user's, and stays)
+FILES = ("report.md", "fig12_perplexity_vs_k.png", "fig15_approx_vs_exact.png", "fig16_selection_modes.png",
+         "table1_residual_bits.png", "fig5b_outliers.png", "fig17_kernel_model.png", "fig17_kernel_8b.png",
+         "fig18_pareto.png")
+
+
 def _save(fig, folder: Path, name: str) -> str:
+    assert name in FILES, name
     fig.tight_layout()
     fig.savefig(folder / name, dpi=110)
     _plt().close(fig)

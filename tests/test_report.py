@@ -127,20 +127,25 @@ def test_an_existing_report_is_kept_unless_asked(report, tiny_ckpt, capsys):
     before = (out / "report.md").read_text()
     assert main(["report", str(tiny_ckpt), "--out", str(out), "--tokens", "20"]) == 2
     err = capsys.readouterr().err
-    assert "already exists" in err and "--force" in err and len(err.strip().splitlines()) == 1
+    assert "already holds a report" in err and "--force" in err and len(err.strip().splitlines()) == 1
     assert (out / "report.md").read_text() == before
-    # --update measures the sections asked for and keeps the others, and the user's own files beside them
+    # --update measures the sections asked for and keeps the others, and the user's own files beside them (dotfiles
+    # and a .git folder too)
     (out / "notes.md").write_text("mine")
     (out / "data").mkdir()
     (out / "data" / "x.csv").write_text("1")
+    (out / ".git").mkdir()
+    (out / ".git" / "HEAD").write_text("ref")
+    (out / ".notes").write_text("hidden")
     assert main(["report", str(tiny_ckpt), "--out", str(out), "--tokens", str(TOKENS), "--ctx", str(CTX),
                  "--bits", "2,3", "--k-chunk", "8,64", "--sections", "outliers", "--update"]) == 0
     assert (out / "notes.md").read_text() == "mine" and (out / "data" / "x.csv").read_text() == "1"
+    assert (out / ".git" / "HEAD").read_text() == "ref" and (out / ".notes").read_text() == "hidden"
     new = json.loads((out / "report.json").read_text())
     assert new["sections"]["quality"] == rep["sections"]["quality"]
     assert new["sections"]["outliers"]["run"] == 1 and len(new["runs"]) == 2
     assert new["sections"]["outliers"]["per_kind"] == rep["sections"]["outliers"]["per_kind"], "same inputs"
-    assert not list(out.parent.glob(".r.*")), "no temp folder left behind"
+    assert not list(out.parent.glob(".r.*")) and not list(out.glob(".render.*")), "no temp folder left behind"
 
 
 def test_bad_input_is_one_line(tiny_ckpt, tiny_quant, tmp_path, capsys, monkeypatch):
@@ -248,7 +253,7 @@ def test_an_interrupted_report_resumes_without_measuring_again(report, tiny_ckpt
     stop[:] = [7]
     assert main(["report", *argv]) == 130
     assert "rerun the same command" in capsys.readouterr().err
-    saved = json.loads((out / "report.json").read_text())
+    saved = json.loads((out / "report.unfinished.json").read_text())
     assert len(saved["in_progress"]["done"]) == 6 and saved["sections"] == {} and not (out / "report.md").exists()
     assert saved["in_progress"]["done"]["quality/source"] == whole["sections"]["quality"]["source_ppl"]
 
@@ -256,13 +261,13 @@ def test_an_interrupted_report_resumes_without_measuring_again(report, tiny_ckpt
     assert main(["report", *argv, "--tokens", "100"]) == 2
     err = capsys.readouterr().err
     assert "unfinished report" in err and "tokens" in err and len(err.strip().splitlines()) == 1
-    assert json.loads((out / "report.json").read_text()) == saved
+    assert json.loads((out / "report.unfinished.json").read_text()) == saved
 
     calls.clear()
     stop[:] = [total - 6]  # the quality section completes, the outlier statistics are interrupted
     assert main(["report", *argv]) == 130
     assert "resuming" in capsys.readouterr().err
-    saved = json.loads((out / "report.json").read_text())
+    saved = json.loads((out / "report.unfinished.json").read_text())
     assert set(saved["sections"]) == {"quality"} and saved["in_progress"]["done"] == {}
     assert "eval source model" not in calls, "the saved evaluations are not made again"
 
@@ -271,7 +276,7 @@ def test_an_interrupted_report_resumes_without_measuring_again(report, tiny_ckpt
     assert main(["report", *argv]) == 0
     assert calls == ["outlier statistics"], "the finished quality section is not measured again"
     rep = json.loads((out / "report.json").read_text())
-    assert "in_progress" not in rep
+    assert "in_progress" not in rep and not (out / "report.unfinished.json").exists()
     assert _measured(rep["sections"]) == _measured(whole["sections"]), "the numbers of an uninterrupted run"
     assert rep["runs"][0]["data"] == whole["runs"][0]["data"] and len(rep["runs"]) == 1
     sessions = rep["runs"][0]["sessions"]
@@ -386,3 +391,39 @@ def test_force_and_update_touch_only_a_report_folder(tiny_ckpt, tmp_path, capsys
     f.write_text("x")
     assert main(["report", str(tiny_ckpt), "--out", str(f / "r")]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+    for foreign in ('{"t": 1}', "[1, 2]"):  # a report.json another program wrote is not a report's folder either
+        (mine / "report.json").write_text(foreign)
+        for flag in ("--force", "--update"):
+            assert main(["report", str(tiny_ckpt), "--out", str(mine), flag, "--tokens", "20"]) == 2
+            err = capsys.readouterr().err
+            assert "holds no localllm report" in err and len(err.strip().splitlines()) == 1, err
+        assert (mine / "report.json").read_text() == foreign and (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_force_keeps_the_old_report_until_the_new_one_is_done(report, tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """--force interrupted leaves the finished report as it was (its measurements go to report.unfinished.json);
+    finished, it replaces the report's own files only: the old sections' plots go, the user's files stay."""
+    import shutil
+    import localllm.evaluate as evaluate
+    out = tmp_path / "r"
+    shutil.copytree(report[0], out)
+    (out / "notes.md").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    argv = ["report", str(tiny_ckpt), "--out", str(out), "--tokens", str(TOKENS), "--ctx", str(CTX), "--bits", "2,3",
+            "--k-chunk", "8,64", "--sections", "outliers", "--force"]
+
+    def stop(*a, **kw):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(evaluate, "perplexity", stop)
+        assert main(argv) == 130
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "report.unfinished.json"} \
+        == before
+    assert main(argv) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep["sections"]) == {"outliers"} and len(rep["runs"]) == 1
+    from localllm.report_render import FILES
+    theirs = {name for name in before if name not in FILES and name != "report.json"}
+    assert {p.name for p in out.iterdir() if p.is_file()} == {"fig5b_outliers.png", "report.json", "report.md"} | theirs
+    assert (out / "notes.md").read_text() == "mine"
