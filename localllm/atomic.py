@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
+import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -65,36 +68,58 @@ def _usual_mode(mode: int) -> int:
     return mode & ~_UMASK
 
 
-def check_writable(path: str | os.PathLike) -> None:
-    """A one-line error now where `path` could not be written later (an ancestor is a file, a read-only or
-    pseudo file system): long work checks its output before it starts. Leaves nothing behind."""
+def check_writable(path: str | os.PathLike, fix: str = "choose an output path in a folder you can write") -> None:
+    """A one-line error (ending in `fix`) now where `path` could not be written later (an ancestor is a file, a
+    read-only or pseudo file system): long work checks its output before it starts. Leaves nothing behind."""
     path = Path(path).expanduser().resolve()
     folder = path.parent
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
-        raise LocalLLMError(f"cannot write {path}: {folder} is a file, not a folder; choose another output path")
+        raise LocalLLMError(f"cannot write {path}: {folder} is a file, not a folder; {fix}")
     try:
         Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)).rmdir()
     except OSError as e:
         raise LocalLLMError(f"cannot write {path}: {folder} refuses new files ({e.strerror or type(e).__name__}); "
-                            "choose an output path in a folder you can write") from None
+                            f"{fix}") from None
+
+
+_OWNER = f"{socket.gethostname().replace('.', '-')}-"  # temp folders' owner: this host, then a process id
+
+
+def _remove_orphans(path: Path) -> None:
+    """Remove the temp folders of `path` that a process of this host, no longer running, left."""
+    for d in path.parent.glob(f".{glob.escape(path.name)}.{glob.escape(_OWNER)}*.tmp"):
+        pid = d.name[len(path.name) + len(_OWNER) + 2:].split(".", 1)[0]
+        if not pid.isdigit() or _running(int(pid)):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        print(f"localllm: removed {d}, the unfinished copy an interrupted run left", file=sys.stderr)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 @contextlib.contextmanager
-def new_folder(path: str | os.PathLike, replace: bool = False):
-    """Yield a temp folder beside `path`; on success it is renamed to `path`, on failure removed.
-
-    Refuses to replace an existing `path` (nothing the user saved is overwritten) unless `replace`: then the old
-    folder is moved aside only once the new one is complete, and removed after the new one took its name.
-    """
+def new_folder(path: str | os.PathLike):
+    """Yield a temp folder beside `path`; on success it is renamed to `path`, on failure removed. Refuses an
+    existing `path` (nothing the user saved is overwritten), before and after the work. The temp folder's name
+    holds this host and process: one a killed run left (SIGKILL, a power cut: no cleanup ran) is removed by the
+    next run onto the same path, and said so."""
     path = Path(path).expanduser().resolve()
-    if path.exists() and not replace:
+    if path.exists():
         raise LocalLLMError(f"{path} already exists; choose another output path or remove it first")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    _remove_orphans(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{_OWNER}{os.getpid()}.", suffix=".tmp", dir=path.parent))
     os.chmod(tmp, _usual_mode(0o777))  # mkdtemp's 0700 would make the user's folder private
-    old = None
     try:
         yield tmp
         for f in tmp.iterdir():  # data on disk before the rename makes it visible
@@ -103,19 +128,8 @@ def new_folder(path: str | os.PathLike, replace: bool = False):
                     os.fsync(fh.fileno())
                 os.chmod(f, _usual_mode(0o666))  # as open() makes files (safetensors writes 0600: private)
         if path.exists():
-            if not replace:
-                raise LocalLLMError(f"{path} appeared while writing; the new copy was discarded, nothing was replaced")
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-            os.rename(path, old / path.name)
-            try:
-                os.rename(tmp, path)
-            except OSError:
-                os.rename(old / path.name, path)  # put the old one back
-                raise
-        else:
-            os.rename(tmp, path)
+            raise LocalLLMError(f"{path} appeared while writing; the new copy was discarded, nothing was replaced")
+        os.rename(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)

@@ -4,11 +4,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
 
+from . import atomic
 from .errors import LocalLLMError
 from .quant import GROUP_SIZES, HEAD_BITS, HEAD_WIDTHS
 
@@ -90,6 +93,7 @@ def cmd_chat(a) -> None:
     save_dir = Path(a.save_dir).expanduser()  # found now, not at the first Ctrl+S after a long chat
     if not save_dir.is_dir():
         raise LocalLLMError(f"--save-dir {a.save_dir} is not a folder: create it or pass an existing one")
+    atomic.check_writable(save_dir / "chat.json", "pass a --save-dir you can write (Ctrl+S saves the chat there)")
     if a.model is not None:  # a mistyped path: one line here; what goes wrong while loading shows in the app
         from .loader import check_source
         check_source(a.model)
@@ -452,6 +456,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)  # how it was called (the report records it)
@@ -460,6 +468,18 @@ def main(argv: list[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):  # a terminal that is not UTF-8 shows what it cannot as ?, not a crash
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
+    # `timeout`, kill, a closed terminal: unwind as Ctrl+C does, so that no unfinished temp folder is left behind
+    # (not in the chat, whose terminal Textual restores; not off the main thread, where Python allows no handler)
+    unwind = a.command != "chat" and threading.current_thread() is threading.main_thread()
+    before = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)} if unwind else {}
+    try:
+        return _run(a)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _run(a) -> int:
     try:
         a.func(a)
     except LocalLLMError as e:
@@ -476,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of a pipe left (`localllm info M | head -1`): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush does not fail too
         return 0
+    except OSError as e:  # past the checks of the input: the disk (full, over a size limit or quota, failing)
+        what = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+        print(f"localllm: error: {what}; check the disk (free space, size limits, permissions) and run the command "
+              "again (files are written whole or not at all)", file=sys.stderr)
+        return 2
     return 0
 
 

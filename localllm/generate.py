@@ -167,7 +167,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     full = limit - len(ids) < max_new_tokens  # the context ends the reply first
     max_new_tokens = min(max_new_tokens, limit - len(ids))
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed + 1)
-    me = lm.reply = object()  # (under lm.lock, taken by the caller) a stream opened before this one stops at its next step
+    me = lm.reply = object()  # (under lm.lock, which the caller holds) a stream opened before stops at its next step
     dec = lm.decoder(len(ids) + max_new_tokens, keep=reuse)
     seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=dev)
     seen[torch.tensor(ids, device=dev)] = True

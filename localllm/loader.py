@@ -166,6 +166,9 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
     from safetensors import SafetensorError, safe_open
     cfg_file = path / "config.json"
     if not cfg_file.exists():
+        if (path / "residuals.safetensors").exists() or (path / "calibration.safetensors").exists():
+            raise LocalLLMError(f"{path} looks like a localllm model whose {MANIFEST} is gone; re-run `localllm "
+                                "quantize` on its source (the manifest holds its configuration and file digests)")
         raise LocalLLMError(f"{path} has no config.json; pass a Hugging Face checkpoint folder or a .gguf file")
     config = ModelConfig.from_hf(_read_json(cfg_file))
     files = _weight_files(path)
@@ -201,8 +204,9 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
 def _read_json(f: Path) -> dict:
     try:
         d = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LocalLLMError(f"{f} is not valid JSON ({e}); re-download the checkpoint") from None
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past Python's stack
+        raise LocalLLMError(f"{f} is not valid JSON ({type(e).__name__}: {str(e)[:120]}); re-download the "
+                            "checkpoint") from None
     if not isinstance(d, dict):
         raise LocalLLMError(f"{f} holds no JSON object; re-download the checkpoint")
     return d

@@ -26,11 +26,11 @@ from safetensors.torch import load_file, save_file
 from . import __version__, atomic
 from .config import ModelConfig
 from .digest import sha256_files
-from .errors import LocalLLMError
+from .errors import LocalLLMError, is_whole
 from .loader import MANIFEST
 from .model import KINDS, Block, QdecSettings, RMSNorm, Transformer, build_block
 from .qdec import ActStats
-from .quant import BASE_BITS, HEAD_BITS, QuantLUT, QuantResidual, QuantWeight
+from .quant import BASE_BITS, GROUP_SIZES, HEAD_BITS, QuantLUT, QuantResidual, QuantWeight
 
 # Version 2: per-block bit widths (quant.block_bits) and the non-uniform layout. Version 3: the output head may be
 # quantized (quant.head). Version 4: grouped tables. Version 1 files (uniform bits, WEIGHT_LAYOUT) still load.
@@ -84,14 +84,22 @@ def save(out: str | Path, manifest: dict, tensors: tuple[dict, dict, dict], toke
         files = {}
         for name, t in zip(FILES, tensors):
             if t:
-                save_file({k: v.contiguous() for k, v in t.items()}, str(tmp / name))
+                try:
+                    save_file({k: v.contiguous() for k, v in t.items()}, str(tmp / name))
+                except SafetensorError as e:  # e.g. a full disk or a file-size limit: as the OSError it wraps
+                    raise OSError(f"cannot write {out / name}: {e}") from None
                 files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_files([tmp / name])[0]}
         tokenizer.save_pretrained(str(tmp))
         manifest = {"format": "localllm", "format_version": FORMAT_VERSION, "created_by": f"localllm {__version__}",
                     **manifest, "files": files,
-                    "model_id": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]}
+                    "model_id": model_id(files)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out.resolve()
+
+
+def model_id(files: dict) -> str:
+    """What identifies a model folder (its tuning profiles name it): a digest of its files' sizes and digests."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- reading
@@ -102,7 +110,7 @@ def read_manifest(path: Path) -> dict:
         raise LocalLLMError(f"{path} is not a localllm model (no {MANIFEST}); create one with `localllm quantize`")
     try:
         m = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # a folder, not UTF-8, not JSON
+    except (OSError, ValueError, RecursionError) as e:  # a folder, not UTF-8, not JSON, nested past Python's stack
         raise LocalLLMError(f"{f} is corrupt ({type(e).__name__}: {str(e)[:100]}); re-run `localllm quantize`") \
             from None
     v = m.get("format_version") if isinstance(m, dict) else None
@@ -116,6 +124,15 @@ def read_manifest(path: Path) -> dict:
     bad = [k for k in ("config", "quant", "calibration", "files") if not isinstance(m.get(k), dict)] + \
         [f"files.{n}" for n, e in (files.items() if isinstance(files, dict) else [])
          if not isinstance(e, dict) or not isinstance(e.get("bytes"), int)]
+    q = m.get("quant") if isinstance(m.get("quant"), dict) else {}
+    if "group_size" in q and not (is_whole(q["group_size"]) and q["group_size"] in GROUP_SIZES):
+        bad.append("quant.group_size")
+    hq = q.get("head")
+    if hq and not (isinstance(hq, dict) and is_whole(hq.get("bits")) and is_whole(hq.get("group_size"))
+                   and hq["group_size"] in GROUP_SIZES):
+        bad.append("quant.head")
+    if not bad and "model_id" in m and m["model_id"] != model_id(files):  # a files table edited by hand
+        bad.append("files (they are not the ones its model_id names)")
     if bad:
         raise LocalLLMError(f"{f} is damaged ({', '.join(bad)} missing or not what localllm writes); re-run "
                             "`localllm quantize`")

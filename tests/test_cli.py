@@ -102,6 +102,16 @@ def test_chat_errors_before_the_app_are_one_line(capsys, tmp_path):
     assert "min_p" in capsys.readouterr().err
     assert main(["chat", "--save-dir", str(tmp_path / "no-such-folder")]) == 2
     assert "--save-dir" in capsys.readouterr().err and not (tmp_path / "no-such-folder").exists()
+    with pytest.MonkeyPatch.context() as m:  # a read-only folder (root writes through file modes: refused by hand)
+        import errno
+        import localllm.atomic
+
+        def refused(*a, **kw):
+            raise OSError(errno.EROFS, "Read-only file system")
+        m.setattr(localllm.atomic.tempfile, "mkdtemp", refused)
+        assert main(["chat", "--save-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "Read-only file system" in err and "pass a --save-dir you can write" in err
     assert main(["chat", str(tmp_path / "no-model")]) == 2
     assert capsys.readouterr().err.startswith("localllm: error: no such file or folder")
     if not torch.cuda.is_available():
@@ -131,6 +141,46 @@ def test_bad_input_is_refused_before_the_work(tiny_ckpt, tiny_quant, tmp_path, c
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1, (args, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "bin.txt"]  # nothing written, nothing left
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """A write that fails (here: safetensors' error for a file over the size limit, as `ulimit -f` gives) is one line
+    naming the file and the fix, and no folder, finished or not, is left."""
+    import errno
+    from safetensors import SafetensorError
+    import localllm.modelfile as modelfile
+
+    def full(*a, **kw):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 27, kind: FileTooLarge })")
+
+    monkeypatch.setattr(modelfile, "save_file", full)
+    assert main(["quantize", str(tiny_ckpt), "-o", str(tmp_path / "q"), "--calib-tokens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "FileTooLarge" in err and "q/model.safetensors" in err and "check the disk" in err
+    assert len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+    def no_space(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
+
+    monkeypatch.setattr(modelfile, "save_file", no_space)
+    assert main(["quantize", str(tiny_ckpt), "-o", str(tmp_path / "q"), "--calib-tokens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("localllm: error: No space left on device: ") and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_while_writing_leaves_nothing(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """SIGTERM (`timeout`, kill) unwinds like Ctrl+C: the half-written folder is removed, the exit status is 130,
+    and the handlers are put back afterwards."""
+    import os
+    import signal
+    import localllm.modelfile as modelfile
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(modelfile, "save_file", lambda *a, **kw: os.kill(os.getpid(), signal.SIGTERM))
+    assert main(["quantize", str(tiny_ckpt), "-o", str(tmp_path / "q"), "--calib-tokens", "64"]) == 130
+    assert "interrupted" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_eval_of_a_model_without_residuals_runs_qdec_off(tiny_ckpt, capsys):

@@ -125,6 +125,12 @@ def test_flipped_byte_is_refused(broken):
         load(broken)
 
 
+def test_a_model_folder_without_its_manifest_says_so(broken):
+    (broken / "localllm.json").unlink()
+    with pytest.raises(LocalLLMError, match="looks like a localllm model whose localllm.json is gone"):
+        load(broken)
+
+
 def test_missing_file_and_newer_format_are_refused(broken):
     (broken / "calibration.safetensors").unlink()
     with pytest.raises(LocalLLMError, match="missing"):
@@ -142,14 +148,21 @@ def test_a_damaged_manifest_is_refused_in_one_line(broken):
     damage = {"a list": lambda m: [1, 2], "no config": lambda m: {k: v for k, v in m.items() if k != "config"},
               "a file without its size": lambda m: {**m, "files": {n: {"sha256": "0"} for n in m["files"]}},
               "quant not a record": lambda m: {**m, "quant": "x"},
-              "a config key from elsewhere": lambda m: {**m, "config": {**m["config"], "sliding_window": 5}}}
+              "a config key from elsewhere": lambda m: {**m, "config": {**m["config"], "sliding_window": 5}},
+              "group size 0": lambda m: {**m, "quant": {**m["quant"], "group_size": 0}},
+              "group size text": lambda m: {**m, "quant": {**m["quant"], "group_size": "64"}},
+              "head a number": lambda m: {**m, "quant": {**m["quant"], "head": 8}},
+              "head group size 0": lambda m: {**m, "quant": {**m["quant"], "head": {"bits": 8, "group_size": 0}}},
+              "another model's file entry": lambda m: {**m, "files": {**m["files"], "residuals.safetensors": {
+                  "bytes": 123, "sha256": "0" * 64}}}}
     for what, change in damage.items():
         f.write_text(json.dumps(change(json.loads(json.dumps(good)))))
         with pytest.raises(LocalLLMError, match="manifest|damaged|not one this localllm writes"):
             load(broken)
-    f.write_bytes(b"\xff\xfe{")  # not UTF-8
-    with pytest.raises(LocalLLMError, match="is corrupt"):
-        load(broken)
+    for bad in (b"\xff\xfe{", b"[" * 100_000 + b"]" * 100_000):  # not UTF-8; nested past Python's stack
+        f.write_bytes(bad)
+        with pytest.raises(LocalLLMError, match="is corrupt"):
+            load(broken)
 
 
 def test_shape_mismatch_is_refused(broken):

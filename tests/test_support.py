@@ -32,23 +32,41 @@ def test_progress_can_be_observed_instead_of_printed(capsys):
     assert seen == []
 
 
-def test_new_folder_replaces_only_when_asked_and_only_when_complete(tmp_path):
+def test_new_folder_appears_whole_and_never_replaces(tmp_path):
     from localllm.errors import LocalLLMError
-    out = tmp_path / "report"
+    out = tmp_path / "model"
+    with pytest.raises(RuntimeError):  # a failure while writing leaves nothing
+        with atomic.new_folder(out) as tmp:
+            (tmp / "a.txt").write_text("half")
+            raise RuntimeError("interrupted")
+    assert list(tmp_path.iterdir()) == []
     with atomic.new_folder(out) as tmp:
         (tmp / "a.txt").write_text("one")
     with pytest.raises(LocalLLMError, match="already exists"):
         with atomic.new_folder(out):
             pass
-    with pytest.raises(RuntimeError):  # a failure while writing the new one leaves the old one whole
-        with atomic.new_folder(out, replace=True) as tmp:
-            (tmp / "a.txt").write_text("half")
-            raise RuntimeError("interrupted")
+    with pytest.raises(LocalLLMError, match="appeared while writing"):
+        with atomic.new_folder(tmp_path / "late") as tmp:
+            (tmp_path / "late").mkdir()
     assert (out / "a.txt").read_text() == "one"
-    with atomic.new_folder(out, replace=True) as tmp:
-        (tmp / "b.txt").write_text("two")
-    assert [f.name for f in out.iterdir()] == ["b.txt"]
-    assert [f.name for f in tmp_path.iterdir()] == ["report"], "no temp or old folder left"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["late", "model"], "no temp folder left"
+
+
+def test_a_killed_runs_temp_folder_goes_at_the_next_run(tmp_path, capsys):
+    """A temp folder of this host whose process is gone (SIGKILL leaves it) is removed by the next run onto the same
+    path; a running process's, another host's and another path's stay."""
+    import os
+    owner = atomic._OWNER
+    dead = tmp_path / f".model.{owner}999999999.x1.tmp"  # past any pid the kernel gives
+    alive = tmp_path / f".model.{owner}{os.getpid()}.x2.tmp"
+    other_host = tmp_path / ".model.elsewhere-12.x3.tmp"
+    other_path = tmp_path / f".model2.{owner}999999999.x4.tmp"
+    for d in (dead, alive, other_host, other_path):
+        (d / "weights").mkdir(parents=True)
+    with atomic.new_folder(tmp_path / "model") as tmp:
+        (tmp / "a.txt").write_text("one")
+    assert not dead.exists() and alive.exists() and other_host.exists() and other_path.exists()
+    assert str(dead) in capsys.readouterr().err
 
 
 def test_written_files_and_folders_get_the_usual_permissions(tmp_path):

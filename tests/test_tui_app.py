@@ -382,6 +382,23 @@ def test_resume_refuses_what_is_not_a_saved_chat(tmp_path, capsys):
         assert err.startswith(f"localllm: error: {bad}") and why in err and len(err.splitlines()) == 1
 
 
+def test_a_saved_replys_left_out_that_makes_no_sense_is_dropped(tmp_path):
+    """left_out only tells where the next prompt starts: a hand-edited one that is not a count of earlier exchanges
+    ("3", null, -1: every later reply failed, or left out turns it should not) is dropped, a good one kept."""
+    from localllm.tui import history
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "left_out": 0},
+             {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "left_out": 1}]
+    f = tmp_path / "chat.json"
+    for bad in ("3", None, -1, 2, 1.0, True):
+        turns[3]["left_out"] = bad
+        f.write_text(json.dumps({"format": "localllm-chat/1", "messages": turns}))
+        got = history.load(f)["turns"]
+        assert "left_out" not in got[3] and got[1]["left_out"] == 0, bad
+    turns[3]["left_out"] = 1
+    f.write_text(json.dumps({"format": "localllm-chat/1", "messages": turns}))
+    assert history.load(f)["turns"][3]["left_out"] == 1
+
+
 SNAPSHOT = Path(__file__).parent / "snapshots" / "chat.svg"
 REPLY = ["Tides come from the **Moon's** pull", " on the oceans:\n\n", "1. the side facing the Moon bulges,\n",
          "2. so does the far side,\n", "3. Earth turns under both bulges.\n\n", "So most coasts see *two* high tides ",

@@ -269,6 +269,9 @@ def test_a_file_that_is_not_this_targets_profile_is_never_overwritten(tmp_path):
     with pytest.raises(LocalLLMError, match="model other.*left as it is.*--force"):
         P.write(tmp_path, a_profile(model_id="abc"))
     assert path.read_bytes() == before
+    with pytest.raises(LocalLLMError, match=r"\(132 SMs\) / model other, not NVIDIA H100 80GB HBM3 \(114 SMs\)"):
+        P.write(tmp_path, a_profile(model_id="other", gpu={**H100, "sm_count": 114}))  # the same name: say the SMs
+    assert path.read_bytes() == before
     path.write_text("{not json")
     with pytest.raises(LocalLLMError, match="not valid JSON.*left as it is"):
         P.write(tmp_path, a_profile())
@@ -320,6 +323,9 @@ def test_select_warns_about_other_gpus_models_and_broken_files(tmp_path):
     assert sel.profile["budget"] == 0.1
     assert len(sel.warnings) == 1 and "broken.json" in sel.warnings[0] and "not valid JSON" in sel.warnings[0]
     assert all("\n" not in w for w in sel.warnings)
+    (tmp_path / "profiles" / "deep.json").write_text("[" * 100_000 + "]" * 100_000)  # past Python's stack
+    sel = P.select(tmp_path, H100["name"], 132, "abc")
+    assert sel.profile["budget"] == 0.1 and any("deep.json" in w and "not a profile" in w for w in sel.warnings)
 
 
 @pytest.fixture

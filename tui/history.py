@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from localllm import atomic
-from localllm.errors import LocalLLMError
+from localllm.errors import LocalLLMError, is_whole
 
 from . import facts
 from .session import ChatSession
@@ -33,7 +33,7 @@ def save(session: ChatSession, folder: str | Path) -> Path:
     folder = Path(folder).expanduser().resolve()
     data = (json.dumps(history(session), indent=2, ensure_ascii=False) + "\n").encode()
     stem = time.strftime("chat-%Y%m%d-%H%M%S")
-    atomic.check_writable(folder / f"{stem}.json")  # a file where the folder should be, or a read-only one: say so
+    atomic.check_writable(folder / f"{stem}.json", "save it into a folder you can write")  # one line, no traceback
     for n in range(1, 1000):
         path = folder / (stem + (f"-{n}" if n > 1 else "") + ".json")
         try:
@@ -70,4 +70,7 @@ def load(path: str | Path) -> dict:
     except UnicodeEncodeError:
         raise LocalLLMError(f"{path}: its messages hold text that is not valid Unicode (a lone surrogate); {fix}") \
             from None
+    for i, t in enumerate(turns):  # a reply's left_out only hints where the next prompt starts: a wrong one goes
+        if "left_out" in t and not (is_whole(t["left_out"]) and 0 <= t["left_out"] <= i // 2):
+            turns[i] = {k: v for k, v in t.items() if k != "left_out"}
     return {"system": system, "turns": turns, "model": d.get("model"), "saved": d.get("saved")}

@@ -141,6 +141,9 @@ def read(path: str | Path) -> dict:
     except json.JSONDecodeError as e:
         raise ProfileError(f"tuning profile {path} is not valid JSON ({e.msg}, line {e.lineno}); delete it or "
                            "re-run `localllm tune`") from None
+    except (ValueError, RecursionError) as e:  # a number past Python's limits, nesting past its stack
+        raise ProfileError(f"tuning profile {path} is not a profile ({type(e).__name__}); delete it or re-run "
+                           "`localllm tune`") from None
     why = problems(d)
     if why:
         raise ProfileError(f"tuning profile {path} is not usable ({why}); delete it or re-run `localllm tune`")
@@ -161,7 +164,8 @@ def check_free(model_dir: str | Path, gpu_name: str, sm_count: int, model_id: st
     """(path, the profile there to be replaced or None) for this target's profile; raises when the file at that
     path is something else (unreadable, or another GPU or model with the same file name) and not force."""
     path = path_for(model_dir, gpu_name, budget)
-    atomic.check_writable(path)  # a file where the profiles folder goes, a read-only model folder: one line
+    atomic.check_writable(path, f"make {Path(model_dir)} writable (or move the file that stands where its "
+                                "profiles folder goes)")  # one line, before the timing
     if not path.exists():
         return path, None
     try:
@@ -172,9 +176,9 @@ def check_free(model_dir: str | Path, gpu_name: str, sm_count: int, model_id: st
         raise LocalLLMError(f"{e.args[0].split(';')[0]}; it was left as it is: move it away or run `localllm tune` "
                             "with --force to replace it") from None
     if target_of(old) != _target(gpu_name, sm_count, model_id, budget) and not force:
-        raise LocalLLMError(f"{path} holds the profile of {old['gpu']['name']} / model {old['model_id']}, not "
-                            f"{gpu_name} / model {model_id}; it was left as it is: move it away or run "
-                            "`localllm tune` with --force to replace it")
+        raise LocalLLMError(f"{path} holds the profile of {old['gpu']['name']} ({old['gpu'].get('sm_count')} SMs) / "
+                            f"model {old['model_id']}, not {gpu_name} ({sm_count} SMs) / model {model_id}; it was "
+                            "left as it is: move it away or run `localllm tune` with --force to replace it")
     return path, old
 
 
