@@ -166,19 +166,21 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
         raise LocalLLMError(f"the prompt has {len(ids)} tokens; this model's context is {limit}: shorten it")
     full = limit - len(ids) < max_new_tokens  # the context ends the reply first
     max_new_tokens = min(max_new_tokens, limit - len(ids))
-    lm.settings.generator = torch.Generator(device=dev).manual_seed(seed + 1)
-    me = lm.reply = object()  # (under lm.lock, which the caller holds) a stream opened before stops at its next step
-    dec = lm.decoder(len(ids) + max_new_tokens, keep=reuse)
-    seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=dev)
-    seen[torch.tensor(ids, device=dev)] = True
-    # one uniform draw per token, made on the CPU: the same seed chooses the same tokens on every device
-    draws = torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(seed))
     eos = set(lm.eos_ids)
     stats.prompt_tokens = len(ids)
     t0 = time.perf_counter()
     detok = Detokenizer(tok)
     text, emitted = "", 0  # the decoded text, and how many of its characters were yielded
-    with torch.inference_mode():
+    # inference mode only around the model's work, never across a yield: the caller's code between pieces runs in
+    # its own grad mode (and streams closed in another order than opened restore no stale mode)
+    with lm.lock, torch.inference_mode():
+        me = lm.reply = object()  # a stream opened before stops at its next step
+        lm.settings.generator = torch.Generator(device=dev).manual_seed(seed + 1)
+        dec = lm.decoder(len(ids) + max_new_tokens, keep=reuse)
+        seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=dev)
+        seen[torch.tensor(ids, device=dev)] = True
+        # one uniform draw per token, made on the CPU: the same seed chooses the same tokens on every device
+        draws = torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(seed))
         try:
             logits = dec.prefill(ids, cancel, reuse)
         except Cancelled:
@@ -186,40 +188,40 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
             return
         stats.cached_tokens = dec.reused
         dec.start(logits, len(ids), seen, params, draws)
-        for step, t in enumerate(_steps(lm, me, dec.tokens(max_new_tokens))):
-            if step == 0:
-                stats.time_to_first_token = time.perf_counter() - t0
-                t1 = time.perf_counter()
-            if cancel is not None and cancel.is_set():
-                stats.finish_reason = "cancelled"
-                break
-            if t in eos:
-                stats.finish_reason = "eos"
-                break
-            text = detok.add(t)
-            stats.new_tokens = len(detok.ids)
-            stats.decode_seconds = time.perf_counter() - t1  # kept current: a closed stream's stats stay true
-            cut = min((i for i in (text.find(s, max(0, emitted - len(s))) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                if cut > emitted:
-                    yield text[emitted:cut]
-                stats.finish_reason = "stop"
-                break
-            end = _ready(text, stops)
-            if end > emitted:
-                yield text[emitted:end]
-                emitted = end
-        else:
-            stats.finish_reason = "context" if full else "length"
-        if stats.finish_reason in ("eos", "length", "context") and len(text) > emitted:
-            yield text[emitted:]  # what _ready held back: no stop string came (the tokens' text, as decode gives it)
+    for step, t in enumerate(_steps(lm, me, dec.tokens(max_new_tokens))):
+        if step == 0:
+            stats.time_to_first_token = time.perf_counter() - t0
+            t1 = time.perf_counter()
+        if cancel is not None and cancel.is_set():
+            stats.finish_reason = "cancelled"
+            break
+        if t in eos:
+            stats.finish_reason = "eos"
+            break
+        text = detok.add(t)
+        stats.new_tokens = len(detok.ids)
+        stats.decode_seconds = time.perf_counter() - t1  # kept current: a closed stream's stats stay true
+        cut = min((i for i in (text.find(s, max(0, emitted - len(s))) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            if cut > emitted:
+                yield text[emitted:cut]
+            stats.finish_reason = "stop"
+            break
+        end = _ready(text, stops)
+        if end > emitted:
+            yield text[emitted:end]
+            emitted = end
+    else:
+        stats.finish_reason = "context" if full else "length"
+    if stats.finish_reason in ("eos", "length", "context") and len(text) > emitted:
+        yield text[emitted:]  # what _ready held back: no stop string came (the tokens' text, as decode gives it)
 
 
 def _steps(lm: LocalModel, me: object, tokens: Iterator[int]) -> Iterator[int]:
     """tokens, each step taken under the model's lock and only while this reply is the model's latest (the decoder
     advances inside next(): a reply started since then holds the cache now)."""
     while True:
-        with lm.lock:
+        with lm.lock, torch.inference_mode():
             if lm.reply is not me:
                 raise LocalLLMError("another reply on this model began before this stream ended (replies share the "
                                     "model's KV cache): finish or close() a stream before the next generate()")

@@ -270,12 +270,14 @@ def test_a_later_reply_stops_an_open_stream_and_threads_take_turns(lm):
     first = iter(generate(lm, "Once upon a time", seed=2, stream=True, **kw))
     got = next(first)
     assert alone["Once upon a time"].startswith(got)
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled(), "the caller's mode between pieces"
     second = generate(lm, "The river ran", seed=2, stream=True, **kw)
     it = iter(second)
     text = next(it)
     with pytest.raises(LocalLLMError, match="another reply on this model began before this stream ended"):
         next(first)
     assert text + "".join(it) == alone["The river ran"]
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled(), "no stale mode restored"
     out = {}
 
     def run(p):
