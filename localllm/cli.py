@@ -44,6 +44,9 @@ def _whole_arg(name: str, lo: int, hi: int | None = None):
 def cmd_generate(a) -> None:
     from .generate import generate
     from .runtime import load
+    if len(a.args) > 2:
+        raise LocalLLMError(f"generate takes [MODEL] PROMPT, got {len(a.args)} arguments: quote the prompt "
+                            "(localllm generate MODEL \"a prompt of several words\")")
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else a.args
     if prompt == "-":  # the prompt from standard input: `cat notes.txt | localllm generate MODEL -`
         prompt = sys.stdin.read()
@@ -63,6 +66,8 @@ def cmd_generate(a) -> None:
         print("localllm: --system needs the model's chat template" + (", which --raw turns off" if a.raw else
               f"; {lm.path} has none") + ": the system prompt is not used", file=sys.stderr)
     msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
+    if lm.model.device.type == "cpu":  # the weights' CPU form now (with its bar): "first token" then times the prompt
+        lm.model.make_ready()
     s = generate(lm, msgs if use_chat else prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                  top_p=a.top_p, top_k=a.top_k, repetition_penalty=a.repetition_penalty, min_p=a.min_p, stop=a.stop,
                  seed=a.seed, stream=True)
@@ -163,7 +168,7 @@ def cmd_eval(a) -> None:
     from .evaluate import Reference, load_source, paired_change, read_text, source_path, sweep, tokenize
     from .loader import check_source
     from .model import QDEC_MODES
-    from .runtime import load
+    from .runtime import load, resolve_device
     modes = [m.strip() for m in (a.qdec or DEFAULT_EVAL_QDEC).split(",") if m.strip()]
     bad = [m for m in modes if m not in QDEC_MODES]
     if bad or not modes:
@@ -179,7 +184,7 @@ def cmd_eval(a) -> None:
                             f"got {a.max_tokens}")
     if a.ctx is not None and a.ctx < 2:  # (its upper bound, the model's context, is checked once it loads)
         raise LocalLLMError(f"--ctx must be within 2..the model's context; got {a.ctx}")
-    if a.prefill_int8 and a.device != "cpu":
+    if a.prefill_int8 and resolve_device(a.device).type != "cpu":  # ("auto" without a GPU: the CPU)
         raise LocalLLMError("--prefill-int8 changes prompts only, and eval on the GPU runs token by token: measure its "
                             "effect with --device cpu (the GPU computes the same function)")
     text, name = read_text(a.text)  # the cheap checks before the model loads
@@ -348,8 +353,8 @@ def parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="sizes, bits, calibration and tuning profiles of a model")
     i.add_argument("model", nargs="?", help="model folder (default: the demo model)")
-    i.add_argument("--json", action="store_true")
-    i.add_argument("--gguf-file")
+    i.add_argument("--json", action="store_true", help="print the facts as JSON")
+    i.add_argument("--gguf-file", help="which GGUF file of a folder to describe")
     i.set_defaults(func=cmd_info)
 
     q = sub.add_parser("quantize", help="quantize a checkpoint (+ QDEC residuals and calibration)")
@@ -369,8 +374,9 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--no-smooth-attention", action="store_true",
                    help="do not fold SmoothAttention factors into the keys (they make a 4-bit KV cache more accurate)")
     q.add_argument("--calib-text", help="UTF-8 text file for calibration (default: built-in sample)")
-    q.add_argument("--calib-tokens", type=int, default=4096)
-    q.add_argument("--gguf-file")
+    q.add_argument("--calib-tokens", type=int, default=4096,
+                   help="calibration tokens (default 4096): activation statistics, AWQ's search, the 3.5-bit mix")
+    q.add_argument("--gguf-file", help="which GGUF file of a folder to quantize")
     q.add_argument("--device", default="auto",
                    help="auto (default: the GPU when torch sees one), cpu or cuda: where the blocks are quantized and "
                         "calibrated; the same result up to rounding, many times faster on a GPU")
@@ -436,7 +442,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--residual-bits", default="2,8,16",
                    help="residual widths compared with 4 bits at equal PCIe bytes (default 2,8,16; 16 = fp16; "
                         "empty to skip; 8 is slow to quantize on billion-weight models)")
-    r.add_argument("--group-size", type=int, default=128)
+    r.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES,
+                   help="input channels per scale of the quantized variants (default 128)")
     r.add_argument("--budget", default="2.5,5,10,20,50,100",
                    help="tuner budgets in percent for the GPU Pareto section (default 2.5,5,10,20,50,100: the large "
                         "ones show what compensation costs where QDEC's fixed cost per call exceeds the small ones)")
@@ -463,8 +470,6 @@ def _interrupt(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)  # how it was called (the report records it)
-    if a.command == "generate" and len(a.args) > 2:
-        parser().error("generate takes [MODEL] PROMPT: quote the prompt")
     for stream in (sys.stdout, sys.stderr):  # a terminal that is not UTF-8 shows what it cannot as ?, not a crash
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")

@@ -232,6 +232,9 @@ def quality_md(q: dict, s: dict, folder: Path) -> list[str]:
                        f"{dyn[0]} ({_f(_ppl(q, bits=b, mode='approx', k_chunk=dyn[0], residual_bits=4))}), "
                        f"{k // dyn[0]}x fewer channels.")
     out.append("")
+    if not any(w != 4 for w in s.get("residual_bits") or ()):  # --residual-bits "": nothing to compare
+        return out + [f"## 4. Residual bit width at equal PCIe bytes (paper Table 1), W{b}", "",
+                      "Not measured (`--residual-bits` was empty).", ""]
 
     out += [f"## 4. Residual bit width at equal PCIe bytes (paper Table 1), W{b}", "",
             "The residual R = W − Ŵ quantized per output channel at 2, 4 or 8 bits (symmetric, MSE-searched "

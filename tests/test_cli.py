@@ -134,6 +134,7 @@ def test_bad_input_is_refused_before_the_work(tiny_ckpt, tiny_quant, tmp_path, c
              (["quantize", tiny_ckpt, "-o", q, "--calib-text", binary], "is not UTF-8 text"),
              (["generate", tiny_quant, "hi", "--device", "gpu"], "device 'gpu' is not supported"),
              (["generate", tiny_quant, "", "--raw"], "the prompt is empty"),
+             (["generate", tiny_quant, "two", "words"], "generate takes [MODEL] PROMPT, got 3 arguments"),
              (["eval", tiny_quant, "--max-tokens", "-3"], "--max-tokens must be at least 2"),
              (["eval", tiny_quant, "--k-chunk", ""], "--k-chunk is empty")]
     for args, msg in cases:
@@ -194,6 +195,8 @@ def test_eval_of_a_model_without_residuals_runs_qdec_off(tiny_ckpt, capsys):
     assert main(["eval", str(tiny_ckpt), "--max-tokens", "40", "--ctx", "16", "--qdec", "off,approx"]) == 2
     err = capsys.readouterr().err
     assert "no QDEC residuals" in err and "--qdec off" in err
+    if not torch.cuda.is_available():  # --device auto is the CPU here, where --prefill-int8 evaluates
+        assert main(["eval", str(tiny_ckpt), "--max-tokens", "40", "--prefill-int8"]) == 0
 
 
 def test_a_damaged_tokenizer_is_one_line(tiny_quant, tmp_path, capsys):

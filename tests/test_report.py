@@ -307,6 +307,18 @@ def test_a_run_renders_only_what_it_used(report, tmp_path):
     assert "Data" not in run1 and "Quantized variants: RTN, group size 128, W3, " in run1, "only its W3 variant"
 
 
+def test_no_residual_widths_asked_means_no_table_1(report, tmp_path):
+    """--residual-bits "" measures no other width: section 4 says so instead of a table of 4-bit cells and dashes."""
+    from localllm.report_render import render
+    rep = json.loads(json.dumps(report[1]))
+    rep["runs"][rep["sections"]["quality"]["run"]]["settings"]["residual_bits"] = []
+    rep["sections"]["quality"]["rows"] = [r for r in rep["sections"]["quality"]["rows"] if r["residual_bits"] == 4]
+    render(rep, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "Not measured (`--residual-bits` was empty)" in md and "| 2-bit |" not in md
+    assert not (tmp_path / "table1_residual_bits.png").exists()
+
+
 def test_the_all_channels_check_is_optional(tiny_ckpt, tmp_path, cache):
     from localllm.config import ModelConfig
     from localllm.loader import open_checkpoint
