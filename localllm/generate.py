@@ -173,21 +173,23 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     text, emitted = "", 0  # the decoded text, and how many of its characters were yielded
     # inference mode only around the model's work, never across a yield: the caller's code between pieces runs in
     # its own grad mode (and streams closed in another order than opened restore no stale mode)
-    with lm.lock, torch.inference_mode():
+    with lm.lock:
         me = lm.reply = object()  # a stream opened before stops at its next step
         lm.settings.generator = torch.Generator(device=dev).manual_seed(seed + 1)
+        # (the decoder's buffers made outside inference mode: code that reuses it later may run outside it)
         dec = lm.decoder(len(ids) + max_new_tokens, keep=reuse)
         seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=dev)
         seen[torch.tensor(ids, device=dev)] = True
         # one uniform draw per token, made on the CPU: the same seed chooses the same tokens on every device
         draws = torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(seed))
-        try:
-            logits = dec.prefill(ids, cancel, reuse)
-        except Cancelled:
-            stats.finish_reason = "cancelled"
-            return
-        stats.cached_tokens = dec.reused
-        dec.start(logits, len(ids), seen, params, draws)
+        with torch.inference_mode():
+            try:
+                logits = dec.prefill(ids, cancel, reuse)
+            except Cancelled:
+                stats.finish_reason = "cancelled"
+                return
+            stats.cached_tokens = dec.reused
+            dec.start(logits, len(ids), seen, params, draws)
     for step, t in enumerate(_steps(lm, me, dec.tokens(max_new_tokens))):
         if step == 0:
             stats.time_to_first_token = time.perf_counter() - t0
