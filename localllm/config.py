@@ -66,8 +66,9 @@ class ModelConfig:
             if rope_type not in ("default", "llama3", "linear", "factors"):  # factors: a GGUF's rope_freqs
                 raise LocalLLMError(
                     f"unsupported RoPE scaling '{rope_type}': localllm supports default, linear, llama3 and dynamic "
-                    "RoPE; remove rope_scaling from config.json" + (f" and set max_position_embeddings to {native}"
-                                                                    if native else "")
+                    + ("RoPE; in config.json set rope_parameters' rope_type to \"default\" (keep its rope_theta)"
+                       if cfg.get("rope_parameters") else "RoPE; remove rope_scaling from config.json")
+                    + (f" and set max_position_embeddings to {native}" if native else "")
                     + " to run the model at its native context")
             rope = {} if rope_type == "default" else {**rope, "rope_type": rope_type}
             max_pos = cfg["max_position_embeddings"]

@@ -26,6 +26,19 @@ from .progress import follow_rule_in_transformers
 MANIFEST = "localllm.json"  # marks a quantized localllm model folder
 
 
+def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The shape the config gives a Hugging Face tensor of a Llama-family model (None: a name not checked here)."""
+    D, inter, V, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.q_size, cfg.kv_size
+    if name.startswith("model.layers."):
+        return {"self_attn.q_proj.weight": (q, D), "self_attn.k_proj.weight": (kv, D),
+                "self_attn.v_proj.weight": (kv, D), "self_attn.o_proj.weight": (D, q),
+                "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+                "mlp.gate_proj.weight": (inter, D), "mlp.up_proj.weight": (inter, D),
+                "mlp.down_proj.weight": (D, inter),
+                "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}.get(name.split(".", 3)[3])
+    return {"model.embed_tokens.weight": (V, D), "lm_head.weight": (V, D), "model.norm.weight": (D,)}.get(name)
+
+
 @dataclass
 class Checkpoint:
     config: ModelConfig
@@ -55,7 +68,13 @@ class Checkpoint:
         if name not in self.names:
             raise LocalLLMError(f"checkpoint {self.source['path']} lacks tensor '{name}': the files are incomplete "
                                 "or from another architecture; re-download the checkpoint")
-        return self.get(name).float()
+        t = self.get(name)
+        want = _expected_shape(self.config, name)
+        if want is not None and tuple(t.shape) != want:
+            raise LocalLLMError(f"checkpoint {self.source['path']}: tensor '{name}' is {tuple(t.shape)}, but its "
+                                f"config makes it {want}: the config and the weights are of different models; "
+                                "re-download the checkpoint")
+        return t.float()
 
     def block_tensors(self, i: int) -> dict:
         """Fused weights of block i, as model.build_block takes them."""
@@ -170,12 +189,26 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
             raise LocalLLMError(f"{path} looks like a localllm model whose {MANIFEST} is gone; re-run `localllm "
                                 "quantize` on its source (the manifest holds its configuration and file digests)")
         raise LocalLLMError(f"{path} has no config.json; pass a Hugging Face checkpoint folder or a .gguf file")
-    config = ModelConfig.from_hf(_read_json(cfg_file))
+    raw = _read_json(cfg_file)
+    qc = raw.get("quantization_config")
+    if qc:  # its weights are codes with scales beside them, which these layers would read as plain numbers
+        how = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        raise LocalLLMError(f"{path} is already quantized ({how}, its config.json's quantization_config): localllm "
+                            "quantizes from the float checkpoint; pass the unquantized model (bf16/fp16/fp32)")
+    config = ModelConfig.from_hf(raw)
+    try:  # transformers' own checks of the config, before the tokenizer (which reads it too) reports them as its own
+        from transformers import AutoConfig
+        AutoConfig.from_pretrained(str(path))
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0][:160]
+        raise LocalLLMError(f"{cfg_file} is not a config transformers accepts ({type(e).__name__}: {first}); fix it "
+                            "or re-download the checkpoint") from None
     files = _weight_files(path)
     if not files:
         hint = " (pickled .bin weights are not loaded, for safety: convert them to safetensors)" \
-            if list(path.glob("*.bin")) else ""
-        raise LocalLLMError(f"{path} has no .safetensors weight files{hint}")
+            if list(path.glob("*.bin")) else " (Mistral's own consolidated.safetensors is not read: the Hugging " \
+            "Face format's model*.safetensors is)" if (path / "consolidated.safetensors").exists() else ""
+        raise LocalLLMError(f"{path} has no Hugging Face .safetensors weight files{hint}")
     where: dict[str, object] = {}
     for f in files:
         try:
@@ -184,6 +217,11 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
             raise LocalLLMError(f"corrupt or truncated weight file {f} ({e}); re-download it") from None
         for k in h.keys():
             where[k] = h
+    layers = {int(k.split(".")[2]) for k in where if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+    if layers and max(layers) >= config.num_layers:
+        raise LocalLLMError(f"{path}'s weights hold {max(layers) + 1} decoder layers, its config.json "
+                            f"{config.num_layers} (num_hidden_layers): they are of different models; re-download the "
+                            "checkpoint")
 
     def get(name: str) -> torch.Tensor:
         try:

@@ -162,6 +162,33 @@ def test_checkpoint_layouts_of_real_repos(tmp_path):
         load(untied)
 
 
+def test_checkpoints_that_do_not_fit_their_config_are_refused_in_one_line(tmp_path):
+    """Weights already quantized by another tool (codes the layers would read as plain numbers), a tensor whose shape
+    is not the config's, more layers in the files than the config says, a config transformers refuses."""
+    import json
+    from localllm.errors import LocalLLMError
+    path = make_checkpoint(tmp_path / "a")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "compressed-tensors"}}))
+    with pytest.raises(LocalLLMError, match="is already quantized \\(compressed-tensors"):
+        load(path)
+    (path / "config.json").write_text(json.dumps(cfg))
+    t = _rewrite(path)
+    q = t["model.layers.1.self_attn.q_proj.weight"]
+    _rewrite(path, add={"model.layers.1.self_attn.q_proj.weight": q[: q.shape[0] // 2]})
+    with pytest.raises(LocalLLMError, match=f"'model.layers.1.self_attn.q_proj.weight' is \\({q.shape[0] // 2}, "
+                                            f"{q.shape[1]}\\), but its config makes it \\({q.shape[0]}, {q.shape[1]}\\)"):
+        load(path)
+    _rewrite(path, add=t)
+    (path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] - 1}))
+    with pytest.raises(LocalLLMError, match=f"hold {cfg['num_hidden_layers']} decoder layers, its config.json "
+                                            f"{cfg['num_hidden_layers'] - 1}"):
+        load(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "linear"}}))  # no factor
+    with pytest.raises(LocalLLMError, match="config.json is not a config transformers accepts"):
+        load(path)
+
+
 def test_a_tied_config_with_its_own_head_uses_the_head(tmp_path, capfd):
     """As transformers does: a config that says tied, with a lm_head.weight that differs from the embeddings."""
     from transformers import AutoModelForCausalLM
