@@ -169,15 +169,17 @@ def test_checkpoints_that_do_not_fit_their_config_are_refused_in_one_line(tmp_pa
     from localllm.errors import LocalLLMError
     path = make_checkpoint(tmp_path / "a")
     cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "compressed-tensors"}}))
+    fp8 = {"quant_method": "compressed-tensors"}
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": fp8}))
     with pytest.raises(LocalLLMError, match="is already quantized \\(compressed-tensors"):
         load(path)
     (path / "config.json").write_text(json.dumps(cfg))
     t = _rewrite(path)
     q = t["model.layers.1.self_attn.q_proj.weight"]
     _rewrite(path, add={"model.layers.1.self_attn.q_proj.weight": q[: q.shape[0] // 2]})
-    with pytest.raises(LocalLLMError, match=f"'model.layers.1.self_attn.q_proj.weight' is \\({q.shape[0] // 2}, "
-                                            f"{q.shape[1]}\\), but its config makes it \\({q.shape[0]}, {q.shape[1]}\\)"):
+    n, k = q.shape
+    with pytest.raises(LocalLLMError, match=f"'model.layers.1.self_attn.q_proj.weight' is \\({n // 2}, {k}\\), "
+                                            f"but its config makes it \\({n}, {k}\\)"):
         load(path)
     _rewrite(path, add=t)
     (path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] - 1}))
