@@ -170,6 +170,10 @@ def tokenizer_of(path: Path, **kw):
     """The tokenizer of a checkpoint or quantized model folder (or of a GGUF file in it: gguf_file=), or a one-line
     error where its files are missing or damaged."""
     from transformers import AutoTokenizer
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if "gguf_file" not in kw and Path(path).is_dir() and not any((Path(path) / n).exists() for n in names):
+        raise LocalLLMError(f"{path} holds no tokenizer files: copy the model's tokenizer.json (or tokenizer.model) "
+                            "and tokenizer_config.json into it from its source")
     try:
         # no "clean-up" of decoded text: it strips spaces before punctuation, which BPE tokens spell on purpose
         # (transformers skips it for BPE anyway, with a warning on every run)

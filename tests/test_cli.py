@@ -207,6 +207,11 @@ def test_a_damaged_tokenizer_is_one_line(tiny_quant, tmp_path, capsys):
     assert main(["generate", str(copy), "hi", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "cannot load the tokenizer" in err and "tokenizer.json" in err and len(err.strip().splitlines()) == 1
+    for f in copy.glob("tokenizer*"):  # none at all: said plainly
+        f.unlink()
+    assert main(["generate", str(copy), "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{copy} holds no tokenizer files" in err and len(err.strip().splitlines()) == 1
 
 
 def test_the_source_is_recorded_by_its_absolute_path(tiny_ckpt, tmp_path, monkeypatch):
