@@ -177,6 +177,9 @@ def cmd_eval(a) -> None:
         ks = [int(k) for k in a.k_chunk.split(",") if k.strip()]
     except ValueError:
         raise LocalLLMError(f"--k-chunk takes comma-separated integers, e.g. 2,4,8; got {a.k_chunk!r}") from None
+    if any(k < 1 for k in ks):
+        raise LocalLLMError(f"--k-chunk values are channels per 1024, at least 1; got {a.k_chunk!r} (--qdec off "
+                            "measures no compensation)")
     if not ks and any(m != "off" for m in modes):
         raise LocalLLMError("--k-chunk is empty; QDEC modes other than off need at least one value, e.g. 8")
     if a.max_tokens is not None and a.max_tokens < 2:
@@ -390,7 +393,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--k-chunk", default="8", help="comma-separated channels per 1024 for the modes other than off")
     e.add_argument("--ctx", type=int, help="tokens per window (default 512, or the model's context where shorter)")
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
-    e.add_argument("--seed", type=_seed, default=0, help="seed of the random picks (boundary bucket, random mode)")
+    e.add_argument("--seed", type=_seed, default=0, help="seed of random mode's picks (approx's boundary order is a hash of the input, not random)")
     e.add_argument("--reference", nargs="?", const="source", metavar="MODEL",
                    help="also report KL(MODEL || model) per token; with no MODEL, the source checkpoint the model was "
                         "quantized from (its path is recorded in the model folder)")

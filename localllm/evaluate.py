@@ -1,8 +1,11 @@
 """`localllm eval`: teacher-forced perplexity of a text, under each QDEC setting asked for.
 
 The text is cut into consecutive windows of `ctx` tokens, each predicting its own next tokens. Perplexity =
-exp(mean negative log-likelihood) over all predicted tokens. On the CPU a window runs as one forward pass (every
-position selects its own salient channels when QDEC is on, exactly as decoding would for that token). On a GPU
+exp(mean negative log-likelihood) over all predicted tokens. The windows are plain slices of the text's tokens:
+where the tokenizer adds a BOS token (Llama's does; SmolLM's and Qwen's do not) only the first window starts with
+it. On the CPU a window runs as one forward pass (every position selects its own salient channels when QDEC is on,
+by the rule decoding uses for that token: the same picks up to the rounding of the input, whose last bits the
+approximate selection's boundary order hashes). On a GPU
 with QDEC on it runs token by token through the decode step's CUDA graph, because there the compensation lives
 in the decode GEMV (prompts run uncompensated); with QDEC off a window is one prompt-style forward pass. With an 8-
 or 4-bit KV cache (LocalModel.kv_bits) a window's forward pass fills such a cache and attends over it, as a decode
@@ -162,7 +165,7 @@ def losses(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: 
     if not 2 <= ctx <= limit:
         raise LocalLLMError(f"--ctx must be within 2..{limit} (the model's context); got {ctx}")
     model, dev = lm.model, lm.model.device
-    lm.settings.generator = torch.Generator(device=dev).manual_seed(seed)  # boundary-bucket and random picks
+    lm.settings.generator = torch.Generator(device=dev).manual_seed(seed)  # random mode's picks
     stepwise = dev.type == "cuda" and lm.settings.mode != "off"
     nll = []
     kl = torch.zeros((), dtype=torch.float64, device=dev)

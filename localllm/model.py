@@ -33,7 +33,7 @@ class QdecSettings:
     mode: str = "off"
     k_chunk: dict = field(default_factory=lambda: {k: 0 for k in KINDS})
     blocks: dict = field(default_factory=dict)  # kind -> frozenset of block indices; a kind not here: every block
-    generator: torch.Generator | None = None  # randomness of boundary-bucket / random picks
+    generator: torch.Generator | None = None  # random mode's picks (approx's boundary order hashes the input)
     # observer(linear, x [T, K], idx [T, k]): called with each CPU compensation's input and selected channels
     # (measurements such as the recall of the selection; localllm.outliers)
     observer: Callable[["Linear", torch.Tensor, torch.Tensor], None] | None = None

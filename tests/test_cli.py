@@ -136,7 +136,8 @@ def test_bad_input_is_refused_before_the_work(tiny_ckpt, tiny_quant, tmp_path, c
              (["generate", tiny_quant, "", "--raw"], "the prompt is empty"),
              (["generate", tiny_quant, "two", "words"], "generate takes [MODEL] PROMPT, got 3 arguments"),
              (["eval", tiny_quant, "--max-tokens", "-3"], "--max-tokens must be at least 2"),
-             (["eval", tiny_quant, "--k-chunk", ""], "--k-chunk is empty")]
+             (["eval", tiny_quant, "--k-chunk", ""], "--k-chunk is empty"),
+             (["eval", tiny_quant, "--k-chunk", "8,0"], "--k-chunk values are channels per 1024, at least 1")]
     for args, msg in cases:
         assert main([str(a) for a in args]) == 2, args
         err = capsys.readouterr().err
