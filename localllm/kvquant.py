@@ -54,8 +54,8 @@ def dequantize(codes: Tensor, sz: Tensor, bits: int, dtype: torch.dtype = torch.
     return (c * s[..., None] + z[..., None]).to(dtype)
 
 
-def bytes_per_token(cfg, bits: int) -> int:
-    """GPU bytes one token takes in the KV cache: keys and values of every layer and kv head (fp16 at 16 bits;
-    codes + fp16 scale and zero otherwise)."""
-    per_head = 2 * cfg.head_dim if bits == 16 else 4 * words_per_head(cfg.head_dim, bits) + 4
+def bytes_per_token(cfg, bits: int, cpu: bool = False) -> int:
+    """Bytes one token takes in the KV cache: keys and values of every layer and kv head (at 16 bits the activations'
+    dtype: fp16 on a GPU, float32 on the CPU; codes + fp16 scale and zero otherwise)."""
+    per_head = (4 if cpu else 2) * cfg.head_dim if bits == 16 else 4 * words_per_head(cfg.head_dim, bits) + 4
     return 2 * cfg.num_layers * cfg.num_kv_heads * per_head

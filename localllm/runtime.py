@@ -502,18 +502,20 @@ def _gib(n: float) -> str:
 
 
 def check_kv_cache(cfg, tokens: int, bits: int, free: int, memory: str = "GPU memory") -> None:
-    """Refuse, in one line, a KV cache of `tokens` tokens at `bits` bits that needs more than `free` bytes, naming
-    the kv-bits setting that would fit, or how many tokens fit at the smallest."""
-    need = kvquant.bytes_per_token(cfg, bits) * tokens
+    """Refuse, in one line, a KV cache of `tokens` tokens at `bits` bits that needs more than `free` bytes of
+    `memory` ("host memory": the CPU's cache, float32 at 16 bits), naming the kv-bits setting that would fit, or how
+    many tokens fit at the smallest."""
+    per_token = functools.partial(kvquant.bytes_per_token, cfg, cpu=memory == "host memory")
+    need = per_token(bits) * tokens
     if need <= free:
         return
-    fits = [b for b in kvquant.KV_BITS if b < bits and kvquant.bytes_per_token(cfg, b) * tokens <= free]
+    fits = [b for b in kvquant.KV_BITS if b < bits and per_token(b) * tokens <= free]
     if fits:
         b = fits[0]
-        hint = f"--kv-bits {b} (kv_bits={b}) fits it in {_gib(kvquant.bytes_per_token(cfg, b) * tokens)}"
+        hint = f"--kv-bits {b} (kv_bits={b}) fits it in {_gib(per_token(b) * tokens)}"
     else:
         b = min(kvquant.KV_BITS)
-        hint = f"at most {max(free, 0) // kvquant.bytes_per_token(cfg, b)} tokens fit even at --kv-bits {b}: " \
+        hint = f"at most {max(free, 0) // per_token(b)} tokens fit even at --kv-bits {b}: " \
                "use a shorter prompt or fewer new tokens"
     raise LocalLLMError(f"a KV cache for {tokens} tokens at {bits} bits needs {_gib(need)} of {memory} but "
                         f"{_gib(max(free, 0))} is free; {hint}")
@@ -604,6 +606,7 @@ def describe(lm: LocalModel) -> dict:
         "model_id": m.get("model_id"),
         **lm.sizes(),
         "kv_cache": {"bits": lm.kv_bits, "bytes_per_token": {b: kvquant.bytes_per_token(c, b) for b in kvquant.KV_BITS},
+                     "cpu_bytes_per_token_16": kvquant.bytes_per_token(c, 16, cpu=True),  # float32 on the CPU
                      "smooth_attention": m.get("smooth_attention")},
         "tuning_profiles": sorted(p.name for p in Path(lm.path).glob("profiles/*.json")) if m else [],
         "qdec": {"mode": lm.settings.mode, "k_chunk": lm.settings.k_chunk, "source": lm.qdec_source,

@@ -51,6 +51,9 @@ def test_bytes_per_token_and_the_cache_buffers():
     for bits in (16, 8, 4):
         c = KVCache(cfg, 40, dtype=torch.float16, bits=bits)
         assert sum(b.numel() * b.element_size() for b in c.buffers()) == 40 * kvquant.bytes_per_token(cfg, bits)
+        c = KVCache(cfg, 40, dtype=torch.float32, bits=bits)  # the CPU's: float32 at 16 bits
+        assert sum(b.numel() * b.element_size() for b in c.buffers()) == \
+            40 * kvquant.bytes_per_token(cfg, bits, cpu=True)
     with pytest.raises(LocalLLMError, match="kv-bits 3 is not supported; use one of 16, 8, 4"):
         KVCache(cfg, 8, bits=3)
 
@@ -239,6 +242,8 @@ def test_a_cache_that_does_not_fit_names_the_kv_bits_that_would(tiny_quant, monk
     with pytest.raises(LocalLLMError, match=r"at most 15420 tokens fit even at --kv-bits 4"):
         check_kv_cache(LLAMA3_8B, 32768, 8, gib // 2)
     check_kv_cache(LLAMA3_8B, 32768, 4, int(1.1 * gib))  # fits: no error
+    with pytest.raises(LocalLLMError, match=r"needs 8.0 GiB of host memory"):  # the CPU's 16-bit cache is float32
+        check_kv_cache(LLAMA3_8B, 32768, 16, 5 * gib, "host memory")
     # at load: the weights fit, a 4096-token cache (or the model's context, if shorter) at 16 bits does not, at 8
     # bits it does
     lm = load(tiny_quant, qdec="off")
