@@ -452,7 +452,9 @@ def _tune_or_say(lm: LocalModel, tune: bool) -> None:
 
 
 def _check_budget(budget) -> None:
-    if budget is not None and not (isinstance(budget, (int, float)) and 0 < budget <= 1):
+    # (not a bool; at least 1e-6, as --budget rounds: a smaller one would name a "0pct" profile)
+    ok = isinstance(budget, (int, float)) and not isinstance(budget, bool) and 1e-6 <= budget <= 1
+    if budget is not None and not ok:
         raise LocalLLMError(f"budget={budget!r}: the tuning budget is a fraction of the decode time in (0, 1], e.g. "
                             "0.05 for 5%")
 

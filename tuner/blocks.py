@@ -102,15 +102,17 @@ def values(lins, k_chunk: int, weight: float, rows: slice | None = None) -> dict
 
 def first_order(lins, measured: dict, k_chunk: int) -> dict[int, float] | None:
     """Per block of `lins` (one kind's Linears): quantize's first-order value of compensating its layer at k_chunk
-    (measured["blocks"], localllm.quantize.first_order_values), scaled so that the kind's blocks add up to its
-    measured KL taken away at the measured k_chunk. None where quantize did not record them (models quantized
-    before), at a k_chunk it did not record, or where the kind's blocks add up to nothing to scale."""
+    (measured["blocks"], localllm.quantize.first_order_values), scaled so that the kind's blocks of positive value
+    add up to its measured KL taken away at the measured k_chunk (negative ones, which first order gives a few, are
+    left out of the sum: blocks that nearly cancel would make the scale, and one block's value, unbounded). None
+    where quantize did not record them (models quantized before), at a k_chunk it did not record, or where no block
+    has a positive value to scale."""
     fo = measured.get("blocks")
     if not fo or k_chunk not in fo["k_chunks"] or measured["k_chunk"] not in fo["k_chunks"]:
         return None
     per = fo["kl"][lins[0].kind]
     j, j0 = fo["k_chunks"].index(k_chunk), fo["k_chunks"].index(measured["k_chunk"])
-    ref = sum(per[lin.block][j0] for lin in lins)
+    ref = sum(max(per[lin.block][j0], 0.0) for lin in lins)
     if ref <= 0:
         return None
     weight = taken_away(measured, lins[0].kind) / ref

@@ -44,8 +44,8 @@ def parse_budgets(text: str) -> list[float]:
         except ValueError:
             v = math.nan
         if not 0 < v <= 100 or round(v / 100, 6) == 0:  # (a budget that rounds to 0 would be a 0 profile)
-            raise LocalLLMError(f"a budget is a percentage of the decode time in (0, 100], e.g. 5 or 2.5,5,10,20; "
-                                f"got {part.strip()!r}")
+            raise LocalLLMError(f"a budget is a percentage of the decode time from 0.0001 to 100, e.g. 5 or "
+                                f"2.5,5,10,20; got {part.strip()!r}")
         out.append(round(v / 100, 6))
     if not out:
         raise LocalLLMError(f"no budget given in {text!r}; use e.g. --budget 5 or --budget 2.5,5,10,20")

@@ -356,9 +356,11 @@ def least(problem: Problem, time: Oracle, budget: float) -> Choice:
     if best is None:
         return nothing(problem, budget)
     added, v, n_tb, lay = best
-    k = 1
-    while 2 * k <= lay.k_max and cost.added(n_tb, only(lay.kind, 2 * k)) <= added * (1 + LEAST_SLACK):
-        k *= 2
+    ks = [1]
+    while 2 * ks[-1] <= lay.k_max:
+        ks.append(2 * ks[-1])
+    limit = added + LEAST_SLACK * abs(added)  # (abs: timing noise can make k_chunk 1 cost less than the plain GEMV)
+    k = max(k for k in ks if cost.added(n_tb, only(lay.kind, k)) <= limit)  # k_chunk 1 always qualifies
     return Choice(budget, v, n_tb, only(lay.kind, k), cost.slowdown(n_tb, only(lay.kind, k)), 0)
 
 

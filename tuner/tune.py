@@ -7,7 +7,7 @@ then timed with it (a captured graph, as generation runs) and compared with the 
 GEMV timings miss something: overlap, launch order, the QDEC variant's own cost; a setting whose first pair is
 over is timed twice, and the two averaged), the search runs again with its target cut by the measured overshoot
 (allocate: by SHRINK; its cost per compensating call that the GEMV timings miss is the mean over every setting
-measured so far, kept for the later budgets), and the step is timed again, up to MAX_TRIES times.
+its searches measured so far (not the one-call fallback's), kept for the later budgets), and the step is timed again, up to MAX_TRIES times.
 
 Before a budget settles on no compensation (nothing predicted to fit, or still over after the tries), one more
 setting is timed and kept if it measures within the budget. With the value search it is the single compensating
@@ -135,7 +135,7 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
     kinds = [lay.kind for lay in problem.layers if lay.k_max > 0]
     valued = bool(kinds) and bench.block_values(kinds[0], 1) is not None
     # allocate(): what each compensating call costs the decode step beyond its GEMV timing, the mean over every
-    # setting measured so far (each pair is noisy: a bound learned from overshoots alone only grows, and one noisy
+    # setting allocate() chose and was measured so far (each pair is noisy: a bound learned from overshoots alone only grows, and one noisy
     # overshoot could leave a small budget with nothing)
     misses: dict[tuple, float] = {}  # per setting measured
     per_call = 0.0
@@ -159,7 +159,8 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
             if slow <= budget:
                 row = Row(c, on, off, slow, tries)
             else:
-                target *= SHRINK if valued else budget / slow * SHRINK
+                # the paper's search: below what this setting was predicted to cost, or it may be chosen again
+                target = target * SHRINK if valued else min(target, c.predicted) * budget / slow * SHRINK
         if row is None:  # nothing predicted to fit, or still over: the least setting (one call), measured
             c = replace(single(problem, memo, budget, bench.block_values) if valued else least(problem, memo, budget),
                         budget=budget)
