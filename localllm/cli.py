@@ -394,7 +394,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--k-chunk", default="8", help="comma-separated channels per 1024 for the modes other than off")
     e.add_argument("--ctx", type=int, help="tokens per window (default 512, or the model's context where shorter)")
     e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
-    e.add_argument("--seed", type=_seed, default=0, help="seed of random mode's picks (approx's boundary order is a hash of the input, not random)")
+    e.add_argument("--seed", type=_seed, default=0,
+                   help="seed of random mode's picks (approx's boundary order is a hash of the input, not random)")
     e.add_argument("--reference", nargs="?", const="source", metavar="MODEL",
                    help="also report KL(MODEL || model) per token; with no MODEL, the source checkpoint the model was "
                         "quantized from (its path is recorded in the model folder)")
