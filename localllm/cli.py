@@ -131,8 +131,8 @@ def cmd_info(a) -> None:
           f"{mb(d['cpu_unpacked_bytes'])} where that does not fit (their codes unpacked, slower)")
     kv, sa = d["kv_cache"], d["kv_cache"]["smooth_attention"]
     per_token = ", ".join(f"{n / 2**10:.1f} KiB at {b} bits" for b, n in kv["bytes_per_token"].items())
-    print(f"KV cache     per token {per_token} (16 bits on the CPU, float32: {kv['cpu_bytes_per_token_16'] / 2**10:.1f} "
-          "KiB); SmoothAttention " + (f"alpha {sa['alpha']}" if sa else "none"))
+    cpu16 = kv["cpu_bytes_per_token_16"] / 2**10
+    print(f"KV cache     per token {per_token} (16 bits on the CPU, float32: {cpu16:.1f} KiB); SmoothAttention " + (f"alpha {sa['alpha']}" if sa else "none"))
     if d["calibration"]:
         c = d["calibration"]
         print(f"calibration  {c['tokens']} tokens of {c['text']}, k_chunk up to {c['kmax']}")

@@ -7,7 +7,8 @@ then timed with it (a captured graph, as generation runs) and compared with the 
 GEMV timings miss something: overlap, launch order, the QDEC variant's own cost; a setting whose first pair is
 over is timed twice, and the two averaged), the search runs again with its target cut by the measured overshoot
 (allocate: by SHRINK; its cost per compensating call that the GEMV timings miss is the mean over every setting
-its searches measured so far (not the one-call fallback's), kept for the later budgets), and the step is timed again, up to MAX_TRIES times.
+its searches measured so far (not the one-call fallback's), kept for the later budgets; the paper's search: from
+the lower of its target and the setting's predicted cost), and the step is timed again, up to MAX_TRIES times.
 
 Before a budget settles on no compensation (nothing predicted to fit, or still over after the tries), one more
 setting is timed and kept if it measures within the budget. With the value search it is the single compensating
@@ -135,8 +136,8 @@ def run(problem: Problem, bench: Bench, budgets, evaluate: bool = True, bar=None
     kinds = [lay.kind for lay in problem.layers if lay.k_max > 0]
     valued = bool(kinds) and bench.block_values(kinds[0], 1) is not None
     # allocate(): what each compensating call costs the decode step beyond its GEMV timing, the mean over every
-    # setting allocate() chose and was measured so far (each pair is noisy: a bound learned from overshoots alone only grows, and one noisy
-    # overshoot could leave a small budget with nothing)
+    # setting allocate() chose and was measured so far (each pair is noisy: a bound learned from overshoots alone
+    # only grows, and one noisy overshoot could leave a small budget with nothing)
     misses: dict[tuple, float] = {}  # per setting measured
     per_call = 0.0
     for budget in sorted(set(budgets)):
