@@ -290,15 +290,17 @@ class ActStats:
         self._kth = torch.zeros(min(kmax, CHUNK), dtype=torch.float32, device=device)  # [kmax]
         self._sq_sum = torch.zeros(in_features, dtype=torch.float64, device=device)  # float64: many vectors are summed
         self._count = 0
-        # per chunk: k_for_chunk of every tracked k_chunk, each in [1, c] (made once: a copy to the GPU waits for it)
-        self._ks = [torch.tensor([k_for_chunk(kc, e - s) for kc in range(1, self._kth.numel() + 1)], device=device)
-                    for s, e in chunk_bounds(in_features)]
+        self._ks: list[Tensor] | None = None  # made at the first update (statistics loaded with a model need none)
 
     def update(self, x: Tensor) -> None:
         """Accumulate vectors x [..., K]."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected last dim {self.in_features}, got {x.shape[-1]}")
         x = x.reshape(-1, self.in_features)
+        if self._ks is None:  # per chunk: k_for_chunk of every tracked k_chunk, each in [1, c] (made once: on a GPU
+            # the copy waits for the device)
+            self._ks = [torch.tensor([k_for_chunk(kc, e - s) for kc in range(1, self._kth.numel() + 1)],
+                                     device=self._kth.device) for s, e in chunk_bounds(self.in_features)]
         step = max(1, _BLOCK_ELEMS // self.in_features)  # token blocks bound the float32 copies
         for t0 in range(0, x.shape[0], step):
             xb = x[t0 : t0 + step]

@@ -90,14 +90,14 @@ class LocalModel:
             free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(
                 dev) if dev.type == "cuda" else host_available()  # torch's own GPU cache is free to this one too
             if free is not None:
-                memory = "GPU memory" if dev.type == "cuda" else "host memory"
+                cpu = dev.type != "cuda"
                 try:
-                    check_kv_cache(self.model.cfg, n, self.kv_bits, free - WORKSPACE_BYTES, memory)
+                    check_kv_cache(self.model.cfg, n, self.kv_bits, free - WORKSPACE_BYTES, cpu)
                 except LocalLLMError:
                     if n == need:
                         raise
                     n = need  # the doubling does not fit: just what is needed
-                    check_kv_cache(self.model.cfg, n, self.kv_bits, free - WORKSPACE_BYTES, memory)
+                    check_kv_cache(self.model.cfg, n, self.kv_bits, free - WORKSPACE_BYTES, cpu)
             self._decoder = Decoder(self.model, n, kv_bits=self.kv_bits)
             if kept is not None:  # a chat that outgrows its cache keeps what it holds
                 self._decoder.restore(*kept)
@@ -503,11 +503,12 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def check_kv_cache(cfg, tokens: int, bits: int, free: int, memory: str = "GPU memory") -> None:
-    """Refuse, in one line, a KV cache of `tokens` tokens at `bits` bits that needs more than `free` bytes of
-    `memory` ("host memory": the CPU's cache, float32 at 16 bits), naming the kv-bits setting that would fit, or how
-    many tokens fit at the smallest."""
-    per_token = functools.partial(kvquant.bytes_per_token, cfg, cpu=memory == "host memory")
+def check_kv_cache(cfg, tokens: int, bits: int, free: int, cpu: bool = False) -> None:
+    """Refuse, in one line, a KV cache of `tokens` tokens at `bits` bits that needs more than `free` bytes of GPU
+    memory (cpu: of host memory, for the CPU's cache, float32 at 16 bits), naming the kv-bits setting that would
+    fit, or how many tokens fit at the smallest."""
+    per_token = functools.partial(kvquant.bytes_per_token, cfg, cpu=cpu)
+    memory = "host memory" if cpu else "GPU memory"
     need = per_token(bits) * tokens
     if need <= free:
         return

@@ -243,7 +243,7 @@ def test_a_cache_that_does_not_fit_names_the_kv_bits_that_would(tiny_quant, monk
         check_kv_cache(LLAMA3_8B, 32768, 8, gib // 2)
     check_kv_cache(LLAMA3_8B, 32768, 4, int(1.1 * gib))  # fits: no error
     with pytest.raises(LocalLLMError, match=r"needs 8.0 GiB of host memory"):  # the CPU's 16-bit cache is float32
-        check_kv_cache(LLAMA3_8B, 32768, 16, 5 * gib, "host memory")
+        check_kv_cache(LLAMA3_8B, 32768, 16, 5 * gib, cpu=True)
     # at load: the weights fit, a 4096-token cache (or the model's context, if shorter) at 16 bits does not, at 8
     # bits it does
     lm = load(tiny_quant, qdec="off")
