@@ -22,6 +22,7 @@ interval from the spread of the differences over blocks of tokens.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -103,6 +104,11 @@ class Reference:
         if v_ref != v:
             raise LocalLLMError(f"the reference {ref.path} has a vocabulary of {v_ref} tokens, the model {v}: give "
                                 "the checkpoint the model was quantized from as --reference")
+        shape = lambda c: (c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads)  # noqa: E731
+        if shape(ref.model.cfg) != shape(lm.model.cfg):  # allowed (a larger teacher), but rarely what was meant
+            print(f"localllm: warning: the reference {ref.path} is not shaped as {lm.path} (hidden, MLP, layers, heads "
+                  f"{shape(ref.model.cfg)} vs {shape(lm.model.cfg)}), so it is not its source: the KL column is the "
+                  "distance from another model", file=sys.stderr)
         self.lm, self.cache, self.cached = ref, {}, 0
 
     def log_probs(self, start: int, w: torch.Tensor) -> torch.Tensor:

@@ -408,6 +408,9 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         src = demo_model()
     path = Path(src).expanduser()
     if path.is_dir() and (path / MANIFEST).exists():
+        if gguf_file:  # a quantized folder has no GGUF to pick: the name would be ignored, and the user misled
+            raise LocalLLMError(f"{path} is a quantized model folder, which holds no GGUF: drop --gguf-file "
+                                f"{gguf_file} (it picks a file of a source checkpoint folder)")
         try:
             model, manifest = modelfile.load(path, verify=verify)
         except LocalLLMError as e:

@@ -123,7 +123,8 @@ def test_chat_errors_before_the_app_are_one_line(capsys, tmp_path):
 
 def test_bad_input_is_refused_before_the_work(tiny_ckpt, tiny_quant, tmp_path, capsys):
     """Each a one-line error, before any quantizing or evaluating: an output under a file, a calibration of no
-    tokens or of binary text, a device torch does not know, an empty prompt, too few tokens, no k_chunk."""
+    tokens or of binary text, a device torch does not know, an empty prompt, a GGUF file named for a quantized
+    folder, too few tokens, no k_chunk."""
     f = tmp_path / "afile"
     f.write_text("x")
     binary = tmp_path / "bin.txt"
@@ -135,6 +136,7 @@ def test_bad_input_is_refused_before_the_work(tiny_ckpt, tiny_quant, tmp_path, c
              (["generate", tiny_quant, "hi", "--device", "gpu"], "device 'gpu' is not supported"),
              (["generate", tiny_quant, "", "--raw"], "the prompt is empty"),
              (["generate", tiny_quant, "two", "words"], "generate takes [MODEL] PROMPT, got 3 arguments"),
+             (["info", tiny_quant, "--gguf-file", "m.gguf"], "holds no GGUF: drop --gguf-file m.gguf"),
              (["eval", tiny_quant, "--max-tokens", "-3"], "--max-tokens must be at least 2"),
              (["eval", tiny_quant, "--k-chunk", ""], "--k-chunk is empty"),
              (["eval", tiny_quant, "--k-chunk", "8,0"], "--k-chunk values are channels per 1024, at least 1")]

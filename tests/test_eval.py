@@ -156,6 +156,20 @@ def test_a_reference_tells_windows_of_another_text_apart_and_gives_each_setting_
     assert score(dense_lm, b, ctx=64, reference=ref)[1] == pytest.approx(0, abs=1e-5)  # not text a's windows
 
 
+def test_a_reference_shaped_unlike_the_model_is_named(tiny_ckpt, tmp_path, capsys):
+    """A reference of the same vocabulary but another shape cannot be the model's source: allowed, with a warning."""
+    from conftest import make_checkpoint
+    from localllm.evaluate import Reference
+    dense_lm = load(tiny_ckpt)
+    Reference(load(tiny_ckpt), dense_lm)
+    assert "warning" not in capsys.readouterr().err
+    other = load(make_checkpoint(tmp_path / "other", num_hidden_layers=1))
+    capsys.readouterr()  # (the checkpoint writer's progress)
+    Reference(other, dense_lm)
+    err = capsys.readouterr().err
+    assert "is not shaped as" in err and "not its source" in err and len(err.strip().splitlines()) == 1
+
+
 def test_kl_from_the_source_matches_a_direct_computation_and_falls_with_compensation(tiny_ckpt, tiny_quant):
     from localllm.evaluate import Reference, score
     dense_lm, lm = load(tiny_ckpt), load(tiny_quant, qdec="off")
