@@ -379,7 +379,8 @@ def parser() -> argparse.ArgumentParser:
                    help="do not fold SmoothAttention factors into the keys (they make a 4-bit KV cache more accurate)")
     q.add_argument("--calib-text", help="UTF-8 text file for calibration (default: built-in sample)")
     q.add_argument("--calib-tokens", type=int, default=4096,
-                   help="calibration tokens (default 4096): activation statistics, AWQ's search, the 3.5-bit mix")
+                   help="calibration tokens (default 4096), in whole sequences of 512 (rounded down, at least one): "
+                        "activation statistics, AWQ's search, the 3.5-bit mix")
     q.add_argument("--gguf-file", help="which GGUF file of a folder to quantize")
     q.add_argument("--device", default="auto",
                    help="auto (default: the GPU when torch sees one), cpu or cuda: where the blocks are quantized and "

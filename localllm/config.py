@@ -63,6 +63,12 @@ class ModelConfig:
                 rope_type, cap = "default", native or cfg["max_position_embeddings"]
             else:
                 cap = None
+            if not (isinstance(heads, int) and heads > 0):
+                raise LocalLLMError(f"config.json's num_attention_heads is {heads!r}: the checkpoint's config is "
+                                    "damaged; re-download it")
+            head_dim = cfg.get("head_dim") or hidden // heads
+            if rope_type == "factors" and not _factors_fit(rope.get("factors"), head_dim):
+                rope_type = "factors (without a list of head_dim / 2 numbers)"  # only a GGUF's rope_freqs make one
             if rope_type not in ("default", "llama3", "linear", "factors"):  # factors: a GGUF's rope_freqs
                 raise LocalLLMError(
                     f"unsupported RoPE scaling '{rope_type}': localllm supports default, linear, llama3 and dynamic "
@@ -71,6 +77,14 @@ class ModelConfig:
                     + (f" and set max_position_embeddings to {native}" if native else "")
                     + " to run the model at its native context")
             rope = {} if rope_type == "default" else {**rope, "rope_type": rope_type}
+            if rope_type == "llama3":  # as transformers fills it in
+                rope.setdefault("original_max_position_embeddings", cfg["max_position_embeddings"])
+            # (Llama's default is one kv head per head, Mistral's 8, Qwen2's 32, whatever the heads)
+            kv_heads = cfg.get("num_key_value_heads") or _hf_kv_heads(mt, heads)
+            if kv_heads < 1 or heads % kv_heads:
+                raise LocalLLMError(f"config.json's num_attention_heads ({heads}) is not a multiple of "
+                                    f"num_key_value_heads ({kv_heads}): the checkpoint's config is damaged; "
+                                    "re-download it")
             max_pos = cfg["max_position_embeddings"]
             if _slides(mt, cfg):  # sliding-window attention only differs past the window: we cap the context there
                 max_pos = min(max_pos, cfg["sliding_window"])
@@ -81,8 +95,8 @@ class ModelConfig:
                 intermediate_size=cfg["intermediate_size"],
                 num_layers=cfg["num_hidden_layers"],
                 num_heads=heads,
-                num_kv_heads=cfg.get("num_key_value_heads") or (8 if mt == "mistral" else heads),  # transformers
-                head_dim=cfg.get("head_dim") or hidden // heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
                 rms_norm_eps=cfg["rms_norm_eps"],
                 rope_theta=float(theta),
                 rope_scaling=rope,
@@ -129,6 +143,18 @@ def _hf_defaults(model_type: str) -> dict:
     from transformers import AutoConfig
     d = AutoConfig.for_model(model_type).to_dict()
     return {k: d[k] for k in DEFAULTED if k in d}
+
+
+def _hf_kv_heads(model_type: str, heads: int) -> int:
+    """transformers' num_key_value_heads for a config that leaves it out."""
+    from transformers import AutoConfig
+    return AutoConfig.for_model(model_type, num_attention_heads=heads).num_key_value_heads
+
+
+def _factors_fit(factors, head_dim: int) -> bool:
+    """Whether `factors` is what a GGUF's rope_freqs gives: one positive number per rotated pair of a head."""
+    return isinstance(factors, list) and len(factors) == head_dim // 2 and all(
+        isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)
 
 
 def _slides(model_type: str, cfg: dict) -> bool:

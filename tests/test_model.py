@@ -51,6 +51,35 @@ def test_dynamic_rope_runs_as_default_within_its_native_context_and_yarn_is_refu
         ModelConfig.from_hf(yarn)
 
 
+def test_llama3_rope_without_its_native_context_takes_transformers_value(tmp_path):
+    import json
+    path = make_checkpoint(tmp_path / "l3", "llama3")
+    c = json.loads((path / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling"):
+        (c.get(key) or {}).pop("original_max_position_embeddings", None)
+    (path / "config.json").write_text(json.dumps(c))
+    ours, ref = load(path).model, _hf(path)
+    toks = torch.arange(10, 250)[None]
+    with torch.no_grad():
+        assert (ours(toks) - ref(toks).logits).abs().max() < 1e-4
+
+
+def test_damaged_head_counts_and_rope_factors_are_one_line_errors():
+    from localllm.config import ModelConfig
+    from localllm.errors import LocalLLMError
+    base = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4)
+    with pytest.raises(LocalLLMError, match=r"num_attention_heads \(4\) is not a multiple of num_key_value_heads \(3\)"):
+        ModelConfig.from_hf({**base, "num_key_value_heads": 3})
+    with pytest.raises(LocalLLMError, match="num_attention_heads is 0"):
+        ModelConfig.from_hf({**base, "num_attention_heads": 0})
+    # "factors" is what a GGUF's rope_freqs become: from a config.json only with one factor per rotated pair
+    with pytest.raises(LocalLLMError, match="unsupported RoPE scaling 'factors"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "factors"}})
+    ok = ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "factors", "factors": [1.0] * 8}})
+    assert ok.rope_scaling["rope_type"] == "factors"
+
+
 def test_kv_cache_decode_matches_full_forward(tiny_ckpt):
     from localllm.model import KVCache
     m = load(tiny_ckpt).model
@@ -73,7 +102,7 @@ def test_llama_biases_it_cannot_run_are_refused():
     for flag in ("attention_bias", "mlp_bias"):
         with pytest.raises(LocalLLMError, match=f"unsupported Llama variant \\({flag} true"):
             ModelConfig.from_hf({**base, "model_type": "llama", flag: True})
-    assert ModelConfig.from_hf({**base, "model_type": "qwen2"}).qkv_bias
+    assert ModelConfig.from_hf({**base, "model_type": "qwen2", "num_key_value_heads": 2}).qkv_bias
     assert not ModelConfig.from_hf({**base, "model_type": "llama", "attention_bias": False}).qkv_bias
 
 
@@ -85,6 +114,8 @@ def test_config_keys_left_out_take_transformers_defaults_and_other_activations_a
     base = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=16)
     llama = ModelConfig.from_hf({**base, "model_type": "llama"})
     assert (llama.rms_norm_eps, llama.max_position_embeddings, llama.num_kv_heads) == (1e-6, 2048, 16)
+    qwen2 = ModelConfig.from_hf({**base, "model_type": "qwen2", "num_attention_heads": 64, "hidden_size": 256})
+    assert qwen2.num_kv_heads == 32  # Qwen2Config's own default, not one kv head per head
     mistral = ModelConfig.from_hf({**base, "model_type": "mistral"})  # slides at 4096 with 8 kv heads
     assert (mistral.max_position_embeddings, mistral.num_kv_heads) == (4096, 8)
     assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": None}).max_position_embeddings \
@@ -92,8 +123,9 @@ def test_config_keys_left_out_take_transformers_defaults_and_other_activations_a
     assert ModelConfig.from_hf({**base, "model_type": "llama", "hidden_act": "swish"}).num_layers == 2
     for act in ("gelu", "gelu_pytorch_tanh"):
         with pytest.raises(LocalLLMError, match=f"unsupported activation '{act}' \\(hidden_act\\)"):
-            ModelConfig.from_hf({**base, "model_type": "qwen2", "hidden_act": act})
-    qwen = {**base, "model_type": "qwen2", "max_position_embeddings": 512, "sliding_window": 16}
+            ModelConfig.from_hf({**base, "model_type": "qwen2", "num_key_value_heads": 4, "hidden_act": act})
+    qwen = {**base, "model_type": "qwen2", "num_key_value_heads": 4, "max_position_embeddings": 512,
+            "sliding_window": 16}
     assert ModelConfig.from_hf(qwen).max_position_embeddings == 512  # use_sliding_window false: full attention
     slide = {**qwen, "use_sliding_window": True, "max_window_layers": 1}  # layer 1 slides
     assert ModelConfig.from_hf(slide).max_position_embeddings == 16
