@@ -359,6 +359,11 @@ async def test_a_saved_chat_goes_on_where_it_stopped(tiny_quant, tmp_path, repli
         assert nxt.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
                               {"role": "assistant", "content": one.text}, {"role": "user", "content": "And then?"}]
         assert session.turns[1]["settings"] == saved["turns"][1]["settings"]  # kept for the next save
+    many = {**saved, "turns": saved["turns"] * 300}  # a long chat, shown whole
+    app = ChatApp(str(tiny_quant), save_dir=tmp_path, resume=many)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        assert len(app.query(ReplyMessage)) == 300 and len(app.query(UserMessage)) == 300
 
 
 def test_resume_refuses_what_is_not_a_saved_chat(tmp_path, capsys):
@@ -372,7 +377,8 @@ def test_resume_refuses_what_is_not_a_saved_chat(tmp_path, capsys):
     bad.write_text(json.dumps({"format": "localllm-chat/1", "messages": [{"role": "assistant", "content": "hi"}]}))
     assert main(["chat", "--resume", str(bad)]) != 0
     assert "user and assistant turns in alternation" in capsys.readouterr().err
-    for text, why in (("[" * 100000 + "]" * 100000, "RecursionError"),  # JSON the parser cannot take
+    for text, why in (('{"a": ' + "[" * 100000 + "]" * 100000 + "}", "RecursionError"),  # JSON the parser cannot take
+                      ("GGUF\x03\x00" + "x" * 1000, "it does not begin as a JSON object"),  # a model passed by mistake
                       (json.dumps({"format": "localllm-chat/1", "messages": [  # what saving could not write again
                           {"role": "user", "content": "hi \ud800"}, {"role": "assistant", "content": "?"}]}),
                        "not valid Unicode")):
@@ -380,6 +386,17 @@ def test_resume_refuses_what_is_not_a_saved_chat(tmp_path, capsys):
         assert main(["chat", "--resume", str(bad)]) != 0
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"localllm: error: {bad}") and why in err and len(err.splitlines()) == 1
+
+
+def test_resume_refuses_a_file_too_large_to_be_a_chat_without_reading_it(tmp_path, monkeypatch):
+    from localllm.errors import LocalLLMError
+    from localllm.tui import history
+    f = tmp_path / "big.json"
+    f.write_text(json.dumps({"format": "localllm-chat/1", "messages": [], "pad": "x" * 5000}))
+    monkeypatch.setattr(history, "MAX_BYTES", 4096)
+    monkeypatch.setattr(type(f), "read_text", lambda *a, **k: pytest.fail("read whole"))
+    with pytest.raises(LocalLLMError, match="is not a saved chat \\(0 MB, over 0 MB\\)"):
+        history.load(f)
 
 
 def test_a_saved_replys_left_out_that_makes_no_sense_is_dropped(tmp_path):
@@ -465,6 +482,40 @@ async def test_a_pasted_text_keeps_its_lines_and_enter_sends_it_once(tiny_quant,
         app.post_message(events.Paste("Be brief.\r\nAnswer in \x1b[1mFrench."))  # its control characters dropped too
         await pilot.pause()
         assert system.value == "Be brief. Answer in [1mFrench." and app.settings.system == system.value
+
+
+@scenario
+async def test_a_message_keeps_its_first_lines_indentation(tiny_quant, replies):
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=2, seed=1))
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        app.query_one(PromptInput).text = "\n  \n    x = 1\n    y = 2\n\n"
+        await pilot.press("enter")
+        reply = await done(pilot, await until_sent(pilot, replies))
+        assert reply.user_text == "    x = 1\n    y = 2"  # (blank lines around it dropped)
+
+
+@scenario
+async def test_sending_follows_the_new_message_after_scrolling_up_and_page_keys_scroll_from_anywhere(
+        tiny_quant, monkeypatch, replies):
+    lines = "".join(f"line {i}\n\n" for i in range(120))
+    monkeypatch.setattr("localllm.tui.session.generate",
+                        lambda *a, **kw: Stream(iter([lines]), Stats(new_tokens=120, finish_reason="length")))
+    app = ChatApp(str(tiny_quant))
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await done(pilot, await send(pilot, replies, "first"))
+        await pilot.pause(0.2)
+        t = app.query_one("Transcript")
+        assert t.scroll_y == t.max_scroll_y > 0
+        await pilot.press("f2")  # focus in the settings panel: the page keys are still the transcript's
+        await pilot.press("pageup")
+        await pilot.pause(0.1)
+        assert t.scroll_y < t.max_scroll_y
+        await pilot.press("f2")
+        await done(pilot, await send(pilot, replies, "second"))
+        await pilot.pause(0.2)
+        assert t.scroll_y == t.max_scroll_y  # the new message and its reply are in view
 
 
 async def until_sent(pilot, replies):

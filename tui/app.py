@@ -2,6 +2,8 @@
 Textual worker threads and reports to the UI thread with messages, so the UI never waits on the model."""
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 from textual import events, work
@@ -76,11 +78,9 @@ class _Closing(BaseException):
 
 class PromptInput(TextArea):
     """The message being typed: Enter sends it, ctrl+j (or shift+enter where the terminal tells it apart) starts a new
-    line, and a paste keeps all its lines. PageUp / PageDown scroll the transcript, not this box."""
+    line, and a paste keeps all its lines. PageUp / PageDown scroll the transcript (the app's), not this box."""
     BINDINGS = [Binding("enter", "submit", "Send"), Binding("ctrl+j,shift+enter", "newline", "New line", show=False),
-                Binding("ctrl+shift+z", "redo", show=False),  # (ctrl+y copies the last reply)
-                Binding("pageup", "app.scroll_transcript(-1)", show=False),
-                Binding("pagedown", "app.scroll_transcript(1)", show=False)]
+                Binding("ctrl+shift+z", "redo", show=False)]  # (ctrl+y copies the last reply)
 
     class Submitted(Message):
         pass
@@ -121,6 +121,9 @@ class ChatApp(App):
         Binding("ctrl+s", "save", "Save chat"),
         Binding("f2", "toggle_settings", "Settings"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
+        # the transcript's, wherever the focus is (the message box and the settings panel would take them)
+        Binding("pageup", "scroll_transcript(-1)", show=False, priority=True),
+        Binding("pagedown", "scroll_transcript(1)", show=False, priority=True),
     ]
 
     def __init__(self, model: str | None = None, *, gguf_file: str | None = None, device: str = "cpu",
@@ -295,7 +298,8 @@ class ChatApp(App):
 
     async def action_send(self) -> None:
         prompt = self.query_one(PromptInput)
-        text = prompt.text.strip()
+        # as typed, but for blank lines around it: a first line's indentation is the text's (pasted code)
+        text = re.sub(r"^(?:[ \t]*\n)+", "", prompt.text.rstrip())
         if self.session is None or not text:
             return
         if self.session.running is not None:
@@ -305,6 +309,7 @@ class ChatApp(App):
         transcript = self.query_one(Transcript)
         await transcript.add(UserMessage(text))
         view = await transcript.add(ReplyMessage(facts.model_name(self.session.lm)))
+        transcript.follow()  # the new message, and the reply as it grows, even if the user had scrolled up
         reply = self.session.send(text)  # from here to the worker's start nothing awaits: Esc finds the worker
         self._current = (reply, view)
         self._reply_worker = self._generate(reply)
@@ -367,14 +372,11 @@ class ChatApp(App):
     async def _show_saved(self, session: ChatSession, saved: dict) -> None:
         """A chat read back: its turns go on in this session (the next reply gets them) and are shown as they were."""
         session.go_on(saved)
-        transcript = self.query_one(Transcript)
-        for t in session.turns:
-            if t["role"] == "user":
-                await transcript.add(UserMessage(t["content"]))
-            else:
-                view = await transcript.add(ReplyMessage(facts.model_name(session.lm)))
-                note = "from the saved chat" + (" · cancelled" if t.get("cancelled") else "")
-                await view.show_saved(t["content"], note)
+        who, transcript = facts.model_name(session.lm), self.query_one(Transcript)
+        note = lambda t: "from the saved chat" + (" · cancelled" if t.get("cancelled") is True else "")  # noqa: E731
+        # mounted together: one layout for the whole chat (one mount per turn re-laid out the transcript each time)
+        await transcript.mount_all([UserMessage(t["content"]) if t["role"] == "user" else
+                                    ReplyMessage(who, saved=(t["content"], note(t))) for t in session.turns])
         when = f" of {saved['saved']}" if saved.get("saved") else ""
         model = f", made with {saved['model']}" if saved.get("model") and saved["model"] != session.lm.path else ""
         exchanges = len(session.turns) // 2

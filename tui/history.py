@@ -3,6 +3,7 @@ read one back to go on with it (`localllm chat --resume FILE`)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from . import facts
 from .session import ChatSession
 
 FORMAT = "localllm-chat/1"
+MAX_BYTES = 256 << 20  # a saved chat is text: a long one is a few MB; a file past this is something else
 
 
 def history(session: ChatSession) -> dict:
@@ -50,6 +52,13 @@ def load(path: str | Path) -> dict:
     path = Path(path).expanduser()
     fix = "pass a chat that Ctrl+S saved in `localllm chat`"
     try:
+        with open(path, "rb") as f:  # sniffed first: a model file passed by mistake is not read whole into memory
+            head = f.read(64).lstrip()
+            size = os.fstat(f.fileno()).st_size
+        if not head.startswith(b"{") or size > MAX_BYTES:
+            what = f"{size / 2**20:.0f} MB, over {MAX_BYTES >> 20} MB" if head.startswith(b"{") else \
+                "it does not begin as a JSON object"
+            raise LocalLLMError(f"{path} is not a saved chat ({what}); {fix}")
         d = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise LocalLLMError(f"no such file: {path}; {fix}") from None

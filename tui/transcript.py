@@ -61,9 +61,11 @@ class ReplyMessage(Vertical):
     ReplyMessage .meta.-error { color: $error; }
     """
 
-    def __init__(self, who: str):
+    def __init__(self, who: str, saved: tuple[str, str] | None = None):
+        """saved: (text, note) of a reply of a chat read back (--resume): its whole text, and the note where the
+        numbers would be."""
         super().__init__()
-        self.who = who
+        self.who, self.saved = who, saved
         self.updates = 0  # Markdown appends so far
         self._pending = ""  # text not yet on screen
         self._timer = None  # the update scheduled, if any
@@ -73,8 +75,8 @@ class ReplyMessage(Vertical):
 
     def compose(self):
         yield Label(self.who, classes="who", markup=False)  # a model folder's name, not markup
-        yield Markdown()
-        yield Static(GENERATING, classes="meta", markup=False)
+        yield Markdown(printable(self.saved[0]) if self.saved else None)
+        yield Static(self.saved[1] if self.saved else GENERATING, classes="meta", markup=False)
 
     @property
     def markdown(self) -> Markdown:
@@ -106,11 +108,6 @@ class ReplyMessage(Vertical):
         done = total is not None and n >= total
         text = GENERATING if done else f"{desc}: {amount(n, total, unit)} (Esc cancels)"
         self.query_one(".meta", Static).update(text)
-
-    async def show_saved(self, text: str, note: str) -> None:
-        """A reply of a chat read back (--resume): its whole text, and `note` where the numbers would be."""
-        await self.markdown.append(printable(text))
-        self.query_one(".meta", Static).update(note)
 
     async def _append(self) -> None:
         text, self._pending = self._pending, ""
@@ -169,6 +166,15 @@ class Transcript(VerticalScroll):
     async def add(self, widget):
         await self.mount(widget)
         return widget
+
+    async def mount_all(self, widgets: list) -> None:
+        if widgets:
+            await self.mount(*widgets)
+
+    def follow(self) -> None:
+        """Back to the end, following what is added (as at the start, until the user scrolls up again)."""
+        self.anchor()
+        self.scroll_end(animate=False)
 
     async def clear(self) -> None:
         await self.remove_children()
