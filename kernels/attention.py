@@ -63,6 +63,6 @@ def shared_bytes(D: int, gq: int, bits: int) -> int:
 def n_splits(span: int, kv_heads: int, smem: int, threads: int, regs: int, device: int) -> int:
     """Runs per kv head: enough blocks to fill every SM once at the occupancy its threads, registers and shared
     memory allow (the flash-decoding split: each block streams its run of chunks, so one wave keeps the memory system
-    busy), at most one chunk per run."""
+    busy), at least one chunk per run (never more runs than chunks)."""
     resident = cuda.sm_count(device) * cuda.resident_blocks(device, threads, regs, smem + 2048)
     return max(1, min(-(-span // CHUNK), -(-resident // kv_heads), SPLITS_MAX))

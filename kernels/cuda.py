@@ -1,7 +1,7 @@
 """The one way Python reaches CUDA code: compile the kernels of this folder's .cu files with CuPy (NVRTC) when first
 launched (once per process and device, cached on disk), launch them on torch's current stream.
 
-LOCALLLM_NO_CUDA_KERNELS=1 turns the kernels off (the torch reference path runs instead); LOCALLLM_LINEINFO=1
+LOCALLLM_NO_CUDA_KERNELS=1 turns the kernels off (the GPU is then not used: the CPU path runs); LOCALLLM_LINEINFO=1
 compiles them with source line information (for Nsight Compute's source view).
 """
 from __future__ import annotations
@@ -22,19 +22,29 @@ from localllm.errors import LocalLLMError
 HERE = Path(__file__).parent
 
 
-def available() -> bool:
-    """Whether the CUDA kernels can run here: a GPU, CuPy, and not switched off."""
-    if os.environ.get("LOCALLLM_NO_CUDA_KERNELS") == "1":
-        return False
+def unusable() -> str | None:
+    """Why the CUDA kernels cannot run here (one line, with the fix), or None when they can."""
     try:
         require()
-    except LocalLLMError:
-        return False
-    return True
+    except LocalLLMError as e:
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    """Whether the CUDA kernels can run here: a GPU, CuPy, and not switched off."""
+    return unusable() is None
+
+
+def switched_off() -> bool:
+    return os.environ.get("LOCALLLM_NO_CUDA_KERNELS") == "1"
 
 
 def require(kernels: bool = True) -> None:
     """Raise a one-line LocalLLMError saying what is missing for the GPU kernels (kernels=False: for torch's CUDA)."""
+    if kernels and switched_off():  # (the GPU path has no torch fallback for the low-bit layers)
+        raise LocalLLMError("the CUDA kernels are switched off (LOCALLLM_NO_CUDA_KERNELS=1): unset it, or use "
+                            "--device cpu (device='cpu' in Python)")
     if not torch.cuda.is_available():
         raise LocalLLMError("no CUDA GPU is visible; " + ("the GPU kernels need an NVIDIA GPU: use --device cpu or "
                             "auto (device='cpu' or 'auto' in Python) to run on the CPU" if kernels else

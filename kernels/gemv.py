@@ -248,7 +248,7 @@ def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
 
 
 def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-         norm: tuple[torch.Tensor, float] | None = None, glu: bool = False, variant: tuple[int, int] | None = None,
+         norm: tuple[torch.Tensor, float] | None = None, glu: bool = False, variant: tuple[int, int, int] | None = None,
          blocks_per_sm: int | None = None, hold_next: bool | None = None, held: bool | None = None,
          comp: "qdec.Call | None" = None) -> torch.Tensor:
     """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.

@@ -246,12 +246,7 @@ def _budget_arg(s: str) -> float:
 def cmd_tune(a) -> None:
     from .kernels import cuda
     from .tuner.profile import parse_budgets
-    if not cuda.available():
-        try:
-            cuda.require()
-            why = "the CUDA kernels are switched off (LOCALLLM_NO_CUDA_KERNELS=1)"
-        except LocalLLMError as e:
-            why = str(e)
+    if why := cuda.unusable():
         raise LocalLLMError(f"localllm tune times the QDEC kernels on the GPU and needs one: {why}")
     budgets = parse_budgets(a.budget)
     if a.tokens < 2:

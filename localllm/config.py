@@ -6,7 +6,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import torch
 
-from .errors import LocalLLMError
+from .errors import LocalLLMError, is_real
 
 # model_type -> whether q/k/v carry a bias. Everything else about these is the same Llama block.
 SUPPORTED = {"llama": False, "mistral": False, "qwen2": True}
@@ -154,7 +154,7 @@ def _hf_kv_heads(model_type: str, heads: int) -> int:
 def _factors_fit(factors, head_dim: int) -> bool:
     """Whether `factors` is what a GGUF's rope_freqs gives: one positive number per rotated pair of a head."""
     return isinstance(factors, list) and len(factors) == head_dim // 2 and all(
-        isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)
+        is_real(f) and f > 0 for f in factors)
 
 
 def _slides(model_type: str, cfg: dict) -> bool:

@@ -14,3 +14,8 @@ class Cancelled(Exception):
 def is_whole(v) -> bool:
     """An integer (numpy's too), not a bool and not a float that happens to be whole."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def is_real(v) -> bool:
+    """A real number (numpy's too, integers included), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)

@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from . import texts
 from .errors import LocalLLMError
 from .model import KVCache
 from .progress import progress
@@ -131,17 +131,8 @@ class Reference:
 def read_text(path: str | Path | None) -> tuple[str, str]:
     """(text, its name): a UTF-8 file, or with no path the evaluation text shipped with localllm."""
     if path is None:
-        return resources.files("localllm").joinpath("data", "eval.txt").read_text(encoding="utf-8"), "eval.txt (shipped)"
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise LocalLLMError(f"no text file at {p}: give --text a UTF-8 text file")
-    try:
-        text = p.read_text(encoding="utf-8-sig")  # (-sig: a byte-order mark is not text to score)
-    except UnicodeDecodeError:
-        raise LocalLLMError(f"{p} is not UTF-8 text: convert it (e.g. iconv -t UTF-8) or pick another file") from None
-    if not text.strip():
-        raise LocalLLMError(f"{p} holds no text (only whitespace): give a text to score")
-    return text, str(p)
+        return texts.shipped("eval.txt"), "eval.txt (shipped)"
+    return texts.read(path, "the text", "--text"), str(Path(path).expanduser())
 
 
 def tokenize(lm: LocalModel, text: str, max_tokens: int | None = None) -> list[int]:

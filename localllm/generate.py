@@ -285,12 +285,12 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
             lm.set_qdec(qdec)
         if kv_bits is not None:
             lm.set_kv_bits(kv_bits)
-        seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
+        seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)  # (numpy's as Python's)
         s = Stream(iter(()))
         ids = encode_prompt(lm, prompt, lm.cached_tokens() if reuse_cache else None)
         if not ids:
             raise LocalLLMError("the prompt is empty (no tokens): give some text")
-        s.pieces = _run(lm, ids, max_new_tokens, params, stops, seed, s.stats, cancel, reuse_cache)
+        s.pieces = _run(lm, ids, int(max_new_tokens), params, stops, seed, s.stats, cancel, reuse_cache)
         if stream:
             return s
         return s.text()  # the whole reply under the lock: a reply another thread asks for meanwhile waits for it

@@ -314,7 +314,7 @@ def quantize_rtn(w: Tensor, bits: int, group_size: int = 128, clip: Tensor | Non
     """Round-to-nearest asymmetric quantization over groups of `group_size` input channels per row.
 
     K need not be a multiple of group_size (the last group is partial) but must be a multiple
-    of 32. The group range is widened to include 0 so the integer zero point always lies in
+    of 64 (TILE_K). The group range is widened to include 0 so the integer zero point always lies in
     [0, 2^bits - 1] (a one-signed group would otherwise be clipped). Codes use the fp16-rounded scale, so
     dequantize() is exactly the stored representation; where that scale rounded down, a group's end weight can
     round one code past the range and be clipped: within 0.6 of a step of the grid, not 0.5 (~2% of 8-bit

@@ -41,14 +41,13 @@ import hashlib
 import sys
 import time
 from collections.abc import Callable
-from importlib import resources
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from . import atomic, awq, modelfile
+from . import atomic, awq, modelfile, texts
 from .errors import LocalLLMError
 from .loader import Checkpoint, open_checkpoint
 from .config import rope_inv_freq
@@ -73,16 +72,8 @@ BLOCK_VALUE_K_CHUNKS = (1, 2, 4, 8, 16, 32, 64)  # first_order_values' k_chunks:
 def calibration_text(text_file: str | None) -> tuple[str, str]:
     """The calibration text (the built-in one without a file), and how to name it in the manifest."""
     if text_file is None:
-        text = resources.files("localllm").joinpath("data", DEFAULT_CALIB).read_text(encoding="utf-8")
-        return text, f"builtin:{DEFAULT_CALIB}"
-    p = Path(text_file).expanduser()
-    if not p.is_file():
-        raise LocalLLMError(f"calibration text {p} does not exist; pass a UTF-8 text file with --calib-text")
-    try:
-        return p.read_text(encoding="utf-8"), str(p)
-    except UnicodeDecodeError:
-        raise LocalLLMError(f"calibration text {p} is not UTF-8 text: convert it (e.g. iconv -t UTF-8) or pick "
-                            "another file") from None
+        return texts.shipped(DEFAULT_CALIB), f"builtin:{DEFAULT_CALIB}"
+    return texts.read(text_file, "calibration text", "--calib-text"), str(Path(text_file).expanduser())
 
 
 def calibration_tokens(tokenizer, text: str, name: str, n_tokens: int, seq_len: int) -> tuple[torch.Tensor, dict]:

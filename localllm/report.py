@@ -98,13 +98,7 @@ def require_matplotlib() -> None:
 def gpu_unusable() -> str | None:
     """Why the GPU sections cannot run here, or None when they can."""
     from .kernels import cuda
-    if cuda.available():
-        return None
-    try:
-        cuda.require()
-    except LocalLLMError as e:
-        return str(e)
-    return "the CUDA kernels are switched off (LOCALLLM_NO_CUDA_KERNELS=1)"
+    return cuda.unusable()
 
 
 def _check(o: Options) -> None:

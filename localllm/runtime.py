@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from . import kvquant, modelfile, ops
-from .errors import LocalLLMError, is_whole
+from .errors import LocalLLMError, is_real, is_whole
 from .loader import MANIFEST, Checkpoint, open_checkpoint, tokenizer_of
 from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block, in_blocks
 from .tuner import profile as tuning
@@ -87,8 +87,7 @@ class LocalModel:
             kept = self._decoder.kept() if keep and self._decoder is not None else None
             self._decoder = None  # free the old cache first
             dev = self.model.device
-            free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(
-                dev) if dev.type == "cuda" else host_available()  # torch's own GPU cache is free to this one too
+            free = gpu_free(dev) if dev.type == "cuda" else host_available()
             if free is not None:
                 cpu = dev.type != "cuda"
                 try:
@@ -247,7 +246,7 @@ class LocalModel:
         kmax = self.manifest["calibration"]["kmax"] if mode == "approx" else 1024
         if any(not 0 <= v <= kmax for v in ks.values()):
             raise LocalLLMError(f"k_chunk must be within 0..{kmax} for QDEC mode '{mode}'; got {ks}")
-        nts = {kind: n_tb for kind in KINDS} if n_tb is None or isinstance(n_tb, int) else \
+        nts = {kind: n_tb for kind in KINDS} if n_tb is None or is_whole(n_tb) else \
             {kind: n_tb.get(kind) for kind in KINDS}
         if not any(ks.values()):  # nothing to compensate
             s.mode, s.k_chunk, s.blocks, self.qdec_source = "off", ks, {}, "QDEC off (k_chunk 0 everywhere)"
@@ -380,11 +379,8 @@ def resolve_device(device: str | torch.device = "auto", kernels: bool = True) ->
 def _say_why_not_the_gpu() -> None:
     """Once: the one line saying why a visible GPU is not used (no CuPy, too old), as the CPU path is far slower."""
     from .kernels import cuda
-    if torch.cuda.is_available() and os.environ.get("LOCALLLM_NO_CUDA_KERNELS") != "1":
-        try:
-            cuda.require()
-        except LocalLLMError as e:
-            print(f"localllm: running on the CPU: {e}", file=sys.stderr)
+    if torch.cuda.is_available() and not cuda.switched_off() and (why := cuda.unusable()):
+        print(f"localllm: running on the CPU: {why}", file=sys.stderr)
 
 
 def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str | int | dict = "on",
@@ -456,7 +452,7 @@ def _tune_or_say(lm: LocalModel, tune: bool) -> None:
 
 def _check_budget(budget) -> None:
     # (not a bool; at least 1e-6, as --budget rounds: a smaller one would name a "0pct" profile)
-    ok = isinstance(budget, (int, float)) and not isinstance(budget, bool) and 1e-6 <= budget <= 1
+    ok = is_real(budget) and 1e-6 <= budget <= 1
     if budget is not None and not ok:
         raise LocalLLMError(f"budget={budget!r}: the tuning budget is a fraction of the decode time in (0, 1], e.g. "
                             "0.05 for 5%")
@@ -527,10 +523,15 @@ def check_kv_cache(cfg, tokens: int, bits: int, free: int, cpu: bool = False) ->
                         f"{_gib(max(free, 0))} is free; {hint}")
 
 
+def gpu_free(dev: torch.device) -> int:
+    """Bytes of GPU memory free to this process: the driver's free bytes and torch's cached, unused ones."""
+    return torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+
+
 def check_gpu_memory(lm: LocalModel, dev: torch.device, context: int = 4096) -> None:
     """Refuse, in one line, a model that cannot fit with a KV cache of `context` tokens: bytes needed vs free, and
     the kv-bits setting that would fit (the cheaper change) or else the weight bit width."""
-    free, _ = torch.cuda.mem_get_info(dev)
+    free = gpu_free(dev)
     cfg = lm.model.cfg
     context = min(context, cfg.max_position_embeddings)
     sizes = lm.sizes()

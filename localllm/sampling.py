@@ -5,21 +5,16 @@ the function; on a GPU choose() runs it as one kernel that sorts only the tokens
 (kernels/sampling.cu)."""
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
 
-from .errors import LocalLLMError, is_whole
+from .errors import LocalLLMError, is_real, is_whole
 from .ops import cuda_kernels
 
 
 # temperatures below this choose greedily: their limit, and float32 logits divided by ~1e-38 overflow into NaN
 GREEDY_BELOW = 1e-4
-
-
-def _real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 @dataclass
@@ -32,7 +27,7 @@ class SamplingParams:
 
     def check(self) -> None:
         # written as what must hold, so that NaN (which fails every comparison) is refused too
-        real = {k: _real(getattr(self, k)) for k in ("temperature", "top_p", "repetition_penalty", "min_p")}
+        real = {k: is_real(getattr(self, k)) for k in ("temperature", "top_p", "repetition_penalty", "min_p")}
         ok = {"temperature": real["temperature"] and self.temperature >= 0,
               "top_p": real["top_p"] and 0 < self.top_p <= 1,
               "top_k": is_whole(self.top_k) and self.top_k >= 0,

@@ -2,10 +2,11 @@
 evidence of quality)."""
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 
 import torch
+
+from . import texts
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -17,7 +18,7 @@ def tokenizer(vocab_size: int):
     template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-    text = resources.files("localllm").joinpath("data", "calibration.txt").read_text()
+    text = texts.shipped("calibration.txt")
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -295,6 +295,12 @@ def test_a_gpu_the_kernels_cannot_use_is_named_once(monkeypatch, capsys):
     assert runtime.resolve_device("auto").type == "cpu"
     assert capsys.readouterr().err.startswith("localllm: running on the CPU: CuPy is not installed; install")
     runtime._say_why_not_the_gpu.cache_clear()
+    monkeypatch.setitem(sys.modules, "cupy", torch)  # (any module: the kernels could run)
+    monkeypatch.setenv("LOCALLLM_NO_CUDA_KERNELS", "1")  # switched off: the GPU is not used, and says so if asked
+    with pytest.raises(LocalLLMError, match=r"^the CUDA kernels are switched off \(LOCALLLM_NO_CUDA_KERNELS=1\): unset"):
+        runtime.resolve_device("cuda")
+    assert runtime.resolve_device("auto").type == "cpu" and capsys.readouterr().err == ""
+    runtime._say_why_not_the_gpu.cache_clear()
 
 
 def test_out_of_gpu_memory_past_the_load_checks_is_one_line(monkeypatch, capsys):

@@ -234,6 +234,18 @@ def test_bad_arguments_are_refused(lm):
             generate(lm, prompt)
 
 
+def test_numpy_numbers_are_numbers(lm):
+    """Whole and real numbers of numpy's kinds pass where Python's do (a sweep script's np.arange, np.float32)."""
+    import numpy as np
+    from localllm.runtime import _check_budget
+    lm.set_qdec({"mode": "approx", "k_chunk": np.int64(8), "n_tb": np.int64(4)})
+    assert lm.settings.mode == "approx" and lm.settings.k_chunk["gate_up"] == 8
+    _check_budget(np.float32(0.05))
+    generate(lm, "x", max_new_tokens=np.int64(2), temperature=np.float32(0.5), top_p=np.float64(0.9), top_k=np.int32(5),
+             seed=np.int64(1))
+    lm.set_qdec("on")
+
+
 def test_a_refused_call_changes_nothing_about_the_model(lm):
     """Every argument is checked before generate() applies qdec or kv_bits to the model."""
     mode, kv = lm.settings.mode, lm.kv_bits

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from localllm import atomic
-from localllm.errors import LocalLLMError
+from localllm.errors import LocalLLMError, is_real, is_whole
 from localllm.model import KINDS
 
 FORMAT = 2  # 2: layers.<kind>.blocks, the blocks compensated where not all are (format 1 profiles still read)
@@ -97,11 +97,11 @@ def gpu_identity(device=None) -> dict:
 
 
 def _is_int(v, lo: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+    return is_whole(v) and v >= lo
 
 
 def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return is_real(v) and math.isfinite(v)
 
 
 def problems(d) -> str | None:

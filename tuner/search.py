@@ -32,7 +32,8 @@ least() is the cheapest setting that compensates at all: what tune.run measures 
 where even that is over the budget, on fewer blocks (some_blocks: those with the most to gain). single() is its
 counterpart for allocate(): the one compensating call of most value.
 
-Every oracle point is measured once (Memo); several budgets tuned together share the points (search_budgets), and
+Every oracle point is measured once (Memo); several budgets tuned together share the points (one Memo: tune.run,
+search_budgets), and
 a larger budget never gets fewer compensated channels than a smaller one: a smaller budget's setting fits a larger
 one too, so it is carried forward when the larger budget's own search found less.
 """
@@ -123,7 +124,7 @@ class Choice:
     predicted: float  # predicted slowdown (fraction of the decode step)
     steps: int  # Phase 1's uniform k
     fallback: tuple[str, ...] = ()  # kinds the fallback fixed at k_chunk 0, in order
-    carried_from: float | None = None  # the smaller budget whose setting this is (search_budgets)
+    carried_from: float | None = None  # the smaller budget whose setting this is (carry_forward)
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per kind, its compensated blocks if not all
     value: float | None = None  # allocate(): the predicted KL divergence taken away (None: the row-count search)
 
