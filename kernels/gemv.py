@@ -2,7 +2,6 @@
 for uniform (RTN/AWQ) weights, PackedLUT for table (SqueezeLLM) weights."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -183,7 +182,7 @@ def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
 # blocks end their streams (hold_next; at their exit until session 24: 8B decode -0.3%). After a short GEMV (8B o
 # before gate_up) the early launch pays: H100, 8B decode, 8-bit head, W3 1.85 -> 1.80 ms per step, W4 2.03 -> 1.98
 # (kernels/NOTES.md, session 23).
-HOLD_BYTES = int(os.environ.get("LOCALLLM_HOLD_BYTES", 16 << 20))
+HOLD_BYTES = 16 << 20
 # A GEMV that starts with x ready (held, or no early launch) stages x before it requests its first weights, whose HBM
 # misses would otherwise delay x's L2 hits by ~1.4 us. H100, 8B decode, 8-bit head: W3 1.777 -> 1.768 ms per step, W4
 # 1.986 -> 1.972 (down and the head are held); without early launch W3 2.043 -> 2.002; `bench gemv` down W4 82 -> 86%

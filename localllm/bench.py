@@ -10,41 +10,11 @@ import time
 
 import torch
 
+from .decode import Decoder, captured_decoder
 from .errors import LocalLLMError
+from .graphs import L2_FLUSH_BYTES, replay_time, time_graph
 
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-L2_FLUSH_BYTES = 256 << 20  # rotate among weight copies totalling more than this, so L2 cannot serve them
-
-
-def time_graph(calls: list, reps: int = 20, warm_s: float = 0.05) -> float:
-    """Seconds per call: the calls captured once in a CUDA graph, replayed for warm_s untimed, then `reps` times;
-    the median replay. The untimed replays reach the steady state that decode runs in: on the H100 the first timing of
-    freshly made 4096x28672 weights gave 79% of copy bandwidth, a second one of the same weights 88%."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # warm-up outside the graph: compiles kernels, allocates outputs
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warm_s:
-        g.replay()
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times) / len(calls)
-
-
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
@@ -327,23 +297,12 @@ def weight_bytes(model) -> int:
 
 def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 200, kv_bits: int = 16) -> float:
     """Seconds per decode step: the captured graph replayed back to back (no sampling, no host sync)."""
-    return replay_time(captured_decoder(model, prompt, ctx, kv_bits), reps)
-
-
-def captured_decoder(model, prompt: int = 16, ctx: int = 256, kv_bits: int = 16):
-    """A Decoder after a prompt of `prompt` tokens, its step graph captured at the next position (replay_time)."""
-    from .decode import Decoder
-    dec = Decoder(model, ctx, kv_bits=kv_bits)
-    with torch.inference_mode():
-        logits = dec.prefill(list(range(1, prompt + 1)))
-        dec.step(logits.argmax(), prompt)  # captures the graph
-    return dec
+    return replay_time(captured_decoder(model, prompt, ctx, kv_bits).graph, reps)
 
 
 def sampled_decode_time(model, params, prompt: int = 16, ctx: int = 256, n: int = 128) -> float:
     """Seconds per token of generate()'s loop without the tokenizer: each step's graph ends by choosing the next
     token (sampling.choose with `params`), and the host reads each token while the next step runs (Decoder.tokens)."""
-    from .decode import Decoder
     dec = Decoder(model, ctx)
     seen = torch.zeros(model.cfg.vocab_size, dtype=torch.bool, device=model.device)
     draws = torch.rand(n)
@@ -357,20 +316,6 @@ def sampled_decode_time(model, params, prompt: int = 16, ctx: int = 256, n: int 
                 pass
             dt = (time.perf_counter() - t0) / (n - 1)
     return dt
-
-
-def replay_time(dec, reps: int = 200, warmup: int = 20) -> float:
-    """Seconds per replay of dec's graph, after `warmup` untimed ones (the first replays after a model is built read
-    ~1% slower: steady decoding is what is measured)."""
-    for _ in range(warmup):
-        dec.graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for i in range(reps):
-        dec.graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3 / reps
 
 
 def prefill_time(model, tokens: int = 512) -> float:
@@ -467,7 +412,6 @@ def bench_breakdown(bits: int = 4, kv_bits: int = 16) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from .config import ModelConfig
-    from .decode import Decoder
     m = random_model(ModelConfig(**LLAMA3_8B_CONFIG), bits)
     dec = Decoder(m, 256, use_graph=False, kv_bits=kv_bits)
     with torch.inference_mode():
@@ -572,7 +516,6 @@ def bench_tune(bits: int = 3, budgets=(0.025, 0.05, 0.1, 0.2)) -> None:
 
 def greedy_tokens(model, ids: list[int], n: int, kv_bits: int = 16) -> list[int]:
     """n greedy tokens after ids (no stopping), through the same Decoder generate() uses."""
-    from .decode import Decoder
     dec = Decoder(model, len(ids) + n, kv_bits=kv_bits)
     out = []
     with torch.inference_mode():
@@ -734,9 +677,8 @@ def bench_kv(bits: int = 4, contexts=KV_CONTEXTS) -> list[dict]:
     cache bytes; then the longest context that fits GPUs of several sizes at each width, from the measured bytes of
     the model and of the cache per token."""
     from .config import ModelConfig
-    from .decode import Decoder
     from .kvquant import KV_BITS, bytes_per_token
-    from .runtime import WORKSPACE_BYTES
+    from .devices import WORKSPACE_BYTES
     cfg = ModelConfig(**{**LLAMA3_8B_CONFIG, "max_position_embeddings": max(contexts)})
     bw = copy_bandwidth()
     torch.cuda.empty_cache()
@@ -755,7 +697,7 @@ def bench_kv(bits: int = 4, contexts=KV_CONTEXTS) -> list[dict]:
             fill_cache(dec.cache)
             with torch.inference_mode():
                 dec.step(torch.tensor(1, device="cuda"), ctx - 1)  # captures the graph at the last position
-                t = replay_time(dec, 20)
+                t = replay_time(dec.graph, 20)
             row["tok/s"][ctx] = 1 / t
             row["of_roofline"][ctx] = (wbytes + bytes_per_token(cfg, kv) * ctx) / bw / t
             del dec

@@ -84,7 +84,7 @@ def cmd_generate(a) -> None:
 
 
 def cmd_chat(a) -> None:
-    from .runtime import resolve_device
+    from .devices import resolve_device
     from .tui.session import ReplySettings
     device = str(resolve_device(a.device))  # no GPU for --device cuda: the one-line error, before the app starts
     resume = None
@@ -169,7 +169,8 @@ def cmd_eval(a) -> None:
     from .evaluate import Reference, load_source, paired_change, read_text, source_path, sweep, tokenize
     from .loader import check_source
     from .model import QDEC_MODES
-    from .runtime import load, resolve_device
+    from .devices import resolve_device
+    from .runtime import load
     modes = [m.strip() for m in (a.qdec or DEFAULT_EVAL_QDEC).split(",") if m.strip()]
     bad = [m for m in modes if m not in QDEC_MODES]
     if bad or not modes:

@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .graphs import capture
 from .model import KVCache, Transformer
 from .sampling import SamplingParams, choose
 
@@ -193,15 +194,16 @@ class Decoder:
     def _graph_of(self, run: Callable, keep_state: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
         """run captured as a CUDA graph, and what it returned. keep_state: the warm-up run's changes to the token,
         position and sampling state are undone (its KV-cache write is the one the replay makes again)."""
-        state = [t.clone() for t in (self.tok, self.pos, self.seen, self.drawn)] if keep_state else []
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: kernel compilation and allocations stay out of the graph
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        for t, saved in zip((self.tok, self.pos, self.seen, self.drawn), state):
-            t.copy_(saved)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = run()
-        return g, out
+        live = (self.tok, self.pos, self.seen, self.drawn)
+        state = [t.clone() for t in live] if keep_state else []
+        return capture(run, lambda: [t.copy_(saved) for t, saved in zip(live, state)])
+
+
+def captured_decoder(model: Transformer, prompt: int = 16, ctx: int = 256, kv_bits: int = 16) -> Decoder:
+    """A Decoder after a prompt of `prompt` tokens, its step graph captured at the next position (its .graph: what
+    graphs.replay_time times in the benchmarks and the tuner)."""
+    dec = Decoder(model, ctx, kv_bits=kv_bits)
+    with torch.inference_mode():
+        logits = dec.prefill(list(range(1, prompt + 1)))
+        dec.step(logits.argmax(), prompt)  # captures the graph
+    return dec

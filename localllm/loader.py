@@ -20,6 +20,7 @@ import torch
 
 from .config import ModelConfig
 from .digest import sha256_files
+from .devices import check_float32_fits
 from .errors import LocalLLMError
 from .progress import follow_rule_in_transformers
 
@@ -358,7 +359,6 @@ def _read_gguf(folder: Path, name: str) -> Checkpoint:
     if scaling:  # transformers' import leaves it out (its own model of this file runs without it)
         hf["rope_parameters"] = {**(hf.get("rope_parameters") or hf.get("rope_scaling") or {}), **scaling}
     config = ModelConfig.from_hf(hf)
-    from .runtime import check_float32_fits
     check_float32_fits(config, "free host memory, or use a smaller model: transformers dequantizes a GGUF's blocks "
                                "all at once")  # before it does
     try:

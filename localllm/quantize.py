@@ -48,12 +48,12 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from . import atomic, awq, modelfile, texts
+from .devices import resolve_device
 from .errors import LocalLLMError
 from .loader import Checkpoint, open_checkpoint
 from .config import rope_inv_freq
 from .model import KINDS, Linear, QdecSettings, RMSNorm, attention_mask, build_block, rope_tables, select_channels
 from .progress import progress
-from .runtime import resolve_device
 from .qdec import ActStats, select_exact
 from .smooth_attention import ALPHA as SMOOTH_ALPHA, factors as smooth_factors, fold as smooth_fold, key_max
 from .quant import (BASE_BITS, GPU_BLOCKS, GROUP_SIZES, HEAD_BITS, HEAD_GROUP, HEAD_WIDTHS, TABLE_GROUP, TILE_K,

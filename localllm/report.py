@@ -44,7 +44,7 @@ import torch
 
 from . import __version__, atomic
 from .errors import LocalLLMError
-from .report_render import FILES
+from .report_render import FILES, width_k
 
 FORMAT = 1
 UNFINISHED = "report.unfinished.json"  # a run's measurements until the report is finished
@@ -326,11 +326,6 @@ def selected_share(lm, k_chunk: int) -> float:
     from .qdec import k_total
     lins = list(lm.model.linears())
     return sum(k_total(k_chunk, lin.in_features) / lin.in_features for lin in lins) / len(lins)
-
-
-def width_k(k4: int, bits: int) -> int | None:
-    """k_chunk at `bits`-bit residuals that reads the bytes of k4 at 4 bits (None when it is not a whole k)."""
-    return k4 * 4 // bits if (k4 * 4) % bits == 0 and k4 * 4 >= bits else None
 
 
 def quality_plan(o: Options, kmax: dict, full: bool) -> list[tuple[int, str, int, int]]:

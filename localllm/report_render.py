@@ -7,13 +7,16 @@ from pathlib import Path
 
 from .model import KINDS
 
-SECTION_TITLES = {"quality": "quality (CPU reference path)", "outliers": "activation outliers",
-                  "kernel": "GPU kernel time", "pareto": "GPU perplexity vs time per token"}
 WIDTH_COLORS = {2: "tab:purple", 4: "tab:blue", 8: "tab:orange", 16: "tab:green"}
 MODE_STYLE = {"approx": ("tab:blue", "o", "dynamic, approximate top-k (QDEC)"),
               "exact": ("tab:green", "s", "dynamic, exact top-k"),
               "static": ("tab:orange", "^", "static (calibration mean x²)"),
               "random": ("tab:gray", "v", "random")}
+
+
+def width_k(k4: int, bits: int) -> int | None:
+    """k_chunk at `bits`-bit residuals that reads the bytes of k4 at 4 bits (None when it is not a whole k)."""
+    return k4 * 4 // bits if (k4 * 4) % bits == 0 and k4 * 4 >= bits else None
 
 
 def _plt():
@@ -140,7 +143,6 @@ def fig16(q: dict, s: dict, folder: Path) -> str:
 
 def _width_table(q: dict, s: dict) -> list[tuple[int, dict]]:
     """[(k_chunk at 4 bits, {residual bits: row})] for the equal-bytes groups."""
-    from .report import width_k
     b = s["compare_bits"]
     out = []
     for k4 in s["k_chunks"]:

@@ -1,8 +1,6 @@
 """A loaded model ready to run: the decoder, its tokenizer, its manifest and QDEC settings."""
 from __future__ import annotations
 
-import functools
-import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -10,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from . import kvquant, modelfile, ops
+from . import devices, kvquant, modelfile, ops
+from .devices import WORKSPACE_BYTES, check_float32_fits, check_kv_cache, gib, gpu_free, resolve_device
 from .errors import LocalLLMError, is_real, is_whole
 from .loader import MANIFEST, Checkpoint, open_checkpoint, tokenizer_of
 from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block, in_blocks
@@ -87,7 +86,7 @@ class LocalModel:
             kept = self._decoder.kept() if keep and self._decoder is not None else None
             self._decoder = None  # free the old cache first
             dev = self.model.device
-            free = gpu_free(dev) if dev.type == "cuda" else host_available()
+            free = gpu_free(dev) if dev.type == "cuda" else devices.host_available()
             if free is not None:
                 cpu = dev.type != "cuda"
                 try:
@@ -302,9 +301,9 @@ class LocalModel:
         lins = self._compensated(ks, blocks)
         todo = [lin for lin in lins if lin.host_residual is None]
         if todo:
-            need, free = sum(lin.residual.nbytes for lin in todo), host_available()
+            need, free = sum(lin.residual.nbytes for lin in todo), devices.host_available()
             if free is not None and need > free:  # pinning past it would swap, or end in the OOM killer
-                raise LocalLLMError(f"QDEC's residuals need {_gib(need)} of pinned host memory but {_gib(free)} is "
+                raise LocalLLMError(f"QDEC's residuals need {gib(need)} of pinned host memory but {gib(free)} is "
                                     "available; free host RAM, or run with QDEC off (--qdec off)")
             from .progress import progress
             for lin in progress(todo, "pinning residuals", unit="layer"):
@@ -351,36 +350,6 @@ class LocalModel:
         yield self.model.norm
         for b in self.model.blocks:
             yield from (b.attn_norm, b.mlp_norm)
-
-
-def resolve_device(device: str | torch.device = "auto", kernels: bool = True) -> torch.device:
-    """"auto": the GPU when the CUDA kernels can run (GPU + CuPy), else the CPU. kernels=False: what needs torch's
-    CUDA alone (quantizing), which asks for a GPU only."""
-    from .kernels import cuda
-    if isinstance(device, str):
-        device = device.strip().lower()  # "CUDA", "Auto"
-    if device == "auto":
-        if not kernels or cuda.available():
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        _say_why_not_the_gpu()
-        return torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:  # a name torch does not know ("gpu")
-        dev = None
-    if dev is None or dev.type not in ("cuda", "cpu"):
-        raise LocalLLMError(f"device '{device}' is not supported; use auto, cpu or cuda")
-    if dev.type == "cuda":
-        cuda.require(kernels)
-    return dev
-
-
-@functools.cache
-def _say_why_not_the_gpu() -> None:
-    """Once: the one line saying why a visible GPU is not used (no CuPy, too old), as the CPU path is far slower."""
-    from .kernels import cuda
-    if torch.cuda.is_available() and not cuda.switched_off() and (why := cuda.unusable()):
-        print(f"localllm: running on the CPU: {why}", file=sys.stderr)
 
 
 def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str | int | dict = "on",
@@ -458,18 +427,6 @@ def _check_budget(budget) -> None:
                             "0.05 for 5%")
 
 
-def host_available() -> int | None:
-    """Bytes of host memory available without swapping (Linux's MemAvailable); None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 CPU_HEADROOM = 1 << 30  # host memory left for activations, the KV cache and the rest when weights are sized
 
 
@@ -478,7 +435,7 @@ def fit_cpu_memory(lm: LocalModel) -> None:
     model then needs ~35 GB). Where that would not fit the host's available memory, every quantized layer runs
     unpacked instead (model.Linear.unpack: ~1 byte a weight, the same results, a decode step ~2x slower); says so in
     one line, and where even that does not fit, that too."""
-    free = host_available()
+    free = devices.host_available()
     lins = [lin for lin in (*lm.model.linears(), lm.model.head) if lin.quant is not None]
     if free is None or not lins:
         return
@@ -489,43 +446,10 @@ def fit_cpu_memory(lm: LocalModel) -> None:
         return
     for lin in lins:
         lin.unpack()
-    print(f"localllm: on the CPU {lm.path}'s weights as float32 would take {_gib(as_float32)} more and "
-          f"{_gib(free)} is available: they run from their codes unpacked ({_gib(unpacked)} more), dequantized a "
+    print(f"localllm: on the CPU {lm.path}'s weights as float32 would take {gib(as_float32)} more and "
+          f"{gib(free)} is available: they run from their codes unpacked ({gib(unpacked)} more), dequantized a "
           "slice at a time: the same results, slower" + ("" if unpacked <= room else "; even that does not fit: "
           "expect swapping or the OOM killer") + "; a GPU (--device cuda) keeps the weights packed", file=sys.stderr)
-
-
-WORKSPACE_BYTES = 256 << 20  # GPU memory kept free for activations and workspaces
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
-def check_kv_cache(cfg, tokens: int, bits: int, free: int, cpu: bool = False) -> None:
-    """Refuse, in one line, a KV cache of `tokens` tokens at `bits` bits that needs more than `free` bytes of GPU
-    memory (cpu: of host memory, for the CPU's cache, float32 at 16 bits), naming the kv-bits setting that would
-    fit, or how many tokens fit at the smallest."""
-    per_token = functools.partial(kvquant.bytes_per_token, cfg, cpu=cpu)
-    memory = "host memory" if cpu else "GPU memory"
-    need = per_token(bits) * tokens
-    if need <= free:
-        return
-    fits = [b for b in kvquant.KV_BITS if b < bits and per_token(b) * tokens <= free]
-    if fits:
-        b = fits[0]
-        hint = f"--kv-bits {b} (kv_bits={b}) fits it in {_gib(per_token(b) * tokens)}"
-    else:
-        b = min(kvquant.KV_BITS)
-        hint = f"at most {max(free, 0) // per_token(b)} tokens fit even at --kv-bits {b}: " \
-               "use a shorter prompt or fewer new tokens"
-    raise LocalLLMError(f"a KV cache for {tokens} tokens at {bits} bits needs {_gib(need)} of {memory} but "
-                        f"{_gib(max(free, 0))} is free; {hint}")
-
-
-def gpu_free(dev: torch.device) -> int:
-    """Bytes of GPU memory free to this process: the driver's free bytes and torch's cached, unused ones."""
-    return torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
 
 
 def check_gpu_memory(lm: LocalModel, dev: torch.device, context: int = 4096) -> None:
@@ -547,8 +471,8 @@ def check_gpu_memory(lm: LocalModel, dev: torch.device, context: int = 4096) -> 
     fits = [b for b in (4, 3, 2) if b < bits and need - linear * (bits - b) / 8 <= free]
     hint = f"quantize it to {fits[0]} bits (localllm quantize --bits {fits[0]})" if fits else \
         "use a smaller model or the CPU (device='cpu')"
-    raise LocalLLMError(f"{lm.path} needs {_gib(need)} of GPU memory ({_gib(sizes['gpu_bytes'])} weights, "
-                        f"{_gib(kv)} KV cache for {context} tokens at {lm.kv_bits} bits) but {_gib(free)} is free; "
+    raise LocalLLMError(f"{lm.path} needs {gib(need)} of GPU memory ({gib(sizes['gpu_bytes'])} weights, "
+                        f"{gib(kv)} KV cache for {context} tokens at {lm.kv_bits} bits) but {gib(free)} is free; "
                         f"{hint}")
 
 
@@ -564,15 +488,6 @@ def check_shared_memory(lm: LocalModel, dev: torch.device) -> None:
                 decode_variant(lin.quant, limit)
             except LocalLLMError as e:
                 raise LocalLLMError(f"{lm.path}: its {lin.kind} layers cannot run on this GPU: {e}") from None
-
-
-def check_float32_fits(cfg, fix: str) -> None:
-    """Refuse, in one line, a checkpoint whose float32 weights (how it runs, and how a GGUF's blocks are dequantized
-    on load) would not fit the host's available memory: past it the OOM killer ends the process without a word."""
-    need, free = 4 * cfg.parameters, host_available()
-    if free is not None and need > free:
-        raise LocalLLMError(f"the checkpoint takes {_gib(need)} as float32 weights, but {_gib(free)} of host memory "
-                            f"is available; {fix}")
 
 
 def dense_model(ckpt: Checkpoint) -> Transformer:
@@ -593,14 +508,11 @@ def describe(lm: LocalModel) -> dict:
     """What `localllm info` prints."""
     m = lm.manifest or {}
     c = lm.model.cfg
-    head = lm.model.head
-    n_params = sum(lin.in_features * lin.out_features for lin in lm.model.linears()) + lm.model.embed.numel() \
-        + (0 if c.tie_word_embeddings else head.in_features * head.out_features)  # a tied source's head is its embeddings
     return {
         "path": lm.path,
         "architecture": f"{c.model_type}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/"
                         f"{c.num_kv_heads} (q/kv), vocab {c.vocab_size}",
-        "parameters": n_params,
+        "parameters": c.parameters,  # the source checkpoint's (a tied head is its embeddings)
         "bits": m["quant"]["bits"] if m else 16,
         "quantization": modelfile.quant_label(m["quant"]) if m else DENSE_LABEL,
         "awq": modelfile.awq_summary(m["quant"]) if m else None,

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import torch
 
-from localllm import bench
+from localllm import bench, graphs
 from localllm.kernels import cuda
 from localllm.kernels import gemv as gemv_mod
 
@@ -69,7 +69,7 @@ def read_percent(nbytes: int, bw: float) -> dict[str, tuple[float, str]]:
     for mode, label in enumerate(MODES):
         for threads in READ_THREADS:
             for per_sm in sorted({1, cuda.resident_blocks(dev, threads, func.num_regs, 1024)}):
-                t = bench.time_graph([lambda b=b: cuda.launch(
+                t = graphs.time_graph([lambda b=b: cuda.launch(
                     func, (per_sm * sm,), (threads,), (cuda.ptr(b), np.uint64(n16), cuda.ptr(out), np.int32(mode)),
                     early=mode > 0) for b in bufs])
                 pct = 100 * nbytes / t / bw
@@ -95,7 +95,7 @@ def main(rounds: int, shapes: list[str]) -> None:
                     build(loads_only)
                     key = (f"{name} W{bits}", "loads only" if loads_only else "GEMV")
                     for d in DEPTHS:
-                        t = bench.time_graph([lambda s=s, d=d: gemv_mod.gemv(x, s[0], out=s[1], variant=(16, d, 1))
+                        t = graphs.time_graph([lambda s=s, d=d: gemv_mod.gemv(x, s[0], out=s[1], variant=(16, d, 1))
                                               for s in sets])
                         rows.setdefault(key, {}).setdefault(d, []).append(f"{100 * nbytes / t / bw:.1f}")
                     print(f"round {r + 1}: {key[0]} {key[1]}: " + " ".join(rows[key][d][-1] for d in DEPTHS),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from localllm import bench, ops
+from localllm import bench, graphs, ops
 from localllm.config import ModelConfig
 from localllm.kernels import cuda
 from localllm.kernels.gemv import dequantize, gemv
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
                         res.setdefault((f"{name} W{bits} err", b), []).append(f"{err:.1e}")
                 for b in builds:
                     use(b)
-                    t = bench.time_graph([lambda s=s: gemv(x, s[0], out=s[1], glu=glu) for s in sets])
+                    t = graphs.time_graph([lambda s=s: gemv(x, s[0], out=s[1], glu=glu) for s in sets])
                     res.setdefault((f"{name} W{bits}", b), []).append(f"{100 * nbytes / t / bw:.1f}")
                 del sets
         print(f"round {r + 1} done", flush=True)

@@ -36,8 +36,7 @@ def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):
     assert d["bits"] == 3 and d["head"]["bits"] == 8 and d["pinned_host_bytes"] > 0 and d["gpu_bytes"] > 0 and d["calibration"]["kmax"] == 256
     from localllm.runtime import load
     src = load(tiny_ckpt).model
-    norms = (2 * src.cfg.num_layers + 1) * src.cfg.hidden_size
-    assert d["parameters"] == sum(p.numel() for p in src.parameters()) - norms  # projections + embeddings
+    assert d["parameters"] == sum(p.numel() for p in src.parameters())  # the source's, norms included
     assert main(["info", str(tiny_quant)]) == 0
     out = capsys.readouterr().out
     assert "pinned host" in out and "GPU memory" in out and "no profiles" in out and "output head 8-bit" in out
@@ -274,7 +273,7 @@ def test_summary_says_why_qdec_is_off():
 def test_a_gpu_the_kernels_cannot_use_is_named_once(monkeypatch, capsys):
     """A visible GPU that the kernels cannot use (older than sm_80, or no CuPy): --device cuda is a one-line error
     naming it; auto runs on the CPU and says why, once."""
-    from localllm import runtime
+    from localllm import devices
     from localllm.errors import LocalLLMError
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
@@ -282,25 +281,25 @@ def test_a_gpu_the_kernels_cannot_use_is_named_once(monkeypatch, capsys):
     monkeypatch.delenv("LOCALLLM_NO_CUDA_KERNELS", raising=False)
     with pytest.raises(LocalLLMError, match=r"^Tesla T4 \(compute capability 7.5\) is older than the GPU kernels need "
                                             r"\(8.0: RTX 30 series, A100 or newer\); use --device cpu$"):
-        runtime.resolve_device("cuda")
-    runtime._say_why_not_the_gpu.cache_clear()
+        devices.resolve_device("cuda")
+    devices._say_why_not_the_gpu.cache_clear()
     capsys.readouterr()
-    assert runtime.resolve_device("auto").type == "cpu" and runtime.resolve_device("auto").type == "cpu"
+    assert devices.resolve_device("auto").type == "cpu" and devices.resolve_device("auto").type == "cpu"
     assert capsys.readouterr().err == "localllm: running on the CPU: Tesla T4 (compute capability 7.5) is older " \
                                       "than the GPU kernels need (8.0: RTX 30 series, A100 or newer); use --device cpu\n"
-    assert runtime.resolve_device("auto", kernels=False).type == "cuda"  # quantizing needs torch's CUDA alone
+    assert devices.resolve_device("auto", kernels=False).type == "cuda"  # quantizing needs torch's CUDA alone
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy fails
-    runtime._say_why_not_the_gpu.cache_clear()
-    assert runtime.resolve_device("auto").type == "cpu"
+    devices._say_why_not_the_gpu.cache_clear()
+    assert devices.resolve_device("auto").type == "cpu"
     assert capsys.readouterr().err.startswith("localllm: running on the CPU: CuPy is not installed; install")
-    runtime._say_why_not_the_gpu.cache_clear()
+    devices._say_why_not_the_gpu.cache_clear()
     monkeypatch.setitem(sys.modules, "cupy", torch)  # (any module: the kernels could run)
     monkeypatch.setenv("LOCALLLM_NO_CUDA_KERNELS", "1")  # switched off: the GPU is not used, and says so if asked
     with pytest.raises(LocalLLMError, match=r"^the CUDA kernels are switched off \(LOCALLLM_NO_CUDA_KERNELS=1\): unset"):
-        runtime.resolve_device("cuda")
-    assert runtime.resolve_device("auto").type == "cpu" and capsys.readouterr().err == ""
-    runtime._say_why_not_the_gpu.cache_clear()
+        devices.resolve_device("cuda")
+    assert devices.resolve_device("auto").type == "cpu" and capsys.readouterr().err == ""
+    devices._say_why_not_the_gpu.cache_clear()
 
 
 def test_out_of_gpu_memory_past_the_load_checks_is_one_line(monkeypatch, capsys):

@@ -102,7 +102,7 @@ def test_gpu_decode_matches_the_cpu_reference(tiny_quant, bits):
 def test_a_decoder_cache_that_does_not_fit_names_the_kv_bits(tiny_quant, monkeypatch):
     from localllm.errors import LocalLLMError
     lm = load(tiny_quant, qdec="off", device="cuda")
-    from localllm.runtime import WORKSPACE_BYTES
+    from localllm.devices import WORKSPACE_BYTES
     per16 = kvquant.bytes_per_token(lm.model.cfg, 16)
     reserve = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     free = WORKSPACE_BYTES + 256 * per16 * 3 // 4 - reserve  # 256 tokens fit at 8 bits, not at 16

@@ -233,7 +233,8 @@ def test_quantize_folds_smooth_attention_and_older_files_still_load(tiny_ckpt, t
 
 
 def test_a_cache_that_does_not_fit_names_the_kv_bits_that_would(tiny_quant, monkeypatch):
-    from localllm.runtime import WORKSPACE_BYTES, check_gpu_memory, check_kv_cache
+    from localllm.devices import WORKSPACE_BYTES, check_kv_cache
+    from localllm.runtime import check_gpu_memory
     gib = 2**30
     with pytest.raises(LocalLLMError, match=r"32768 tokens at 16 bits needs 4.0 GiB .* --kv-bits 8 \(kv_bits=8\) fits"):
         check_kv_cache(LLAMA3_8B, 32768, 16, 3 * gib)

@@ -178,7 +178,7 @@ def test_a_gemv_no_variant_fits_is_refused_in_one_line(tiny_quant, monkeypatch):
     import torch
 
     import localllm
-    from localllm import runtime
+    from localllm import devices, runtime
     from localllm.errors import LocalLLMError
     from localllm.kernels import cuda
     from localllm.kernels.gemv import decode_variant
@@ -199,14 +199,14 @@ def test_qdec_pins_no_more_than_the_host_has_available(tiny_quant, monkeypatch):
     """Before pinning the residuals for a GPU's QDEC: more than the host's available memory is refused in one line
     naming both sizes and the fix (the runtime then runs without QDEC), rather than swapping or the OOM killer."""
     import localllm
-    from localllm import runtime
+    from localllm import devices, runtime
     from localllm.errors import LocalLLMError
     from localllm.model import KINDS
-    free = runtime.host_available()
+    free = devices.host_available()
     assert free is None or free > 0
     lm = localllm.load(tiny_quant, device="cpu")
     need = sum(lin.residual.nbytes for lin in lm.model.linears())
-    monkeypatch.setattr(runtime, "host_available", lambda: need - 1)
+    monkeypatch.setattr(devices, "host_available", lambda: need - 1)
     with pytest.raises(LocalLLMError, match=r"^QDEC's residuals need [\d.]+ [GM]iB of pinned host memory but [\d.]+ [GM]iB "
                                             r"is available; free host RAM, or run with QDEC off \(--qdec off\)$"):
         lm._place_qdec({k: 8 for k in KINDS})
@@ -219,7 +219,7 @@ def test_cpu_path_runs_unpacked_where_its_float32_weights_outgrow_the_host(tiny_
     weight), dequantized a slice at a time: the same logits, bit for bit, with QDEC on; where even that does not fit,
     the line says that too. Otherwise loading says nothing."""
     import localllm
-    from localllm import runtime
+    from localllm import devices, runtime
     tokens = torch.randint(0, 256, (1, 12))
     lm = localllm.load(tiny_quant, device="cpu")
     assert capsys.readouterr().err == ""
@@ -230,7 +230,7 @@ def test_cpu_path_runs_unpacked_where_its_float32_weights_outgrow_the_host(tiny_
     grow = lambda unpacked: sum(lin.cpu_bytes(unpacked) - lin.nbytes for lin in lins)  # noqa: E731
     assert grow(True) < grow(False) / 2
 
-    monkeypatch.setattr(runtime, "host_available", lambda: runtime.CPU_HEADROOM + grow(True))
+    monkeypatch.setattr(devices, "host_available", lambda: runtime.CPU_HEADROOM + grow(True))
     lm = localllm.load(tiny_quant, device="cpu")
     err = capsys.readouterr().err
     assert err.startswith(f"localllm: on the CPU {tiny_quant}'s weights as float32 would take ") and err.count("\n") == 1
@@ -244,7 +244,7 @@ def test_cpu_path_runs_unpacked_where_its_float32_weights_outgrow_the_host(tiny_
     sizes = lm.sizes()  # what `localllm info` prints
     assert sizes["cpu_bytes"] - sizes["cpu_unpacked_bytes"] == grow(False) - grow(True) > 0
 
-    monkeypatch.setattr(runtime, "host_available", lambda: 1000)
+    monkeypatch.setattr(devices, "host_available", lambda: 1000)
     lm = localllm.load(tiny_quant, device="cpu")
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "; even that does not fit: expect swapping or the OOM killer; a GPU" in err
@@ -254,17 +254,17 @@ def test_a_checkpoint_or_kv_cache_past_the_hosts_memory_is_refused_in_one_line(t
     """A dense checkpoint runs as float32 weights, and a CPU KV cache is made whole for the prompt and every new
     token: more than the host has available is refused before it is allocated, not left to the OOM killer."""
     import localllm
-    from localllm import runtime
+    from localllm import devices, runtime
     from localllm.errors import LocalLLMError
     lm = localllm.load(tiny_ckpt)
     weights = sum(p.numel() for p in lm.model.parameters() if p.dtype == torch.float32) * 4
     assert weights == 4 * lm.model.cfg.parameters  # what the check counts is what loads
     lm = localllm.load(tiny_quant)
-    monkeypatch.setattr(runtime, "host_available", lambda: weights - 1)
+    monkeypatch.setattr(devices, "host_available", lambda: weights - 1)
     with pytest.raises(LocalLLMError, match=r"^the checkpoint takes [\d.]+ [GM]iB as float32 weights, but [\d.]+ [GM]iB .*"
                                             "`localllm quantize` it"):
         localllm.load(tiny_ckpt)
-    monkeypatch.setattr(runtime, "host_available", lambda: 1000)  # a cache of 256 tokens takes more
+    monkeypatch.setattr(devices, "host_available", lambda: 1000)  # a cache of 256 tokens takes more
     with pytest.raises(LocalLLMError, match="KV cache"):
         localllm.generate(lm, "hi", max_new_tokens=200)
 

@@ -148,11 +148,10 @@ class ReplyMessage(Vertical):
 class Notice(Static):
     DEFAULT_CSS = """
     Notice { margin: 1 1 0 1; padding: 0 1; color: $text-muted; }
-    Notice.-error { color: $error; }
     """
 
-    def __init__(self, text: str, error: bool = False):
-        super().__init__(text, markup=False, classes="-error" if error else "")
+    def __init__(self, text: str):
+        super().__init__(text, markup=False)
 
 
 class Transcript(VerticalScroll):

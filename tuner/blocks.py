@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import weakref
 
-import torch
-
 from localllm.qdec import chunk_bounds, k_for_chunk
 
 # per Linear: what gain() needs at every k_chunk, computed once (the tuner asks for each kind at up to seven k_chunks,

@@ -4,7 +4,7 @@ GEMV times (gemv_time) come from CUDA graphs of several of the model's own layer
 packed weights, their pinned residuals, enough layers that L2 cannot serve a repeat, up to all of them), each with
 the input transform and residual add it has in the decode step (RMSNorm for qkv and gate_up, the SwiGLU gate for
 down, the residual add for o and down) and decode's launch order (Linear.held: whether x is ready at the start, which
-kernels.gemv.gemv would otherwise guess from the weight size), timed by localllm.bench.time_graph (median replay over
+kernels.gemv.gemv would otherwise guess from the weight size), timed by localllm.graphs.time_graph (median replay over
 CUDA events). The inputs are random with the spread the calibration saw per channel, and b0 / b15 are the layer's
 calibration boundaries, as the runtime sets them. The decode step (decode_time) is the captured graph of generation, with QDEC
 off or at a setting (LocalModel.set_qdec with per-kind n_tb), the median of a few timings of one capture (the graph
@@ -81,7 +81,7 @@ class GemvTimer:
     0: the base GEMV), over several of the model's own layers in one CUDA graph."""
 
     def __init__(self, lm, reps: int = 20, seed: int = 0):
-        from localllm.bench import L2_FLUSH_BYTES
+        from localllm.graphs import L2_FLUSH_BYTES
         from localllm.kernels import qdec
         from localllm.kernels.gemv import grid_of
         self.reps = reps
@@ -134,7 +134,7 @@ class GemvTimer:
         return s
 
     def __call__(self, kind: str, n_tb: int, k_chunk: int) -> float:
-        from localllm.bench import time_graph
+        from localllm.graphs import time_graph
         from localllm.kernels import qdec
         from localllm.kernels.gemv import gemv
         calls = []
@@ -204,7 +204,8 @@ class GpuBench:
     def decode_time(self, choice: Choice | None) -> float:
         """Median of DECODE_RUNS timings of one captured decode graph. The graph without QDEC is captured once per
         tune and timed again beside every setting (the pair's ratio is what counts); a setting's own graph once."""
-        from localllm.bench import captured_decoder, replay_time
+        from localllm.decode import captured_decoder
+        from localllm.graphs import replay_time
         self._set(choice)
         if choice is None:
             if self._off is None:
@@ -212,7 +213,7 @@ class GpuBench:
             dec = self._off
         else:
             dec = captured_decoder(self.lm.model, ctx=self.ctx)
-        return statistics.median(replay_time(dec, DECODE_REPS) for _ in range(DECODE_RUNS))
+        return statistics.median(replay_time(dec.graph, DECODE_REPS) for _ in range(DECODE_RUNS))
 
     def perplexity(self, choice: Choice | None) -> float:
         from localllm.evaluate import perplexity
