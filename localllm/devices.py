@@ -82,7 +82,7 @@ def check_kv_cache(cfg, tokens: int, bits: int, free: int, cpu: bool = False) ->
 
 def gpu_free(dev: torch.device) -> int:
     """Bytes of GPU memory free to this process: the driver's free bytes and torch's cached, unused ones."""
-    return torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    return torch.cuda.mem_get_info(dev)[0] + max(0, torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
 
 
 def check_float32_fits(cfg, fix: str) -> None:
