@@ -57,7 +57,8 @@ __device__ __forceinline__ uint32_t staged_x(const uint32_t* xs, int ch) {
 
 // qdec.bucket_index, in the same float32 operations (no contraction into fma).
 __device__ __forceinline__ int bucket_of(float a, float b0, float b15, float inv_hi, float inv_lo) {
-    if (a >= b15) return (int)fminf(fmaxf(floorf(__fmul_rn(__fsub_rn(b0, a), inv_hi)), 0.0f), 15.0f);
+    if (a > b0) return 0;  // beyond the calibration's largest |x|: bucket 0 alone
+    if (a >= b15) return 1 + (int)fminf(fmaxf(floorf(__fmul_rn(__fsub_rn(b0, a), inv_hi)), 0.0f), 14.0f);
     return 16 + (int)fminf(fmaxf(floorf(__fmul_rn(__fsub_rn(b15, a), inv_lo)), 0.0f), 15.0f);
 }
 

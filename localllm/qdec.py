@@ -53,10 +53,10 @@ def k_total(k_chunk: int, in_features: int) -> int:
 
 @functools.cache  # a layer's (b0, b15) are fixed: every CPU selection would recompute them (~8 us of ~120)
 def bucket_widths(b0: float, b15: float) -> tuple[float, float]:
-    """1 / bucket width above and below b15, in float32: d_hi = max((b0 - b15) / 16, 1e-12),
+    """1 / bucket width above and below b15, in float32: d_hi = max((b0 - b15) / 15, 1e-12),
     d_lo = max(b15 / 16, 1e-12). The kernel takes these two numbers as arguments (with b0 and b15)."""
     f = np.float32
-    d_hi = max(f(f(b0) - f(b15)) / f(_HALF), f(_MIN_WIDTH))
+    d_hi = max(f(f(b0) - f(b15)) / f(_HALF - 1), f(_MIN_WIDTH))
     d_lo = max(f(b15) / f(_HALF), f(_MIN_WIDTH))
     return float(f(1) / f(d_hi)), float(f(1) / f(d_lo))
 
@@ -64,10 +64,12 @@ def bucket_widths(b0: float, b15: float) -> tuple[float, float]:
 def bucket_index(a: Tensor, b0: float, b15: float) -> Tensor:
     """Bucket of each magnitude a = |x| (float32): 0 holds the largest values, 31 the smallest.
 
-    Buckets 0..15 split [b15, b0] uniformly (bucket 0 is open above, so values > b0 land
-    there); buckets 16..31 split [0, b15) uniformly. In float32 with round-to-nearest, exactly as
-    the CUDA kernel computes it (inv_hi, inv_lo from bucket_widths):
-        a >= b15: clamp(floor((b0 - a) * inv_hi), 0, 15)
+    As the paper's 31 boundaries b0 > b1 > ... > b30 make them: bucket 0 holds the values above b0 (the calibration's
+    largest |x|: an input's outliers beyond what calibration saw, taken first), buckets 1..15 split [b15, b0]
+    uniformly, buckets 16..31 split [0, b15). In float32 with round-to-nearest, exactly as the CUDA kernel computes it
+    (inv_hi, inv_lo from bucket_widths):
+        a >  b0:  0
+        a >= b15: 1 + clamp(floor((b0 - a) * inv_hi), 0, 14)
         a <  b15: 16 + clamp(floor((b15 - a) * inv_lo), 0, 15)
     Returns uint8 of a's shape.
     """
@@ -86,20 +88,22 @@ def _buckets(a: np.ndarray, b0: float, b15: float) -> np.ndarray:
     upper = fb0 - a
     upper *= inv_hi
     np.floor(upper, out=upper)
-    _clamp(upper)
+    _clamp(upper, _HALF - 2)
+    upper += 1
+    upper[a > fb0] = 0
     lower = fb15 - a
     lower *= inv_lo
     np.floor(lower, out=lower)
-    _clamp(lower)
+    _clamp(lower, _HALF - 1)
     lower += _HALF
     return np.where(a >= fb15, upper, lower)
 
 
-def _clamp(v: np.ndarray) -> None:
-    """v into [0, _HALF - 1] in place as the kernel's fminf(fmaxf(v, 0), 15): NaN becomes 0 (np.clip keeps it, and
-    casting NaN to an integer is undefined), so a NaN input lands in bucket 16 on both."""
+def _clamp(v: np.ndarray, hi: int) -> None:
+    """v into [0, hi] in place as the kernel's fminf(fmaxf(v, 0), hi): NaN becomes 0 (np.clip keeps it, and casting
+    NaN to an integer is undefined), so a NaN input lands in bucket 16 on both."""
     np.fmax(v, 0, out=v)
-    np.fmin(v, _HALF - 1, out=v)
+    np.fmin(v, hi, out=v)
 
 
 @functools.cache

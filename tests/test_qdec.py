@@ -57,25 +57,28 @@ def naive_bucket(a: float, b0: float, b15: float) -> int:
     """Scalar float32 (numpy) evaluation of the documented formula."""
     f = np.float32
     a, b0, b15 = f(a), f(b0), f(b15)
-    inv_hi = f(1) / max(f((b0 - b15) / f(16)), f(1e-12))
+    inv_hi = f(1) / max(f((b0 - b15) / f(15)), f(1e-12))
     inv_lo = f(1) / max(f(b15 / f(16)), f(1e-12))
+    if a > b0:
+        return 0
     if a >= b15:
-        return int(min(max(np.floor(f((b0 - a) * inv_hi)), 0), 15))
+        return 1 + int(min(max(np.floor(f((b0 - a) * inv_hi)), 0), 14))
     return 16 + int(min(max(np.floor(f((b15 - a) * inv_lo)), 0), 15))
 
 
 def boundary_bucket(a: float, b0: float, b15: float) -> int:
-    """Bucket from the boundary list b_1 > ... > b_31 (b_16 = b15): the number of boundaries a lies below."""
-    d_hi, d_lo = (b0 - b15) / 16, b15 / 16
-    upper = [b0 - i * d_hi for i in range(1, 16)]
+    """Bucket from the paper's boundary list b0 > b1 > ... > b30 (b15 the k-th largest value): the number of
+    boundaries a lies below (at or below b0 .. b14, below b15, at or below b16 .. b30)."""
+    d_hi, d_lo = (b0 - b15) / 15, b15 / 16
+    upper = [b0 - i * d_hi for i in range(15)]
     lower = [b15 - i * d_lo for i in range(1, 16)]
     return sum(a <= b for b in upper) + (a < b15) + sum(a <= b for b in lower)
 
 
 def test_bucket_index_matches_naive(seed):
     b0, b15 = 7.3, 2.1
-    d_hi, d_lo = (b0 - b15) / 16, b15 / 16
-    edges = [b0 - i * d_hi for i in range(17)] + [b15 - i * d_lo for i in range(17)]
+    d_hi, d_lo = (b0 - b15) / 15, b15 / 16
+    edges = [b0 - i * d_hi for i in range(16)] + [b15 - i * d_lo for i in range(17)]
     a = torch.cat([torch.rand(2000) * 9, torch.tensor(edges, dtype=torch.float32), torch.tensor([0.0, 1e-30, 100.0])])
     got = bucket_index(a, b0, b15)
     assert got.dtype == torch.uint8 and got.shape == a.shape
@@ -89,7 +92,7 @@ def test_bucket_index_matches_naive(seed):
     # Fixed points of the rule.
     below_b15 = float(np.nextafter(np.float32(b15), np.float32(0)))
     fixed = torch.tensor([100.0, b0, b15, below_b15, 0.0], dtype=torch.float32)
-    assert bucket_index(fixed, b0, b15).tolist() == [0, 0, 15, 16, 31]
+    assert bucket_index(fixed, b0, b15).tolist() == [0, 1, 15, 16, 31]  # bucket 0: beyond b0 only
 
 
 def test_bucket_index_monotone_and_degenerate(seed):
@@ -101,13 +104,23 @@ def test_bucket_index_monotone_and_degenerate(seed):
 
 
 def test_inf_and_nan_land_where_the_kernel_puts_them():
-    """The kernel's clamp is fminf(fmaxf(v, 0), 15), which turns NaN into 0: a NaN magnitude fails a >= b15 and lands
-    in bucket 16, an inf one in bucket 0 (casting NaN to an integer, as a plain clip would leave it, is undefined)."""
+    """The kernel's clamp is fminf(fmaxf(v, 0), 15), which turns NaN into 0: a NaN magnitude fails a > b0 and a >= b15
+    and lands in bucket 16, an inf one in bucket 0 (casting NaN to an integer, as a plain clip would leave it, is
+    undefined)."""
     a = torch.tensor([float("nan"), float("inf"), 20.0, 10.0, 0.0])
-    assert bucket_index(a, 10.0, 1.0).tolist() == [16, 0, 0, 0, 31]
+    assert bucket_index(a, 10.0, 1.0).tolist() == [16, 0, 0, 1, 31]
     x = torch.full((1, 1024), 2.0)
     x[0, 100], x[0, 200] = float("nan"), 9.0
     assert select_approx(x, 1, 10.0, 1.0).tolist() == [[200]]  # 9 is in a higher bucket than NaN's 16
+
+
+def test_an_input_beyond_the_calibrations_largest_goes_first():
+    """Bucket 0 holds only what lies above b0 (the paper's boundary b0): at k_chunk 1 such an outlier is chosen over
+    a value just under b0, whatever the boundary bucket's pseudo-random order would pick."""
+    for _ in range(50):
+        x = torch.rand(1, 1024) * 2 - 1
+        x[0, 10], x[0, 20] = 50.0, 7.7
+        assert select_approx(x, 1, 8.0, 2.0).tolist() == [[10]]
 
 
 def test_act_stats_refuse_nan_and_inf_inputs():
