@@ -37,6 +37,9 @@ class ModelConfig:
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         """Build from a Hugging Face config dict (config.json or a transformers config's to_dict())."""
         mt = cfg.get("model_type")
+        if mt is None:
+            raise LocalLLMError("config.json has no model_type: the checkpoint's config is incomplete; re-download "
+                                "it (localllm runs model_type llama, mistral and qwen2)")
         if mt not in SUPPORTED:
             archs = ", ".join(cfg.get("architectures") or [str(mt)])
             raise LocalLLMError(

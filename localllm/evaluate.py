@@ -90,9 +90,14 @@ def source_path(lm: LocalModel) -> str | None:
 
 def load_source(lm: LocalModel, device: str = "cpu") -> LocalModel:
     """The source checkpoint as recorded (its GGUF file too, where a folder holds several), QDEC off."""
+    from .loader import fingerprint
     from .runtime import load
     src = (lm.manifest or {}).get("source") or {}
-    return load(src.get("path"), gguf_file=src.get("gguf_file"), qdec="off", device=device)
+    ref = load(src.get("path"), gguf_file=src.get("gguf_file"), qdec="off", device=device)
+    if src.get("sha256") and fingerprint(ref.source_files) != src["sha256"]:  # (changed since: re-downloaded, edited)
+        print(f"localllm: warning: {ref.path} is not the checkpoint {lm.path} was quantized from (its weights' sha256 "
+              "differs from the one recorded): the KL column is the distance from another model", file=sys.stderr)
+    return ref
 
 
 class Reference:
@@ -181,7 +186,8 @@ def losses(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: 
                 ref = reference.log_probs(s, w)
                 kl += (ref.exp() * (ref - F.log_softmax(logits, dim=-1))).sum()
     nll = torch.cat(nll).cpu()
-    return math.exp(nll.mean().item()), (kl.item() / len(nll) if reference is not None else None), nll
+    mean = nll.mean().item()  # (past ~709 nats a token, a perplexity past what a float holds: inf)
+    return (math.exp(mean) if mean < 709 else math.inf), (kl.item() / len(nll) if reference is not None else None), nll
 
 
 def _decoded_logits(lm: LocalModel, w: torch.Tensor) -> torch.Tensor:

@@ -106,10 +106,30 @@ class Checkpoint:
             return None
         return self.tensor("lm_head.weight")  # an untied checkpoint without it is incomplete
 
+    def check_complete(self) -> None:
+        """Refuse, in one line, a checkpoint that lacks a tensor its config calls for (before long work reads them
+        block by block, not at its end)."""
+        cfg = self.config
+        layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"] + \
+            [f"self_attn.{n}_proj.{w}" for n in "qkv" for w in (("weight", "bias") if cfg.qkv_bias else ("weight",))]
+        want = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg.tie_word_embeddings else
+                                                                      ["lm_head.weight"])
+        want += [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in layer]
+        missing = [n for n in want if n not in self.names]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise LocalLLMError(f"checkpoint {self.source['path']} lacks tensor '{missing[0]}'{more}: the files are "
+                                "incomplete or from another architecture; re-download the checkpoint")
+
     def fingerprint(self) -> str:
-        """sha256 over the weight files (names + contents): names a source model in manifests and profiles."""
-        digests = sha256_files(self.files, "hashing source")
-        return hashlib.sha256("".join(f"{f.name}:{d}\n" for f, d in zip(self.files, digests)).encode()).hexdigest()
+        return fingerprint(self.files)
+
+
+def fingerprint(files: list[Path]) -> str:
+    """sha256 over a checkpoint's weight files (names + contents): names a source model in manifests and profiles."""
+    digests = sha256_files(files, "hashing source")
+    return hashlib.sha256("".join(f"{f.name}:{d}\n" for f, d in zip(files, digests)).encode()).hexdigest()
 
 
 def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Checkpoint:
@@ -129,7 +149,8 @@ def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Che
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         if gguf_file or (ggufs and not list(path.glob("*.safetensors"))):
             if not gguf_file and len(ggufs) > 1:
-                raise LocalLLMError(f"{path} holds several GGUF files ({', '.join(ggufs)}); pass one with --gguf-file")
+                raise LocalLLMError(f"{path} holds several GGUF files ({', '.join(ggufs)}); pass one with --gguf-file, "
+                                    "or the .gguf file's own path in place of the folder")
             return _open_gguf(path, gguf_file or ggufs[0])
         return _open_safetensors(path, {"format": "safetensors", "path": str(path.resolve())})
     if not _looks_like_hub_id(str(src)):
@@ -241,7 +262,10 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
         print(f"localllm: warning: {path} says its output head is tied to the embeddings, but its lm_head.weight "
               "differs from them: using lm_head.weight", file=sys.stderr)
         config = replace(config, tie_word_embeddings=False)
-    return Checkpoint(config, tokenizer_of(path), source, files, get, set(where))
+    ckpt = Checkpoint(config, tokenizer_of(path), source, files, get, set(where))
+    ckpt.check_complete()
+    ckpt.eos_ids  # (a damaged generation_config.json: said now, not after the work)
+    return ckpt
 
 
 def _read_json(f: Path) -> dict:

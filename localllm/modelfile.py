@@ -159,8 +159,13 @@ METHOD_NAMES = {"rtn": "", "awq": " AWQ", "squeezellm": " SqueezeLLM"}
 
 
 def quant_label(q: dict) -> str:
-    """The manifest's quantization in a few words: "3-bit, group 64", "3.5-bit AWQ, group 128", "4-bit SqueezeLLM"."""
+    """The manifest's quantization in a few words: "3-bit, group 64", "3.5-bit AWQ (16 blocks 3-bit, 16 4-bit), group
+    128", "4-bit SqueezeLLM". A mix names its blocks: with an odd count (or one block), --bits 3.5 is not 3.5 on
+    average."""
     name = f"{q['bits']}-bit{METHOD_NAMES.get(q.get('method', 'rtn'), ' ' + str(q.get('method')))}"
+    mix = q.get("block_bits") or []
+    if len(set(mix)) > 1 or mix and mix[0] != q["bits"]:
+        name += " (" + ", ".join(f"{mix.count(b)} block{'s' * (mix.count(b) > 1)} {b}-bit" for b in sorted(set(mix))) + ")"
     return name + (f", group {q['group_size']}" if q.get("group_size") else "")
 
 

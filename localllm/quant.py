@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .errors import LocalLLMError
+
 BASE_BITS = (2, 3, 4)  # the decoder blocks' widths
 HEAD_BITS = 8  # the output head's (quantize.py): at 4 bits it cost the demo model 14% perplexity, at 8 nothing
 HEAD_GROUP = 128
@@ -284,7 +286,8 @@ def _rtn_groups(w: Tensor, bits: int, group_size: int, clip: Tensor | None = Non
         lo, hi = lo * clip, hi * clip
     scale16 = ((hi - lo) / maxq).clamp(min=_FP16_MIN_NORMAL).half()
     if torch.isinf(scale16).any():
-        raise ValueError("weight range too large for fp16 scales")
+        raise LocalLLMError(f"weights up to {w.abs().max().item():.3g} in magnitude: too large for fp16 scales "
+                            "(65504); the checkpoint is damaged or its tensors are not float weights: re-download it")
     scale = scale16.float()
     zero = (-lo / scale).round().clamp(0, maxq)  # [n, G]
     codes = ((wg / scale[..., None]).round() + zero[..., None]).clamp(0, maxq)  # [n, G, gs]
@@ -668,7 +671,8 @@ def table_groups(w: Tensor, bits: int, group_size: int = TABLE_GROUP) -> tuple[T
     scale = ((hi - offset.float()) / (2**bits - 1)).half()
     scale = torch.where(scale.float() * (2**bits - 1) < hi - offset.float(), torch.nextafter(scale, up), scale)
     if not (torch.isfinite(scale).all() and torch.isfinite(offset).all()):
-        raise ValueError("weight range too large for fp16 scales")
+        raise LocalLLMError(f"weights up to {w.abs().max().item():.3g} in magnitude: too large for fp16 scales "
+                            "(65504); the checkpoint is damaged or its tensors are not float weights: re-download it")
     return scale.clamp(min=_FP16_MIN_SUBNORMAL), offset
 
 

@@ -308,9 +308,9 @@ def first_order_values(cfg, block_of: Callable[[int], object], inputs: list[torc
     Demo model W3, these values (calibration text) against each block compensated alone on 1024 tokens of the
     evaluation text (CPU): rank correlation qkv 0.69, gate_up 0.65, down 0.17, where tuner.blocks' share reached 0.43
     (v rows), 0.21 and 0.50; the four blocks of most value by it took 0.120 / 0.158 / 0.073 of KL away, by the share
-    0.092 / 0.095 / 0.125 (best 0.144 / 0.163 / 0.132). Its total is ~3x the measured one (tuner.blocks.first_order
-    scales it to qdec_value's)."""
-    n_tok = sum(a.shape[1] for a in ref)
+    0.092 / 0.095 / 0.125 (best 0.144 / 0.163 / 0.132). Its total is several times the measured one (qkv at k_chunk
+    8: 0.88 against 0.19; tuner.blocks.first_order scales it to qdec_value's). Files before 2026-11-30 hold these
+    values divided once more by the token count (1024): the tuner, which uses their ratios only, reads both alike."""
     g = head.kl_grad(ref, final)
     out = {kind: [None] * cfg.num_layers for kind in KINDS}
     for i in progress(range(cfg.num_layers - 1, -1, -1), desc="QDEC value per block", unit="block"):
@@ -344,7 +344,7 @@ def first_order_values(cfg, block_of: Callable[[int], object], inputs: list[torc
                 s.mode = "off"
         g = torch.cat(grads)
         for kind in KINDS:
-            out[kind][i] = [float(f"{v / n_tok:.6g}") for v in acc[kind]]
+            out[kind][i] = [float(f"{v:.6g}") for v in acc[kind]]  # (G is of the mean KL: per token already)
     return {"method": "first order: -G . R_hat[:, S] x[S] per layer, G the gradient of the KL at its output",
             "k_chunks": list(k_chunks), "kl": out}
 

@@ -39,6 +39,7 @@ class LocalModel:
     qdec_untuned: bool = False  # qdec="on" on a GPU fell back to the default k_chunk: no tuning profile applies
     _tuned: object = field(default=None, repr=False)  # tuner.profile.Selection for self.budget, looked up once
     kv_bits: int = 16  # KV cache width: 16 (the model's dtype), 8 or 4 (kvquant); set_kv_bits changes it
+    source_files: list | None = field(default=None, repr=False)  # a dense model's weight files (loader.fingerprint)
     # generate() runs one reply at a time: the KV cache and the sampling generator are shared. A reply holds the lock
     # while it reads its prompt and at each step; `reply` names the latest, and an earlier stream still open stops
     # with an error at its next token instead of writing into the cache the later one uses.
@@ -243,8 +244,10 @@ class LocalModel:
         blocks = {kind: frozenset(b) for kind, b in (blocks or {}).items()}
         # approximate top-k needs a calibrated bucket boundary for k; the other modes go up to a whole chunk
         kmax = self.manifest["calibration"]["kmax"] if mode == "approx" else 1024
-        if any(not 0 <= v <= kmax for v in ks.values()):
-            raise LocalLLMError(f"k_chunk must be within 0..{kmax} for QDEC mode '{mode}'; got {ks}")
+        if bad := sorted({v for v in ks.values() if not 0 <= v <= kmax}):
+            why = f" (the largest this model's calibration covers; exact, static and random go up to 1024)" \
+                if mode == "approx" else ""
+            raise LocalLLMError(f"k_chunk {', '.join(map(str, bad))} is outside 0..{kmax} for QDEC mode '{mode}'{why}")
         nts = {kind: n_tb for kind in KINDS} if n_tb is None or is_whole(n_tb) else \
             {kind: n_tb.get(kind) for kind in KINDS}
         if not any(ks.values()):  # nothing to compensate
@@ -387,7 +390,7 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         lm = LocalModel(model, tokenizer_of(path), manifest, str(path), manifest.get("eos_token_ids", []))
     else:
         ckpt = open_checkpoint(src, gguf_file)
-        lm = LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids)
+        lm = LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids, source_files=ckpt.files)
     lm.settings.act8 = prefill_int8
     lm.set_kv_bits(kv_bits)
     if dev.type != "cpu":

@@ -16,7 +16,8 @@ def read(path: str | Path, what: str, option: str) -> str:
     not UTF-8 or only whitespace. what: what the text is for ("calibration text"); option: the flag that names it."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise LocalLLMError(f"{what} {p} does not exist (no text file at {p}): give {option} a UTF-8 text file")
+        why = "is a folder, not a text file" if p.is_dir() else "does not exist (no text file at that path)"
+        raise LocalLLMError(f"{what} {p} {why}: give {option} a UTF-8 text file")
     try:
         text = p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:

@@ -109,7 +109,7 @@ def test_t975_is_students_t():
     (["--qdec", "off,bogus"], "--qdec takes a comma-separated list"),
     (["--k-chunk", "8,x"], "--k-chunk takes comma-separated integers"),
     (["--ctx", "1"], "--ctx must be within"),
-    (["--qdec", "off,approx", "--k-chunk", "8,2000"], "k_chunk must be within"),  # refused before any evaluation
+    (["--qdec", "off,approx", "--k-chunk", "8,2000"], "k_chunk 2000 is outside 0..256 for QDEC mode 'approx' (the largest"),  # refused before any evaluation
 ])
 def test_eval_bad_input_is_one_line(tiny_quant, args, msg):
     r = run("eval", tiny_quant, "--max-tokens", "50", *args)
@@ -168,6 +168,18 @@ def test_a_reference_shaped_unlike_the_model_is_named(tiny_ckpt, tmp_path, capsy
     Reference(other, dense_lm)
     err = capsys.readouterr().err
     assert "is not shaped as" in err and "not its source" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_source_changed_since_quantizing_is_named(tiny_quant, capsys):
+    from localllm.evaluate import load_source
+    lm = load(tiny_quant, qdec="off")
+    capsys.readouterr()
+    load_source(lm)
+    assert "warning" not in capsys.readouterr().err  # the same files as recorded
+    lm.manifest["source"]["sha256"] = "0" * 64  # as if the source folder had been re-downloaded or edited since
+    load_source(lm)
+    err = capsys.readouterr().err
+    assert "is not the checkpoint" in err and "sha256 differs" in err and len(err.strip().splitlines()) == 1
 
 
 def test_kl_from_the_source_matches_a_direct_computation_and_falls_with_compensation(tiny_ckpt, tiny_quant):

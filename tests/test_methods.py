@@ -505,6 +505,10 @@ def test_methods_end_to_end(method_quant, tiny_ckpt, capsys):
     m = json.loads((path / "localllm.json").read_text())
     q = m["quant"]
     assert q["method"] == method and q["bits"] == 3.5 and sorted(q["block_bits"]) == [3, 4]
+    from localllm.modelfile import quant_label
+    assert "3.5-bit" in quant_label(q) and "(1 block 3-bit, 1 block 4-bit)" in quant_label(q)
+    assert quant_label({**q, "block_bits": [4]}).startswith("3.5-bit") and "(1 block 4-bit)" in quant_label(
+        {**q, "block_bits": [4]})  # (one block: all of it at the higher width)
     assert len(q["sensitivity"]["kl"]) == 2 and q["sensitivity"]["tokens"] > 0
     assert q["layout"] == ("lut-group-mma-v3" if method == "squeezellm" else "rtn-mma-v3")
     assert ("awq_alpha" in q and "awq_clip" in q) == (method == "awq")
@@ -712,8 +716,8 @@ def test_block_values_are_the_first_order_kl_change(tiny_quant, tiny_ckpt):
         x = torch.cat(X[lin])
         g = torch.cat([d.grad.reshape(-1, d.shape[-1]) for d in D[lin]])
         for j, k in enumerate(fo["k_chunks"]):
-            want[lin.kind, lin.block, j] = -float((g * compensate(x, select_channels(lin, x, k), lin.residual)).sum()) \
-                / toks.numel()
+            # (g is of the mean KL per token: its product with the compensation is the change in that mean)
+            want[lin.kind, lin.block, j] = -float((g * compensate(x, select_channels(lin, x, k), lin.residual)).sum())
     # (the loaded model's head and final norm are the file's, not the source's: the gradient moves a little; and the
     # selection is discrete)
     scale = max(abs(w) for w in want.values())
