@@ -175,10 +175,7 @@ def cmd_eval(a) -> None:
     bad = [m for m in modes if m not in QDEC_MODES]
     if bad or not modes:
         raise LocalLLMError(f"--qdec takes a comma-separated list of {', '.join(QDEC_MODES)}; got {a.qdec!r}")
-    try:
-        ks = [int(k) for k in a.k_chunk.split(",") if k.strip()]
-    except ValueError:
-        raise LocalLLMError(f"--k-chunk takes comma-separated integers, e.g. 2,4,8; got {a.k_chunk!r}") from None
+    ks = list(_ints("--k-chunk", a.k_chunk))
     if any(k < 1 for k in ks):
         raise LocalLLMError(f"--k-chunk values are channels per 1024, at least 1; got {a.k_chunk!r} (--qdec off "
                             "measures no compensation)")
