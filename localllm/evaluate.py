@@ -187,7 +187,7 @@ def losses(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: 
                 kl += (ref.exp() * (ref - F.log_softmax(logits, dim=-1))).sum()
     nll = torch.cat(nll).cpu()
     mean = nll.mean().item()  # (past ~709 nats a token, a perplexity past what a float holds: inf)
-    return (math.exp(mean) if mean < 709 else math.inf), (kl.item() / len(nll) if reference is not None else None), nll
+    return (math.inf if mean >= 709 else math.exp(mean)), (kl.item() / len(nll) if reference is not None else None), nll
 
 
 def _decoded_logits(lm: LocalModel, w: torch.Tensor) -> torch.Tensor:

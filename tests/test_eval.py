@@ -170,6 +170,17 @@ def test_a_reference_shaped_unlike_the_model_is_named(tiny_ckpt, tmp_path, capsy
     assert "is not shaped as" in err and "not its source" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_model_whose_outputs_are_nan_says_so(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from conftest import make_checkpoint
+    path = make_checkpoint(tmp_path / "nan")
+    t = load_file(path / "model.safetensors")
+    t["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(t, path / "model.safetensors", metadata={"format": "pt"})
+    r = run("eval", path, "--max-tokens", "100", "--ctx", "64")
+    assert r.returncode == 0 and " nan" in r.stdout and "the model's outputs hold NaN" in r.stderr
+
+
 def test_a_source_changed_since_quantizing_is_named(tiny_quant, capsys):
     from localllm.evaluate import load_source
     lm = load(tiny_quant, qdec="off")

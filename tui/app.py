@@ -3,7 +3,6 @@ Textual worker threads and reports to the UI thread with messages, so the UI nev
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 
 from textual import events, work
