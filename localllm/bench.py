@@ -284,10 +284,7 @@ def dense_decode_time(cfg, **kw) -> float:
 
 def dense_bytes(cfg) -> int:
     """weight_bytes of cfg's fp16 decoder: its projections and output head at 2 bytes a weight."""
-    from .model import KINDS
-    from .modelfile import linear_shape
-    return 2 * (cfg.vocab_size * cfg.hidden_size + cfg.num_layers * sum(
-        n * k for n, k in (linear_shape(cfg, kind) for kind in KINDS)))
+    return 2 * (cfg.vocab_size * cfg.hidden_size + cfg.linear_weights)
 
 
 def weight_bytes(model) -> int:

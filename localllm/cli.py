@@ -114,7 +114,7 @@ def cmd_info(a) -> None:
     if a.json:
         print(json.dumps(d, indent=2))
         return
-    mb = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+    from .devices import size
     print(f"model        {d['path']}")
     print(f"             {d['architecture']}, {d['parameters'] / 1e6:.1f}M parameters")
     h = d["head"]
@@ -124,11 +124,11 @@ def cmd_info(a) -> None:
         kept = sum(v["rtn_blocks"] for v in d["awq"].values())
         print("awq          " + (f"output error over RTN's, mean over blocks: {', '.join(err)}; " if err else "")
               + f"{kept} of {sum(v['blocks'] for v in d['awq'].values())} projections kept RTN (alpha 0)")
-    print(f"GPU memory   {mb(d['gpu_bytes'])} (weights, without KV cache)")
-    print(f"pinned host  {mb(d['pinned_host_bytes'])} (QDEC residuals) + {mb(d['pinned_embed_bytes'])} (embeddings, on a "
+    print(f"GPU memory   {size(d['gpu_bytes'])} (weights, without KV cache)")
+    print(f"pinned host  {size(d['pinned_host_bytes'])} (QDEC residuals) + {size(d['pinned_embed_bytes'])} (embeddings, on a "
           "GPU)")
-    print(f"CPU memory   {mb(d['cpu_bytes'])} (on a machine without a GPU: the weights as float32), or "
-          f"{mb(d['cpu_unpacked_bytes'])} where that does not fit (their codes unpacked, slower)")
+    print(f"CPU memory   {size(d['cpu_bytes'])} (on a machine without a GPU: the weights as float32), or "
+          f"{size(d['cpu_unpacked_bytes'])} where that does not fit (their codes unpacked, slower)")
     kv, sa = d["kv_cache"], d["kv_cache"]["smooth_attention"]
     per_token = ", ".join(f"{n / 2**10:.1f} KiB at {b} bits" for b, n in kv["bytes_per_token"].items())
     cpu16 = kv["cpu_bytes_per_token_16"] / 2**10

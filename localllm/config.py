@@ -134,11 +134,18 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def linear_weights(self) -> int:
+        """Weights of the blocks' projections (q, k, v, o, gate, up, down): what the low-bit layers hold."""
+        d, i, qkv = self.hidden_size, self.intermediate_size, self.q_size + 2 * self.kv_size
+        return self.num_layers * (d * qkv + self.q_size * d + 3 * d * i)
+
+    @property
     def parameters(self) -> int:
         """The checkpoint's weights: embeddings, the head unless tied, each block's projections, biases and norms."""
-        d, i, qkv = self.hidden_size, self.intermediate_size, self.q_size + 2 * self.kv_size
-        block = d * qkv + self.q_size * d + 3 * d * i + 2 * d + (qkv if self.qkv_bias else 0)
-        return self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * block + d
+        d, qkv = self.hidden_size, self.q_size + 2 * self.kv_size
+        per_block = 2 * d + (qkv if self.qkv_bias else 0)  # norms, biases
+        return self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + self.linear_weights + \
+            self.num_layers * per_block + d
 
 
 def _hf_defaults(model_type: str) -> dict:

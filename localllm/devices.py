@@ -55,8 +55,9 @@ def host_available() -> int | None:
     return None
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+def size(n: float) -> str:
+    """Bytes as people read them: 1.5 GiB, 81.0 MiB, 12 KiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def check_kv_cache(cfg, tokens: int, bits: int, free: int, cpu: bool = False) -> None:
@@ -71,13 +72,13 @@ def check_kv_cache(cfg, tokens: int, bits: int, free: int, cpu: bool = False) ->
     fits = [b for b in kvquant.KV_BITS if b < bits and per_token(b) * tokens <= free]
     if fits:
         b = fits[0]
-        hint = f"--kv-bits {b} (kv_bits={b}) fits it in {gib(per_token(b) * tokens)}"
+        hint = f"--kv-bits {b} (kv_bits={b}) fits it in {size(per_token(b) * tokens)}"
     else:
         b = min(kvquant.KV_BITS)
         hint = f"at most {max(free, 0) // per_token(b)} tokens fit even at --kv-bits {b}: " \
                "use a shorter prompt or fewer new tokens"
-    raise LocalLLMError(f"a KV cache for {tokens} tokens at {bits} bits needs {gib(need)} of {memory} but "
-                        f"{gib(max(free, 0))} is free; {hint}")
+    raise LocalLLMError(f"a KV cache for {tokens} tokens at {bits} bits needs {size(need)} of {memory} but "
+                        f"{size(max(free, 0))} is free; {hint}")
 
 
 def gpu_free(dev: torch.device) -> int:
@@ -90,5 +91,5 @@ def check_float32_fits(cfg, fix: str) -> None:
     on load) would not fit the host's available memory: past it the OOM killer ends the process without a word."""
     need, free = 4 * cfg.parameters, host_available()
     if free is not None and need > free:
-        raise LocalLLMError(f"the checkpoint takes {gib(need)} as float32 weights, but {gib(free)} of host memory "
+        raise LocalLLMError(f"the checkpoint takes {size(need)} as float32 weights, but {size(free)} of host memory "
                             f"is available; {fix}")

@@ -210,12 +210,6 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
-def linear_weights(cfg) -> int:
-    """Weights in one model's linear layers (q, k, v, o, gate, up, down of every block)."""
-    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return cfg.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
-
-
 def full_check(o: Options, cfg) -> tuple[bool, str]:
     """Whether the all-channels check runs, and why (for the report)."""
     if o.checks == "off":
@@ -224,7 +218,7 @@ def full_check(o: Options, cfg) -> tuple[bool, str]:
         return False, "it needs the FP16 residuals of Table 1 (--residual-bits with 16)"
     if o.checks == "on":
         return True, "--checks on"
-    n = linear_weights(cfg)
+    n = cfg.linear_weights
     if n < CHEAP_CHECK_WEIGHTS:
         return True, f"--checks auto: {n / 1e9:.2g}e9 weights, under {CHEAP_CHECK_WEIGHTS / 1e9:.2g}e9"
     return False, (f"--checks auto: the model's {n / 1e9:.2g}e9 linear weights are over the "

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from . import devices, kvquant, modelfile, ops
-from .devices import WORKSPACE_BYTES, check_float32_fits, check_kv_cache, gib, gpu_free, resolve_device
+from .devices import WORKSPACE_BYTES, check_float32_fits, check_kv_cache, gpu_free, resolve_device, size
 from .errors import LocalLLMError, is_real, is_whole
 from .loader import MANIFEST, Checkpoint, open_checkpoint, tokenizer_of
 from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block, in_blocks
@@ -306,7 +306,7 @@ class LocalModel:
         if todo:
             need, free = sum(lin.residual.nbytes for lin in todo), devices.host_available()
             if free is not None and need > free:  # pinning past it would swap, or end in the OOM killer
-                raise LocalLLMError(f"QDEC's residuals need {gib(need)} of pinned host memory but {gib(free)} is "
+                raise LocalLLMError(f"QDEC's residuals need {size(need)} of pinned host memory but {size(free)} is "
                                     "available; free host RAM, or run with QDEC off (--qdec off)")
             from .progress import progress
             for lin in progress(todo, "pinning residuals", unit="layer"):
@@ -449,8 +449,8 @@ def fit_cpu_memory(lm: LocalModel) -> None:
         return
     for lin in lins:
         lin.unpack()
-    print(f"localllm: on the CPU {lm.path}'s weights as float32 would take {gib(as_float32)} more and "
-          f"{gib(free)} is available: they run from their codes unpacked ({gib(unpacked)} more), dequantized a "
+    print(f"localllm: on the CPU {lm.path}'s weights as float32 would take {size(as_float32)} more and "
+          f"{size(free)} is available: they run from their codes unpacked ({size(unpacked)} more), dequantized a "
           "slice at a time: the same results, slower" + ("" if unpacked <= room else "; even that does not fit: "
           "expect swapping or the OOM killer") + "; a GPU (--device cuda) keeps the weights packed", file=sys.stderr)
 
@@ -470,12 +470,12 @@ def check_gpu_memory(lm: LocalModel, dev: torch.device, context: int = 4096) -> 
     if weights + kvquant.bytes_per_token(cfg, min(kvquant.KV_BITS)) * context <= free:
         check_kv_cache(cfg, context, lm.kv_bits, free - weights)  # names the kv-bits setting that fits
     bits = lm.manifest["quant"]["bits"] if lm.manifest else 16
-    linear = sum(lin.in_features * lin.out_features for lin in lm.model.linears())
+    linear = cfg.linear_weights
     fits = [b for b in (4, 3, 2) if b < bits and need - linear * (bits - b) / 8 <= free]
     hint = f"quantize it to {fits[0]} bits (localllm quantize --bits {fits[0]})" if fits else \
         "use a smaller model or the CPU (device='cpu')"
-    raise LocalLLMError(f"{lm.path} needs {gib(need)} of GPU memory ({gib(sizes['gpu_bytes'])} weights, "
-                        f"{gib(kv)} KV cache for {context} tokens at {lm.kv_bits} bits) but {gib(free)} is free; "
+    raise LocalLLMError(f"{lm.path} needs {size(need)} of GPU memory ({size(sizes['gpu_bytes'])} weights, "
+                        f"{size(kv)} KV cache for {context} tokens at {lm.kv_bits} bits) but {size(free)} is free; "
                         f"{hint}")
 
 

@@ -151,7 +151,7 @@ def test_too_big_for_the_gpu_is_refused_with_sizes(tiny_quant, monkeypatch):
     from localllm.errors import LocalLLMError
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (1 << 20, 80 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 0)  # (torch's cache counts as free too)
-    with pytest.raises(LocalLLMError, match=r"needs .* [GM]iB of GPU memory .* but 1 MiB is free"):
+    with pytest.raises(LocalLLMError, match=r"needs .* [GMK]iB of GPU memory .* but 1.0 MiB is free"):
         load(tiny_quant, device="cuda")
 
 

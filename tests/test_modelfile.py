@@ -201,7 +201,7 @@ def test_gpu_memory_check_names_sizes_and_a_bit_width_that_fits(tiny_quant, monk
     kv = 256 * bytes_per_token(lm.model.cfg, 4)  # the model's whole context, 256 tokens
     need = lm.sizes()["gpu_bytes"] + kv + (256 << 20)  # weights + KV + slack
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (need - linear // 16, 1 << 40))
-    with pytest.raises(LocalLLMError, match=r"[GM]iB of GPU memory .* is free; quantize it to 2 bits"):
+    with pytest.raises(LocalLLMError, match=r"[GMK]iB of GPU memory .* is free; quantize it to 2 bits"):
         check_gpu_memory(lm, torch.device("cuda"), context=4096)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (need + 1, 1 << 40))
     check_gpu_memory(lm, torch.device("cuda"), context=4096)  # fits: no error

@@ -322,14 +322,14 @@ def test_no_residual_widths_asked_means_no_table_1(report, tmp_path):
 def test_the_all_channels_check_is_optional(tiny_ckpt, tmp_path, cache):
     from localllm.config import ModelConfig
     from localllm.loader import open_checkpoint
-    from localllm.report import CHEAP_CHECK_WEIGHTS, full_check, linear_weights
+    from localllm.report import CHEAP_CHECK_WEIGHTS, full_check
     cfg = open_checkpoint(str(tiny_ckpt)).config
     lm = load(tiny_ckpt)
-    assert linear_weights(cfg) == sum(lin.in_features * lin.out_features for lin in lm.model.linears())
+    assert cfg.linear_weights == sum(lin.in_features * lin.out_features for lin in lm.model.linears())
     assert full_check(Options(), cfg)[0], "auto: on for a small model"
     qwen15 = ModelConfig(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
                          num_kv_heads=2, head_dim=128)
-    assert linear_weights(qwen15) > CHEAP_CHECK_WEIGHTS
+    assert qwen15.linear_weights > CHEAP_CHECK_WEIGHTS
     run, why = full_check(Options(), qwen15)
     assert not run and "--checks on" in why
     assert full_check(Options(checks="on"), qwen15)[0] and not full_check(Options(checks="off"), cfg)[0]

@@ -207,7 +207,7 @@ def test_qdec_pins_no_more_than_the_host_has_available(tiny_quant, monkeypatch):
     lm = localllm.load(tiny_quant, device="cpu")
     need = sum(lin.residual.nbytes for lin in lm.model.linears())
     monkeypatch.setattr(devices, "host_available", lambda: need - 1)
-    with pytest.raises(LocalLLMError, match=r"^QDEC's residuals need [\d.]+ [GM]iB of pinned host memory but [\d.]+ [GM]iB "
+    with pytest.raises(LocalLLMError, match=r"^QDEC's residuals need [\d.]+ [GMK]iB of pinned host memory but [\d.]+ [GMK]iB "
                                             r"is available; free host RAM, or run with QDEC off \(--qdec off\)$"):
         lm._place_qdec({k: 8 for k in KINDS})
     assert all(lin.host_residual is None for lin in lm.model.linears())
@@ -261,7 +261,7 @@ def test_a_checkpoint_or_kv_cache_past_the_hosts_memory_is_refused_in_one_line(t
     assert weights == 4 * lm.model.cfg.parameters  # what the check counts is what loads
     lm = localllm.load(tiny_quant)
     monkeypatch.setattr(devices, "host_available", lambda: weights - 1)
-    with pytest.raises(LocalLLMError, match=r"^the checkpoint takes [\d.]+ [GM]iB as float32 weights, but [\d.]+ [GM]iB .*"
+    with pytest.raises(LocalLLMError, match=r"^the checkpoint takes [\d.]+ [GMK]iB as float32 weights, but [\d.]+ [GMK]iB .*"
                                             "`localllm quantize` it"):
         localllm.load(tiny_ckpt)
     monkeypatch.setattr(devices, "host_available", lambda: 1000)  # a cache of 256 tokens takes more

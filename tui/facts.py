@@ -5,16 +5,13 @@ from pathlib import Path
 
 import torch
 
+from localllm.devices import size
 from localllm.generate import Stats
 from localllm.model import KINDS
 from localllm.modelfile import quant_label
 from localllm.runtime import LocalModel
 
 NONE = "—"
-
-
-def size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def model_name(lm: LocalModel) -> str:
