@@ -23,7 +23,10 @@ HERE = Path(__file__).parent
 
 
 def unusable() -> str | None:
-    """Why the CUDA kernels cannot run here (one line, with the fix), or None when they can."""
+    """Why the CUDA kernels cannot run here (one line), or None when they can. (Without a GPU, no fix: what asks
+    this, tune or a report's GPU sections, has no CPU form.)"""
+    if not switched_off() and not torch.cuda.is_available():
+        return "no CUDA GPU is visible (an NVIDIA GPU with CuPy is needed)"
     try:
         require()
     except LocalLLMError as e:

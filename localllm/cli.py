@@ -437,7 +437,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("model", nargs="?", help="checkpoint folder, .gguf file or hub id (default: the demo model)")
     r.add_argument("--out", help="new folder for the report (default: report-<model name>)")
     r.add_argument("--tokens", type=int, default=2048, help="predicted tokens of the evaluation text (default 2048)")
-    r.add_argument("--ctx", type=int, default=512, help="tokens per evaluation window (default 512)")
+    r.add_argument("--ctx", type=int, help="tokens per evaluation window (default 512, or the model's context where "
+                                           "shorter)")
     r.add_argument("--bits", default="2,3,4", help="base widths to compare (default 2,3,4)")
     r.add_argument("--k-chunk", default="8,16,32,64,128", help="k_chunk values (default 8,16,32,64,128)")
     r.add_argument("--compare-bits", type=int, default=3,

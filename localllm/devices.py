@@ -26,7 +26,7 @@ def resolve_device(device: str | torch.device = "auto", kernels: bool = True) ->
         return torch.device("cpu")
     try:
         dev = torch.device(device)
-    except RuntimeError:  # a name torch does not know ("gpu")
+    except (RuntimeError, TypeError):  # a name torch does not know ("gpu"), or not a name (None)
         dev = None
     if dev is None or dev.type not in ("cuda", "cpu"):
         raise LocalLLMError(f"device '{device}' is not supported; use auto, cpu or cuda")

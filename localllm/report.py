@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -67,7 +67,7 @@ class Options:
     model: str | None = None  # a checkpoint folder, .gguf file or hub id; None: the demo model's GGUF
     out: str | None = None  # None: report-<model name> here
     tokens: int = 2048  # predicted tokens of the evaluation text
-    ctx: int = 512
+    ctx: int | None = None  # tokens per window; None: 512, or the model's context where shorter
     bits: tuple = (2, 3, 4)
     k_chunks: tuple = (8, 16, 32, 64, 128)
     compare_bits: int = 3  # the base width of the selection-mode and residual-width comparisons
@@ -261,7 +261,7 @@ class Run:
     def perplexity(self, lm, desc: str) -> float:
         from .evaluate import perplexity
         ids = self.ids(lm)
-        ppl = perplexity(lm, ids, min(self.o.ctx, lm.model.cfg.max_position_embeddings), self.o.seed, desc=desc)
+        ppl = perplexity(lm, ids, self.o.ctx, self.o.seed, desc=desc)
         self.bar.update(1)
         return ppl
 
@@ -521,6 +521,10 @@ def make_report(o: Options) -> Path:
         _check_out(o, Path(o.out).expanduser())
     text = read_text(o.text)  # before the checkpoint opens (a GGUF converts then)
     ckpt = open_checkpoint(src, o.gguf_file)
+    limit = ckpt.config.max_position_embeddings
+    o = replace(o, ctx=min(512, limit) if o.ctx is None else o.ctx)
+    if not 2 <= o.ctx <= limit:  # (the windows the report states are the ones it runs)
+        raise LocalLLMError(f"--ctx must be within 2..{limit} (the model's context); got {o.ctx}")
     name = model_name(src, ckpt)
     out = Path(o.out or f"report-{_slug(name)}").expanduser()
     prior = _check_out(o, out)  # before hashing the model

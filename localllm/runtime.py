@@ -40,6 +40,7 @@ class LocalModel:
     _tuned: object = field(default=None, repr=False)  # tuner.profile.Selection for self.budget, looked up once
     kv_bits: int = 16  # KV cache width: 16 (the model's dtype), 8 or 4 (kvquant); set_kv_bits changes it
     source_files: list | None = field(default=None, repr=False)  # a dense model's weight files (loader.fingerprint)
+    _asked: tuple | None = field(default=None, repr=False)  # set_qdec's last request and what it decided
     # generate() runs one reply at a time: the KV cache and the sampling generator are shared. A reply holds the lock
     # while it reads its prompt and at each step; `reply` names the latest, and an earlier stream still open stops
     # with an error at its next token instead of writing into the cache the later one uses.
@@ -135,32 +136,53 @@ class LocalModel:
         "on" on a GPU: the tuning profile of this GPU and model for the slowdown budget (`budget`, a fraction, kept
         in self.budget; see tuner.profile.select), else DEFAULT_K_CHUNK with a one-line warning when the profiles
         here were made on another GPU or model. On the CPU, "on" is DEFAULT_K_CHUNK. Sets qdec_source (one line
-        saying where the setting comes from) and qdec_overhead (the profile's measured slowdown, else None)."""
+        saying where the setting comes from) and qdec_overhead (the profile's measured slowdown, else None).
+        A refused value changes nothing; the setting already in force, asked for again, keeps the KV cache (and a
+        GPU's captured graphs)."""
         _check_budget(budget)
-        if budget is not None and budget != self.budget:
-            self.budget, self._tuned = budget, None
-        self.qdec_untuned = False
-        self._decoder = None  # a captured graph holds the old settings
-        if qdec in ("off", 0, None, False):
-            self.settings.mode, self.qdec_source, self.qdec_overhead = "off", "QDEC off", None
-            return
-        if not self.has_residuals:
+        off = qdec in ("off", 0, None, False)
+        if not (off or qdec is True or qdec == "on" or is_whole(qdec) or isinstance(qdec, dict)):
+            raise LocalLLMError(f"qdec={qdec!r} is not understood; use 'on', 'off', a k_chunk integer or a dict")
+        unknown = sorted(map(str, set(qdec) - {"mode", "k_chunk", "n_tb", "blocks"})) if isinstance(qdec, dict) else []
+        if unknown:
+            raise LocalLLMError(f"qdec has unknown keys {', '.join(unknown)}; a dict takes mode, k_chunk, n_tb and "
+                                "blocks")
+        if not off and not self.has_residuals:
             raise LocalLLMError(f"{self.path} has no QDEC residuals; re-quantize it with residuals, or turn QDEC "
                                 "off (--qdec off; in Python qdec='off')")
+        # (by repr: True == 1, but "on" is not k_chunk 1)
+        if self._asked is not None and self._asked == (repr(qdec), budget, self._qdec_state()):
+            return
+        before = self.budget, self._tuned
+        if budget is not None and budget != self.budget:
+            self.budget, self._tuned = budget, None
+        try:
+            self._set_qdec(qdec, off)
+        except LocalLLMError:
+            self.budget, self._tuned = before
+            raise
+        self._decoder = None  # a captured graph holds the old settings
+        self._asked = (repr(qdec), budget, self._qdec_state())
+
+    def _qdec_state(self) -> tuple:
+        """What set_qdec decided, to tell a request already in force (a direct change of settings or new profiles
+        make it another)."""
+        s = self.settings
+        return s.mode, dict(s.k_chunk), {k: frozenset(v) for k, v in s.blocks.items()}, self._tuned, self.budget
+
+    def _set_qdec(self, qdec, off: bool) -> None:
+        self.qdec_untuned = False
+        if off:
+            self.settings.mode, self.qdec_source, self.qdec_overhead = "off", "QDEC off", None
+            return
         if qdec is True or qdec == "on":  # (not `in ("on", True)`: 1 == True would make k_chunk 1 "on")
             self._set_on()
             return
         if is_whole(qdec):
             placed = self._apply("approx", qdec)
-        elif isinstance(qdec, dict):
-            unknown = sorted(map(str, set(qdec) - {"mode", "k_chunk", "n_tb", "blocks"}))
-            if unknown:
-                raise LocalLLMError(f"qdec has unknown keys {', '.join(unknown)}; a dict takes mode, k_chunk, n_tb "
-                                    "and blocks")
+        else:
             placed = self._apply(qdec.get("mode", "approx"), qdec.get("k_chunk", DEFAULT_K_CHUNK), qdec.get("n_tb"),
                                  qdec.get("blocks"))
-        else:
-            raise LocalLLMError(f"qdec={qdec!r} is not understood; use 'on', 'off', a k_chunk integer or a dict")
         if placed and self.settings.mode != "off":
             self.qdec_source = f"{_describe_k(self.settings.k_chunk, self.settings.blocks)} (set by hand)"
         self.qdec_overhead = None
@@ -369,6 +391,10 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
     (default), 8 or 4 (LocalModel.set_kv_bits). prefill_int8: prompts with 8-bit activations (QdecSettings.act8)."""
     kvquant.check_bits(kv_bits)
     _check_budget(budget)  # before loading
+    for name, v, kinds in (("prefill_int8", prefill_int8, (bool,)), ("verify", verify, (bool,)),
+                           ("tune", tune, (bool, type(None)))):
+        if not isinstance(v, kinds):  # ("no" would be true)
+            raise LocalLLMError(f"{name}={v!r}: give True or False" + (" (or None)" if name == "tune" else ""))
     dev = resolve_device(device)
     demo = src is None
     if demo:
@@ -399,6 +425,8 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         lm.model.place(dev)
     else:
         fit_cpu_memory(lm)
+    if not lm.has_residuals and qdec not in ("on", "off", True, False, None, 0):
+        lm.set_qdec(qdec)  # refused in one line: not understood, or no residuals to compensate with
     if lm.manifest:
         lm.set_qdec(qdec if lm.has_residuals else "off", budget)
         if not lm.has_residuals:

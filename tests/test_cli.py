@@ -299,6 +299,8 @@ def test_a_gpu_the_kernels_cannot_use_is_named_once(monkeypatch, capsys):
     with pytest.raises(LocalLLMError, match=r"^the CUDA kernels are switched off \(LOCALLLM_NO_CUDA_KERNELS=1\): unset"):
         devices.resolve_device("cuda")
     assert devices.resolve_device("auto").type == "cpu" and capsys.readouterr().err == ""
+    with pytest.raises(LocalLLMError, match="^device 'None' is not supported; use auto, cpu or cuda$"):
+        devices.resolve_device(None)
     devices._say_why_not_the_gpu.cache_clear()
 
 

@@ -234,6 +234,35 @@ def test_bad_arguments_are_refused(lm):
             generate(lm, prompt)
 
 
+def test_the_qdec_setting_in_force_asked_again_keeps_the_kv_cache_and_a_refused_one_changes_nothing(tiny_quant):
+    lm = load(tiny_quant)
+    lm.eos_ids = []
+    msgs = [{"role": "user", "content": "Hello there"}]
+    reply = generate(lm, msgs, max_new_tokens=4, temperature=0, reuse_cache=True)
+    msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+    s = generate(lm, msgs, max_new_tokens=4, temperature=0, reuse_cache=True, stream=True, qdec="on")  # as it is
+    s.text()
+    assert s.stats.cached_tokens > 0  # the cache kept: only the new turn read
+    kept, budget = len(lm.cached_tokens()), lm.budget
+    for bad in ("bogus", {"k_chunk": 4, "mdoe": "exact"}, 5000):
+        with pytest.raises(LocalLLMError):
+            lm.set_qdec(bad, budget=0.2)
+        assert len(lm.cached_tokens()) == kept and lm.budget == budget
+    lm.settings.mode = "off"  # changed by hand: "on" asked again is applied again
+    lm.set_qdec("on")
+    assert lm.settings.mode == "approx" and lm.cached_tokens() == []
+    with pytest.raises(LocalLLMError, match="prefill_int8='no': give True or False"):
+        load(tiny_quant, prefill_int8="no")
+
+
+def test_a_model_without_residuals_refuses_a_qdec_it_cannot_run(tiny_ckpt):
+    with pytest.raises(LocalLLMError, match="has no QDEC residuals"):
+        load(tiny_ckpt, qdec=16)
+    with pytest.raises(LocalLLMError, match="is not understood"):
+        load(tiny_ckpt, qdec="bogus")
+    assert load(tiny_ckpt, qdec="on").settings.mode == "off"
+
+
 def test_numpy_numbers_are_numbers(lm):
     """Whole and real numbers of numpy's kinds pass where Python's do (a sweep script's np.arange, np.float32)."""
     import numpy as np
