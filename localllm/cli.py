@@ -154,7 +154,8 @@ def cmd_info(a) -> None:
     print(f"source       {d['source'].get('hub_id') or d['source']['path']}"
           + (f"  sha256 {d['source']['sha256'][:16]}" if d['source'].get('sha256') else ""))
     untuned = "no profiles (run `localllm tune`)" if d["bits"] < 16 else "none (`localllm tune` takes a quantized model)"
-    print(f"tuning       {', '.join(d['tuning_profiles']) or untuned}")
+    profiles = [name + (f" ({why})" if why else "") for name, why in d["tuning_profiles"].items()]
+    print(f"tuning       {', '.join(profiles) or untuned}")
 
 
 def cmd_quantize(a) -> None:

@@ -558,7 +558,8 @@ def describe(lm: LocalModel) -> dict:
         "kv_cache": {"bits": lm.kv_bits, "bytes_per_token": {b: kvquant.bytes_per_token(c, b) for b in kvquant.KV_BITS},
                      "cpu_bytes_per_token_16": kvquant.bytes_per_token(c, 16, cpu=True),  # float32 on the CPU
                      "smooth_attention": m.get("smooth_attention")},
-        "tuning_profiles": sorted(p.name for p in Path(lm.path).glob("profiles/*.json")) if m else [],
+        # file -> None (a profile of this model, for the GPU it names) or why it is not one
+        "tuning_profiles": tuning.listing(lm.path, m.get("model_id")) if m else {},
         "qdec": {"mode": lm.settings.mode, "k_chunk": lm.settings.k_chunk, "source": lm.qdec_source,
                  "blocks": {k: sorted(b) for k, b in lm.settings.blocks.items()}},
     }

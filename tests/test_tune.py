@@ -520,11 +520,17 @@ def test_cpu_ignores_profiles(model_copy, capsys):
 def test_info_lists_profiles(model_copy, capsys):
     from localllm.cli import main
     from localllm.runtime import describe, load
-    P.write(model_copy, a_profile())
+    mine = json.loads((model_copy / "localllm.json").read_text())["model_id"]
+    P.write(model_copy, a_profile(model_id=mine))
+    (model_copy / "profiles" / "broken__10pct.json").write_text("{not json")
+    (model_copy / "profiles" / "other__20pct.json").write_text(json.dumps(a_profile(model_id="other")))
     d = describe(load(model_copy))
-    assert d["tuning_profiles"] == ["nvidia-h100-80gb-hbm3__5pct.json"] and d["qdec"]["source"]
+    assert d["tuning_profiles"] == {"broken__10pct.json": "unreadable: delete it or re-run `localllm tune`",
+                                    "nvidia-h100-80gb-hbm3__5pct.json": None,
+                                    "other__20pct.json": "made for another model (other)"} and d["qdec"]["source"]
     assert main(["info", str(model_copy)]) == 0
-    assert "nvidia-h100-80gb-hbm3__5pct.json" in capsys.readouterr().out
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tuning"))
+    assert "nvidia-h100-80gb-hbm3__5pct.json," in line and "broken__10pct.json (unreadable" in line
 
 
 def test_cli_tune_without_a_gpu_is_one_line(tiny_quant):

@@ -210,6 +210,21 @@ class Selection:
     warnings: list[str] = field(default_factory=list)
 
 
+def listing(model_dir: str | Path, model_id: str | None) -> dict[str, str | None]:
+    """Each profile file of the model folder -> None where it is a usable profile of this model, else why not."""
+    folder = Path(model_dir) / DIR
+    out = {}
+    for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            d = read(p)
+        except ProfileError as e:
+            out[p.name] = "not usable: delete it or re-run `localllm tune`" if "usable" in e.args[0] else \
+                "unreadable: delete it or re-run `localllm tune`"
+            continue
+        out[p.name] = None if d["model_id"] == model_id else f"made for another model ({d['model_id']})"
+    return out
+
+
 def select(model_dir: str | Path, gpu_name: str, sm_count: int, model_id: str | None,
            budget: float = DEFAULT_BUDGET) -> Selection:
     """The profile the runtime uses for this GPU, model and budget (rules: module doc), with the warnings to show."""
