@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -227,8 +228,8 @@ def cmd_eval(a) -> None:
         if reference:
             line += f" {r.kl:8.4f}" + (f" {100 * (r.kl / base.kl - 1):+7.1f}%" if base and base.kl > 0 else "")
         print(line)
-    if any(r.perplexity != r.perplexity for r in rows):  # NaN: not a number to compare, and not said by a table
-        print(f"localllm: warning: the model's outputs hold NaN (its weights, or its source's, hold NaN or inf): "
+    if any(math.isnan(r.perplexity) for r in rows):  # not a number to compare, and a table would not say why
+        print("localllm: warning: the model's outputs hold NaN (its weights, or its source's, hold NaN or inf): "
               "check the source with `localllm eval SOURCE --qdec off`, and re-download or re-quantize it",
               file=sys.stderr)
 

@@ -140,8 +140,8 @@ class LocalModel:
         A refused value changes nothing; the setting already in force, asked for again, keeps the KV cache (and a
         GPU's captured graphs)."""
         _check_budget(budget)
-        off = qdec in ("off", 0, None, False)
-        if not (off or qdec is True or qdec == "on" or is_whole(qdec) or isinstance(qdec, dict)):
+        off = qdec_off(qdec)
+        if not (off or qdec_on(qdec) or is_whole(qdec) or isinstance(qdec, dict)):
             raise LocalLLMError(f"qdec={qdec!r} is not understood; use 'on', 'off', a k_chunk integer or a dict")
         unknown = sorted(map(str, set(qdec) - {"mode", "k_chunk", "n_tb", "blocks"})) if isinstance(qdec, dict) else []
         if unknown:
@@ -175,7 +175,7 @@ class LocalModel:
         if off:
             self.settings.mode, self.qdec_source, self.qdec_overhead = "off", "QDEC off", None
             return
-        if qdec is True or qdec == "on":  # (not `in ("on", True)`: 1 == True would make k_chunk 1 "on")
+        if qdec_on(qdec):
             self._set_on()
             return
         if is_whole(qdec):
@@ -425,8 +425,8 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         lm.model.place(dev)
     else:
         fit_cpu_memory(lm)
-    if not lm.has_residuals and qdec not in ("on", "off", True, False, None, 0):
-        lm.set_qdec(qdec)  # refused in one line: not understood, or no residuals to compensate with
+    if not lm.has_residuals and not qdec_on(qdec):  # (the default "on" is off there without a word)
+        lm.set_qdec(qdec)  # off; anything else refused in one line: not understood, or no residuals to compensate with
     if lm.manifest:
         lm.set_qdec(qdec if lm.has_residuals else "off", budget)
         if not lm.has_residuals:
@@ -448,6 +448,16 @@ def _tune_or_say(lm: LocalModel, tune: bool) -> None:
         print(f"localllm: no QDEC tuning profile for this GPU and model, so every layer compensates at k_chunk "
               f"{DEFAULT_K_CHUNK}, which can slow decoding by half or more; `localllm tune {lm.path}` makes one "
               "(seconds, once)", file=sys.stderr)
+
+
+def qdec_off(qdec) -> bool:
+    """Whether a qdec value (LocalModel.set_qdec's) means QDEC off."""
+    return qdec in ("off", 0, None, False)
+
+
+def qdec_on(qdec) -> bool:
+    """Whether a qdec value means "on" (not `in ("on", True)`: 1 == True would make k_chunk 1 "on")."""
+    return qdec is True or qdec == "on"
 
 
 def _check_budget(budget) -> None:

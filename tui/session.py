@@ -15,7 +15,7 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.generate import Stats, encode_prompt, generate
-from localllm.runtime import LocalModel, load
+from localllm.runtime import LocalModel, load, qdec_off
 from localllm.sampling import SamplingParams
 
 
@@ -149,7 +149,7 @@ class ChatSession:
         self.chat = 0
         self.running: Reply | None = None
         self.model_lock = threading.RLock()
-        self.qdec_on = "on" if qdec in ("off", 0, None, False) else qdec
+        self.qdec_on = "on" if qdec_off(qdec) else qdec
         # what the settings panel asks for; sync_qdec makes the model follow
         self.want_qdec, self.want_budget = self.qdec_in_force, lm.budget
 
