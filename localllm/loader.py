@@ -27,17 +27,20 @@ from .progress import follow_rule_in_transformers
 MANIFEST = "localllm.json"  # marks a quantized localllm model folder
 
 
-def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
-    """The shape the config gives a Hugging Face tensor of a Llama-family model (None: a name not checked here)."""
+def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor the config calls for in a Llama-family model -> its shape."""
     D, inter, V, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.q_size, cfg.kv_size
-    if name.startswith("model.layers."):
-        return {"self_attn.q_proj.weight": (q, D), "self_attn.k_proj.weight": (kv, D),
-                "self_attn.v_proj.weight": (kv, D), "self_attn.o_proj.weight": (D, q),
-                "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-                "mlp.gate_proj.weight": (inter, D), "mlp.up_proj.weight": (inter, D),
-                "mlp.down_proj.weight": (D, inter),
-                "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}.get(name.split(".", 3)[3])
-    return {"model.embed_tokens.weight": (V, D), "lm_head.weight": (V, D), "model.norm.weight": (D,)}.get(name)
+    layer = {"self_attn.q_proj.weight": (q, D), "self_attn.k_proj.weight": (kv, D),
+             "self_attn.v_proj.weight": (kv, D), "self_attn.o_proj.weight": (D, q),
+             "mlp.gate_proj.weight": (inter, D), "mlp.up_proj.weight": (inter, D), "mlp.down_proj.weight": (D, inter),
+             "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}
+    if cfg.qkv_bias:
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    out = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (V, D)
+    out |= {f"model.layers.{i}.{n}": shape for i in range(cfg.num_layers) for n, shape in layer.items()}
+    return out
 
 
 @dataclass
@@ -70,7 +73,7 @@ class Checkpoint:
             raise LocalLLMError(f"checkpoint {self.source['path']} lacks tensor '{name}': the files are incomplete "
                                 "or from another architecture; re-download the checkpoint")
         t = self.get(name)
-        want = _expected_shape(self.config, name)
+        want = self.expected.get(name)
         if want is not None and tuple(t.shape) != want:
             raise LocalLLMError(f"checkpoint {self.source['path']}: tensor '{name}' is {tuple(t.shape)}, but its "
                                 f"config makes it {want}: the config and the weights are of different models; "
@@ -106,17 +109,15 @@ class Checkpoint:
             return None
         return self.tensor("lm_head.weight")  # an untied checkpoint without it is incomplete
 
+    @functools.cached_property
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        """The tensors its config calls for, and their shapes."""
+        return _expected(self.config)
+
     def check_complete(self) -> None:
         """Refuse, in one line, a checkpoint that lacks a tensor its config calls for (before long work reads them
         block by block, not at its end)."""
-        cfg = self.config
-        layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"] + \
-            [f"self_attn.{n}_proj.{w}" for n in "qkv" for w in (("weight", "bias") if cfg.qkv_bias else ("weight",))]
-        want = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg.tie_word_embeddings else
-                                                                      ["lm_head.weight"])
-        want += [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in layer]
-        missing = [n for n in want if n not in self.names]
+        missing = [n for n in self.expected if n not in self.names]
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise LocalLLMError(f"checkpoint {self.source['path']} lacks tensor '{missing[0]}'{more}: the files are "
