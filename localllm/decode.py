@@ -153,19 +153,21 @@ class Decoder:
             self.greedy = was
 
     def tokens(self, n: int) -> Iterator[int]:
-        """The next n tokens, the first the one start() chose. From the second on, each step is queued before the
-        token before it is read, so the GPU keeps busy while the caller handles a token; the first step is queued
-        only when the caller asks for the second token (a new Decoder's first advance() captures its graph, which
-        the first token need not wait for)."""
+        """The next n tokens, the first the one start() chose. On a GPU, from the second on, each step is queued
+        before the token before it is read, so the GPU keeps busy while the caller handles a token; the first step is
+        queued only when the caller asks for the second token (a new Decoder's first advance() captures its graph,
+        which the first token need not wait for). On the CPU a step runs when the caller asks for its token: there
+        it would only delay the token before it (and run once more past an end of turn)."""
         token = self.read()
         for i in range(n):
             more = i + 1 < n
-            if i and more:
+            ahead = i and more and self.use_graph
+            if ahead:
                 self.advance()
                 following = self.read()
             self._out.append(token())
             yield self._out[-1]
-            if not i and more:
+            if more and not ahead:
                 self.advance()
                 following = self.read()
             if more:

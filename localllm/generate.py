@@ -157,6 +157,14 @@ def _ready(text: str, stops: list[str]) -> int:
                              if s.startswith(whole[-n:])), default=0)
 
 
+def special_stops(tok, stops: list[str]) -> set[int]:
+    """The token ids of the stop strings that are a special token's text (e.g. "<|im_end|>"): the reply's text is
+    decoded without special tokens, so such a stop string never appears in it and ends the reply as its token."""
+    special = set(tok.all_special_tokens) | {t.content for t in getattr(tok, "added_tokens_decoder", {}).values()
+                                              if t.special}
+    return {tok.convert_tokens_to_ids(s) for s in stops if s in special}
+
+
 def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingParams, stops: list[str],
          seed: int, stats: Stats, cancel, reuse: bool) -> Iterator[str]:
     model, tok = lm.model, lm.tokenizer
@@ -166,11 +174,12 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
         raise LocalLLMError(f"the prompt has {len(ids)} tokens; this model's context is {limit}: shorten it")
     full = limit - len(ids) < max_new_tokens  # the context ends the reply first
     max_new_tokens = min(max_new_tokens, limit - len(ids))
-    eos = set(lm.eos_ids)
+    eos, stop_ids = set(lm.eos_ids), special_stops(tok, stops)
     stats.prompt_tokens = len(ids)
     t0 = time.perf_counter()
     detok = Detokenizer(tok)
     text, emitted = "", 0  # the decoded text, and how many of its characters were yielded
+    as_token = False  # the reply ended at a stop string that is a special token's (special_stops)
     # inference mode only around the model's work, never across a yield: the caller's code between pieces runs in
     # its own grad mode (and streams closed in another order than opened restore no stale mode)
     with lm.lock:
@@ -200,6 +209,9 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
         if t in eos:
             stats.finish_reason = "eos"
             break
+        if t in stop_ids:
+            stats.finish_reason, as_token = "stop", True
+            break
         text = detok.add(t)
         stats.new_tokens = len(detok.ids)
         stats.decode_seconds = time.perf_counter() - t1  # kept current: a closed stream's stats stay true
@@ -215,8 +227,9 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
             emitted = end
     else:
         stats.finish_reason = "context" if full else "length"
-    if stats.finish_reason in ("eos", "length", "context") and len(text) > emitted:
-        yield text[emitted:]  # what _ready held back: no stop string came (the tokens' text, as decode gives it)
+    if (stats.finish_reason in ("eos", "length", "context") or as_token) and len(text) > emitted:
+        yield text[emitted:]  # what _ready held back: no stop string came in the text (the tokens' text, as decode
+        # gives it)
 
 
 def _steps(lm: LocalModel, me: object, tokens: Iterator[int]) -> Iterator[int]:

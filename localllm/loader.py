@@ -51,12 +51,14 @@ class Checkpoint:
     files: list[Path]                  # weight files, for the fingerprint
     get: Callable[[str], torch.Tensor] # Hugging Face tensor name -> tensor
     names: set = field(default_factory=set)
+    end_tokens: list[int] = field(default_factory=list)  # a GGUF's end-of-turn / end-of-message tokens
 
     @property
     def eos_ids(self) -> list[int]:
         """Tokens that end a reply: the tokenizer's EOS plus generation_config.json's (Llama 3 has several), or
-        config.json's where there is no generation_config.json (as transformers takes them)."""
+        config.json's where there is no generation_config.json (as transformers takes them); a GGUF's end_tokens."""
         ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        ids |= set(self.end_tokens)
         if self.source["format"] == "safetensors":
             gen = Path(self.source["path"]) / "generation_config.json"
             f = gen if gen.exists() else gen.with_name("config.json")
@@ -300,13 +302,8 @@ def _gguf_rope_scaling(f: Path) -> dict:
     """llama.cpp's RoPE scaling, which transformers' GGUF import drops: Llama 3.1+'s per-frequency divisors (the
     rope_freqs tensor) or linear's rope.scaling keys, as ModelConfig's rope_scaling ({} for none). Their names are in
     the header: one look at its first bytes, and the (slow) parse only where they are."""
-    import mmap
-    if f.stat().st_size == 0:
-        return {}  # (nothing to map: transformers' reading refuses it)
-    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        head = min(len(m), 64 << 20)  # the header (metadata, tokenizer, tensor names) is well inside this
-        if all(m.find(key, 0, head) < 0 for key in (b"rope_freqs.weight", b".rope.scaling.type")):
-            return {}
+    if not _in_gguf_header(f, (b"rope_freqs.weight", b".rope.scaling.type")):
+        return {}
     from gguf import GGUFReader
     try:
         r = GGUFReader(str(f))
@@ -324,6 +321,34 @@ def _gguf_rope_scaling(f: Path) -> dict:
         raise LocalLLMError(f"{f} scales its RoPE by {kind}, which localllm does not run (default, linear and Llama "
                             "3.1+ RoPE); pick another file of the model")
     return {"rope_type": "linear", "factor": factor}
+
+
+def _in_gguf_header(f: Path, keys: tuple[bytes, ...]) -> bool:
+    """Whether any of the keys (metadata or tensor names) is in the file's header: one look at its first bytes, so
+    that the (slow) parse runs only where they are."""
+    import mmap
+    if f.stat().st_size == 0:
+        return False  # (nothing to map: transformers' reading refuses it)
+    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        head = min(len(m), 64 << 20)  # the header (metadata, tokenizer, tensor names) is well inside this
+        return any(m.find(key, 0, head) >= 0 for key in keys)
+
+
+END_TOKEN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def _gguf_end_tokens(f: Path) -> list[int]:
+    """llama.cpp's end-of-turn and end-of-message tokens, which transformers' GGUF import drops: a chat model whose
+    EOS is not its template's end of turn (early Llama 3 conversions: EOS 128001, end of turn 128009) would run on
+    past its turn into invented ones."""
+    if not _in_gguf_header(f, tuple(k.encode() for k in END_TOKEN_KEYS)):
+        return []
+    from gguf import GGUFReader
+    try:
+        fields = GGUFReader(str(f)).fields
+        return sorted(int(fields[k].parts[fields[k].data[0]][0]) for k in END_TOKEN_KEYS if k in fields)
+    except Exception as e:  # noqa: BLE001 - whatever a damaged file raises
+        raise _unreadable_gguf(f, e) from None
 
 
 def _unreadable_gguf(f: Path, e: Exception) -> LocalLLMError:
@@ -401,4 +426,4 @@ def _read_gguf(folder: Path, name: str) -> Checkpoint:
     state = model.state_dict()
     return Checkpoint(config, tokenizer,
                       {"format": "gguf", "path": str(Path(folder).resolve()), "gguf_file": name}, [f], state.__getitem__,
-                      set(state))
+                      set(state), _gguf_end_tokens(f))

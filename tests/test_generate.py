@@ -188,6 +188,48 @@ def test_eos_shows_what_was_held_back(lm, monkeypatch):
     assert want and "".join(s) == want and s.stats.finish_reason == "eos" and s.stats.new_tokens == k
 
 
+def forced(lm, monkeypatch, token: int, after: int) -> None:
+    """From the model's (after + 1)-th output on, `token` is the most likely by far."""
+    head, calls = lm.model.head, [0]
+
+    def forward(*a, **k):
+        y = type(head).forward(head, *a, **k)
+        calls[0] += 1
+        if calls[0] > after:
+            y[..., token] += 1e4
+        return y
+    monkeypatch.setattr(head, "forward", forward)
+
+
+def test_a_stop_string_that_is_a_special_token_ends_the_reply_at_it(lm, monkeypatch):
+    """Special tokens decode to no text, so a stop string that is one's text ("<|user|>") ends the reply as that
+    token, with the text before it shown."""
+    lm.eos_ids = []
+    user = lm.tokenizer.convert_tokens_to_ids("<|user|>")
+    want = generate(lm, "Hello", max_new_tokens=4, temperature=0)
+    forced(lm, monkeypatch, user, 4)  # the prompt's output and three steps as before, then <|user|>
+    s = generate(lm, "Hello", max_new_tokens=12, temperature=0, stop=["<|user|>"], stream=True)
+    assert "".join(s) == want and s.stats.finish_reason == "stop" and s.stats.new_tokens == 4
+
+
+def test_a_cpu_reply_runs_no_step_past_its_end(lm, monkeypatch):
+    """On the CPU each step runs when its token is asked for: a reply that ends at its third token ran two steps
+    after the prompt (on a GPU the next step is queued ahead, where it costs nothing)."""
+    from localllm.decode import Decoder
+    steps, advance = [0], Decoder.advance
+
+    def counted(self):
+        steps[0] += 1
+        advance(self)
+    monkeypatch.setattr(Decoder, "advance", counted)
+    end = lm.tokenizer.convert_tokens_to_ids("<|end|>")
+    lm.eos_ids = [end]
+    forced(lm, monkeypatch, end, 2)
+    s = generate(lm, "Hello", max_new_tokens=12, temperature=0, stream=True)
+    "".join(s)
+    assert s.stats.finish_reason == "eos" and s.stats.new_tokens == 2 and steps[0] == 2
+
+
 def test_eos_ends_generation(lm):
     lm.eos_ids = list(range(lm.model.cfg.vocab_size))  # every token ends it
     s = generate(lm, "Hi", max_new_tokens=10, stream=True)

@@ -17,9 +17,10 @@ TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "o
        "lm_head.weight": "output.weight"}
 
 
-def write_gguf(ckpt, out, drop=(), rope_freqs=None, linear=None, tokenizer=True):
+def write_gguf(ckpt, out, drop=(), rope_freqs=None, linear=None, tokenizer=True, end_tokens=()):
     """A llama.cpp-style float32 GGUF of a tiny Llama checkpoint folder: its names, its Q/K row order, a BPE
-    tokenizer; `drop` leaves tensors out (GGUF names), rope_freqs / linear write llama.cpp's RoPE scaling."""
+    tokenizer; `drop` leaves tensors out (GGUF names), rope_freqs / linear write llama.cpp's RoPE scaling,
+    end_tokens (token texts) its end-of-turn and end-of-message tokens."""
     import gguf
     from safetensors.torch import load_file
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -42,6 +43,8 @@ def write_gguf(ckpt, out, drop=(), rope_freqs=None, linear=None, tokenizer=True)
         w.add_token_types([3 if i in special else 1 if toks[i] in vocab else 4 for i in range(len(toks))])
         w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
         w.add_bos_token_id(vocab["<s>"]), w.add_eos_token_id(vocab["<|end|>"]), w.add_add_bos_token(False)
+        for add, t in zip((w.add_eot_token_id, w.add_eom_token_id), end_tokens):
+            add(vocab[t])
 
     def permute(x, n):  # llama.cpp's order of q and k rows (transformers undoes it)
         return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
@@ -93,6 +96,18 @@ def test_a_gguf_is_parsed_once_while_it_loads(ckpt, tmp_path, monkeypatch):
     with pytest.raises(LocalLLMError):
         open_checkpoint(write_gguf(ckpt, tmp_path / "miss.gguf", drop={"blk.1.ffn_down.weight"}))
     assert gguf.GGUFReader is Counting
+
+
+def test_a_ggufs_end_of_turn_tokens_end_a_reply(ckpt, tmp_path):
+    """llama.cpp's eot / eom token ids (which transformers' import drops) end a reply beside the EOS, and quantize
+    keeps them."""
+    end = open_checkpoint(write_gguf(ckpt, tmp_path / "plain.gguf")).eos_ids
+    ck = open_checkpoint(write_gguf(ckpt, tmp_path / "eot.gguf", end_tokens=("<|user|>", "<|system|>")))
+    ids = ck.tokenizer.convert_tokens_to_ids(["<|end|>", "<|user|>", "<|system|>"])
+    assert end == ids[:1] and ck.eos_ids == sorted(ids)
+    from localllm.quantize import quantize
+    quantize(str(tmp_path / "eot.gguf"), str(tmp_path / "q"), bits=4, residuals=False, calib_tokens=64, seq_len=32)
+    assert load(tmp_path / "q").eos_ids == sorted(ids)
 
 
 def llama3_factors(cfg: dict) -> list[float]:
