@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from . import texts
 from .errors import LocalLLMError
+from .loader import check_token_ids
 from .model import KVCache
 from .progress import progress
 from .runtime import LocalModel
@@ -142,6 +143,7 @@ def read_text(path: str | Path | None) -> tuple[str, str]:
 
 def tokenize(lm: LocalModel, text: str, max_tokens: int | None = None) -> list[int]:
     ids = list(lm.tokenizer(text)["input_ids"])[:max_tokens]
+    check_token_ids(ids, lm.model.cfg.vocab_size)
     if len(ids) < 2:
         raise LocalLLMError(f"the text has {len(ids)} token(s); perplexity needs at least 2: give a longer text")
     return ids

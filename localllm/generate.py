@@ -11,6 +11,7 @@ import torch
 
 from .errors import Cancelled, LocalLLMError, is_whole
 from . import kvquant
+from .loader import check_token_ids
 from .runtime import LocalModel, load
 from .sampling import SamplingParams
 
@@ -57,6 +58,7 @@ def encode_prompt(lm: LocalModel, prompt: str | list[dict], cached: list[int] | 
     cached: the tokens a KV cache holds (LocalModel.cached_tokens); where the messages' text begins with theirs, they
     are its first tokens (_splice)."""
     ids = _encode(lm, prompt)
+    check_token_ids(ids, lm.model.cfg.vocab_size)
     return _splice(lm.tokenizer, ids, cached) if cached and not isinstance(prompt, str) else ids
 
 

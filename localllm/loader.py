@@ -80,7 +80,11 @@ class Checkpoint:
             raise LocalLLMError(f"checkpoint {self.source['path']}: tensor '{name}' is {tuple(t.shape)}, but its "
                                 f"config makes it {want}: the config and the weights are of different models; "
                                 "re-download the checkpoint")
-        return t.float()
+        t = t.float()
+        if not torch.isfinite(t).all():  # else quantized into NaN scales, or a model whose every reply is empty
+            raise LocalLLMError(f"checkpoint {self.source['path']}: tensor '{name}' holds NaN or inf values: the file "
+                                "is damaged; re-download the checkpoint")
+        return t
 
     def block_tensors(self, i: int) -> dict:
         """Fused weights of block i, as model.build_block takes them."""
@@ -199,6 +203,12 @@ def tokenizer_of(path: Path, **kw):
     if "gguf_file" not in kw and Path(path).is_dir() and not any((Path(path) / n).exists() for n in names):
         raise LocalLLMError(f"{path} holds no tokenizer files: copy the model's tokenizer.json (or tokenizer.model) "
                             "and tokenizer_config.json into it from its source")
+    p = Path(path)
+    if "gguf_file" not in kw and p.is_dir() and (p / "tokenizer.model").exists() and \
+            not (p / "tokenizer.json").exists() and not _sentencepiece():
+        raise LocalLLMError(f"{path}'s tokenizer is tokenizer.model (SentencePiece) alone, which transformers reads "
+                            "only with `pip install sentencepiece protobuf`; install them, or put the model's "
+                            "tokenizer.json beside it")
     try:
         # no "clean-up" of decoded text: it strips spaces before punctuation, which BPE tokens spell on purpose
         # (transformers skips it for BPE anyway, with a warning on every run)
@@ -210,6 +220,26 @@ def tokenizer_of(path: Path, **kw):
                             "for a checkpoint, a valid config.json: copy them again from the source") from None
 
 
+def check_token_ids(ids, vocab_size: int) -> None:
+    """One line where a tokenizer made an id past the model's embeddings (else an IndexError, or on a GPU a
+    device-side assert)."""
+    top = max(ids, default=-1) if isinstance(ids, list) else int(ids.max()) if ids.numel() else -1
+    if top >= vocab_size:
+        raise LocalLLMError(f"the tokenizer made token id {top}, past the model's vocabulary of {vocab_size}: the "
+                            "tokenizer files are not this model's (or a token was added without resizing the "
+                            "embeddings); use the model's own tokenizer files")
+
+
+def _sentencepiece() -> bool:
+    """Whether transformers can read a tokenizer.model (its SentencePiece conversion needs both)."""
+    try:
+        import google.protobuf  # noqa: F401
+        import sentencepiece  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _open_safetensors(path: Path, source: dict) -> Checkpoint:
     from safetensors import SafetensorError, safe_open
     cfg_file = path / "config.json"
@@ -219,10 +249,11 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
                                 "quantize` on its source (the manifest holds its configuration and file digests)")
         raise LocalLLMError(f"{path} has no config.json; pass a Hugging Face checkpoint folder or a .gguf file")
     raw = _read_json(cfg_file)
-    qc = raw.get("quantization_config")
-    if qc:  # its weights are codes with scales beside them, which these layers would read as plain numbers
-        how = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
-        raise LocalLLMError(f"{path} is already quantized ({how}, its config.json's quantization_config): localllm "
+    key = next((k for k in ("quantization_config", "quantization") if raw.get(k)), None)  # (MLX's: "quantization")
+    if key:  # its weights are codes with scales beside them, which these layers would read as plain numbers
+        qc = raw[key]
+        how = qc.get("quant_method", "mlx" if key == "quantization" else "?") if isinstance(qc, dict) else "?"
+        raise LocalLLMError(f"{path} is already quantized ({how}, its config.json's {key}): localllm "
                             "quantizes from the float checkpoint; pass the unquantized model (bf16/fp16/fp32)")
     config = ModelConfig.from_hf(raw)
     try:  # transformers' own checks of the config, before the tokenizer (which reads it too) reports them as its own
@@ -290,7 +321,11 @@ def _weight_files(path: Path) -> list[Path]:
         return [path / "model.safetensors"]
     if not index.exists():
         return sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
-    files = sorted({path / name for name in _read_json(index).get("weight_map", {}).values()})
+    wmap = _read_json(index).get("weight_map")
+    if not (isinstance(wmap, dict) and wmap and all(isinstance(v, str) for v in wmap.values())):
+        raise LocalLLMError(f"{index} has no weight_map of tensor names to file names: it is damaged; re-download "
+                            "the checkpoint")
+    files = sorted({path / name for name in wmap.values()})
     missing = [f.name for f in files if not f.exists()]
     if missing:
         raise LocalLLMError(f"{path} lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}, named by "

@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from . import atomic, awq, modelfile, texts
 from .devices import resolve_device
 from .errors import LocalLLMError
-from .loader import Checkpoint, open_checkpoint
+from .loader import Checkpoint, check_token_ids, open_checkpoint
 from .config import rope_inv_freq
 from .model import KINDS, Linear, QdecSettings, RMSNorm, attention_mask, build_block, rope_tables, select_channels
 from .progress import progress
@@ -429,6 +429,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
                                f"same with their {REFIT_K_CHUNK} largest |x| per 1024 channels zeroed"
 
     embed = ckpt.embed()
+    check_token_ids(toks, embed.shape[0])
     # [n_seq, seq_len, D]: calibration hidden states, pushed through block by block; from the embeddings rounded as
     # the model file keeps them (fp16), what the quantized model's first block will see
     h_src = embed[toks].to(dev)

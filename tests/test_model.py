@@ -223,6 +223,49 @@ def test_checkpoints_that_do_not_fit_their_config_are_refused_in_one_line(tmp_pa
         load(path)
 
 
+def test_damaged_or_foreign_checkpoint_files_are_refused_in_one_line(tmp_path, monkeypatch):
+    """A NaN weight, an MLX-quantized config ("quantization"), an index whose weight_map is not names to files, a
+    tokenizer.model without SentencePiece installed, and a tokenizer whose ids pass the model's vocabulary."""
+    import json
+
+    from localllm import loader
+    from localllm.errors import LocalLLMError
+    from localllm.evaluate import tokenize
+    from localllm.generate import generate
+    path = make_checkpoint(tmp_path / "a")
+    cfg = json.loads((path / "config.json").read_text())
+    t = _rewrite(path)
+    w = t["model.layers.1.mlp.down_proj.weight"].clone()
+    w[5, 7] = float("nan")
+    _rewrite(path, add={"model.layers.1.mlp.down_proj.weight": w})
+    with pytest.raises(LocalLLMError, match="tensor 'model.layers.1.mlp.down_proj.weight' holds NaN or inf"):
+        load(path)
+    _rewrite(path, add=t)
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization": {"group_size": 64, "bits": 4}}))
+    with pytest.raises(LocalLLMError, match="is already quantized \\(mlx, its config.json's quantization\\)"):
+        load(path)
+    (path / "config.json").write_text(json.dumps(cfg))
+    _rewrite(path, name="model-00001-of-00001.safetensors")
+    for wmap in ([], {"a": 5}, None):
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wmap}))
+        with pytest.raises(LocalLLMError, match="has no weight_map of tensor names to file names"):
+            load(path)
+    (path / "model.safetensors.index.json").unlink()
+    lm = load(path)
+    tok = lm.tokenizer
+    tok.add_special_tokens({"pad_token": "<pad-past-the-vocabulary>"})  # added without resizing the embeddings
+    assert len(tok) > lm.model.cfg.vocab_size
+    for f in (lambda: generate(lm, "Say <pad-past-the-vocabulary> please", max_new_tokens=2),
+              lambda: tokenize(lm, "a <pad-past-the-vocabulary> b")):
+        with pytest.raises(LocalLLMError, match=f"token id {len(tok) - 1}, past the model's vocabulary of "
+                                                f"{lm.model.cfg.vocab_size}"):
+            f()
+    (path / "tokenizer.json").rename(path / "tokenizer.model")
+    monkeypatch.setattr(loader, "_sentencepiece", lambda: False)
+    with pytest.raises(LocalLLMError, match="tokenizer.model \\(SentencePiece\\) alone.*pip install sentencepiece"):
+        load(path)
+
+
 def test_a_tied_config_with_its_own_head_uses_the_head(tmp_path, capfd):
     """As transformers does: a config that says tied, with a lm_head.weight that differs from the embeddings."""
     from transformers import AutoModelForCausalLM
@@ -245,7 +288,7 @@ def test_a_template_that_takes_no_system_message_gets_it_in_the_first_user_messa
     tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('Conversation roles must "
                          "alternate user/assistant/user/assistant/...') }}{% endif %}"
                          "{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    lm = SimpleNamespace(tokenizer=tok, path="m")
+    lm = SimpleNamespace(tokenizer=tok, path="m", model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=len(tok))))
     plain = [{"role": "user", "content": "hi"}]
     assert encode_prompt(lm, plain)
     folded = encode_prompt(lm, [{"role": "system", "content": "Be brief."}] + plain)  # as chat apps do
