@@ -13,6 +13,12 @@ import pytest
 SEED = int(os.environ.get("LOCALLLM_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_config_in_home(tmp_path_factory):
+    """matplotlib (the report's figures) keeps its font cache under HOME unless told otherwise."""
+    os.environ.setdefault("MPLCONFIGDIR", str(tmp_path_factory.mktemp("matplotlib")))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if exitstatus:
         terminalreporter.write_line(f"the tiny models of this run: LOCALLLM_TEST_SEED={SEED}")

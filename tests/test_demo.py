@@ -5,6 +5,8 @@ import torch
 from localllm.generate import generate
 from localllm.runtime import dense_model, load
 
+pytestmark = pytest.mark.slow  # `pytest -m "not gpu and not slow"` skips the download
+
 
 @pytest.fixture(scope="module")
 def ckpt(demo_gguf):

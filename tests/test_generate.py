@@ -132,6 +132,30 @@ def test_greedy_matches_transformers_generate(tiny_ckpt):
     assert lm.tokenizer.decode(got) == lm.tokenizer.decode(want, skip_special_tokens=True)
 
 
+def test_repetition_penalty_over_the_prompt_matches_transformers(tiny_ckpt):
+    """The penalty covers the prompt's tokens too, as transformers' does: prompts that repeat the model's own greedy
+    reply, where the penalty changes what comes next."""
+    from transformers import AutoModelForCausalLM
+    lm = load(tiny_ckpt)
+    lm.eos_ids = []
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
+    ref.generation_config.eos_token_id = None
+    tried = 0
+    for start in ("The river ran", "Hello", "Once upon a time", "1 2 3", "a b", "Yes", "x", "We"):
+        for n in range(2, 17, 2):
+            prompt = start + generate(lm, start, max_new_tokens=n, temperature=0)
+            ids = encode_prompt(lm, prompt)
+            with torch.no_grad():
+                if int(lm.model(torch.tensor([ids]))[0, -1].argmax()) not in ids:
+                    continue  # only prompts whose own tokens the model would repeat next test the prompt's part
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, repetition_penalty=5.0,
+                                pad_token_id=0)[0, len(ids):].tolist()
+            got = generate(lm, prompt, max_new_tokens=8, temperature=0, repetition_penalty=5.0)
+            assert got == lm.tokenizer.decode(want, skip_special_tokens=True), prompt
+            tried += 1
+    assert tried >= 2, tried
+
+
 def test_seed_determinism_and_streaming(lm, monkeypatch):
     monkeypatch.setattr(lm, "eos_ids", [])  # a random model may draw its end-of-sequence token first
     kw = dict(max_new_tokens=30, temperature=1.0, top_p=1.0)

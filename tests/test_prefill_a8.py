@@ -31,10 +31,14 @@ def test_prompts_of_quantized_layers_change_single_tokens_do_not(tiny_quant):
     assert torch.equal(one_p, one_q)  # decoding (one token) keeps fp activations
 
 
-def test_eval_refuses_prefill_int8_on_the_gpu(tiny_quant, capsys):
+def test_eval_refuses_prefill_int8_on_the_gpu(tiny_quant, capsys, monkeypatch):
+    """(A GPU faked: the refusal comes before anything would run on it.)"""
+    from localllm import devices
     from localllm.cli import main
+    monkeypatch.setattr(devices, "resolve_device", lambda *a, **k: torch.device("cuda"))
     assert main(["eval", str(tiny_quant), "--prefill-int8", "--device", "cuda"]) == 2
-    assert "--device cpu" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--prefill-int8 changes prompts only" in err and "--device cpu" in err
 
 
 @pytest.mark.gpu

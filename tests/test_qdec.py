@@ -347,3 +347,29 @@ def test_act_stats_state_roundtrip(tmp_path, seed):
     st.update(more)
     back.update(more)
     assert back.count == 14 and torch.equal(back.kth, st.kth) and torch.equal(back.sq_mean, st.sq_mean)
+
+
+@pytest.mark.parametrize("mode", ["approx", "static"])
+def test_a_models_layers_select_as_their_mode_says(tiny_quant, mode):
+    """What the CPU reference compensates in a whole model: approx's bucket rule at the layer's calibration
+    boundaries, static's top mean x^2 of the calibration per chunk (computed here in float64), for every kind."""
+    from localllm.model import KINDS
+    from localllm.runtime import load
+    k_chunk = 128  # 8 of the tiny model's 64 channels: enough for approx and exact top-k to part
+    lm = load(tiny_quant, qdec={"mode": mode, "k_chunk": k_chunk})
+    seen = []
+    lm.settings.observer = lambda lin, x, idx: seen.append((lin, x.clone(), idx.clone()))
+    with torch.no_grad():
+        lm.model(torch.randint(0, lm.model.cfg.vocab_size, (1, 24)))
+    assert {lin.kind for lin, _, _ in seen} == set(KINDS)
+    differs = False
+    for lin, x, idx in seen:
+        if mode == "approx":
+            want = select_approx(x, k_chunk, lin.stats.b0, lin.stats.b15(k_chunk))
+            differs |= not torch.equal(idx.sort(1).values, select_exact(x, k_chunk).sort(1).values)
+        else:
+            imp = lin.stats.sq_mean.double()
+            want = torch.cat([imp[s:e].topk(k_for_chunk(k_chunk, e - s)).indices + s
+                              for s, e in chunk_bounds(x.shape[1])]).expand(x.shape[0], -1)
+        assert torch.equal(idx.sort(1).values, want.sort(1).values), lin.kind
+    assert mode == "static" or differs  # (else this would not tell approx from exact top-k)

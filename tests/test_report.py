@@ -122,6 +122,33 @@ def test_outlier_statistics(report):
     assert s["layer"] == 1 and s["kind"] == "down" and len(s["static_recall_5"]) == 100
 
 
+def test_outlier_statistics_are_the_float64_ones(tiny_quant):
+    """Fig. 5b's numbers on inputs with known outliers: each token's energy share of its top 1% / 5% channels and
+    the recall of the calibration's top mean x^2 set, against a float64 computation of the same."""
+    from localllm.outliers import OutlierStats, top_count
+    lm = load(tiny_quant)
+    stats = OutlierStats(lm.model, (0, "down"))
+    lin = lm.model.blocks[0].down
+    K = lin.in_features
+    x = torch.randn(40, K)
+    hot = lin.stats.sq_mean.topk(3).indices  # the calibration's loudest channels, loud here too in most tokens
+    x[:30, hot] *= 20
+    x[30:, torch.randperm(K)[:3]] *= 20  # elsewhere in the rest
+    stats.update(lin, 0, "down", x)
+    stats.remove()
+    got = stats.result()["per_kind"]["down"]
+    e = x.double().square()
+    for f, pct in ((0.01, 1), (0.05, 5)):
+        n = top_count(K, f)
+        top = e.topk(n, dim=1).indices
+        static = set(lin.stats.sq_mean.double().topk(n).indices.tolist())
+        share = (e.gather(1, top).sum(1) / e.sum(1)).mean().item()
+        rec = sum(len(static & set(r.tolist())) for r in top) / (n * len(top))
+        assert got[f"share_{pct}"] == pytest.approx(share, rel=1e-5) and got[f"static_recall_{pct}"] == \
+            pytest.approx(rec, rel=1e-5), pct
+    assert got["share_1"] > 0.5 and got["static_recall_1"] > 0.3  # the planted outliers are what it measures
+
+
 def test_an_existing_report_is_kept_unless_asked(report, tiny_ckpt, capsys):
     out, rep = report
     before = (out / "report.md").read_text()

@@ -340,29 +340,32 @@ def brute_force(p, oracle, budget, values):
 @pytest.mark.parametrize("trial", range(6))
 def test_allocate_finds_the_most_value_that_fits(trial):
     from localllm.tuner.search import allocate
-    rng = random.Random(f"{os.getpid()}-{trial}")
+    seed = f"{os.getpid()}-{trial}"  # in every message: a failure in CI can be rerun with it
+    rng = random.Random(seed)
     p = small_problem(rng)
     oracle = Memo(noisy(p.layers, rng.random()))  # each point measured once, for both searches
     values = random_values(rng, p)
     for budget in (0.0, 0.02, 0.05, 0.1, 0.3, 1.0):
         c = allocate(p, oracle, budget, values)
         best = brute_force(p, oracle, budget, values)
-        assert c.predicted <= budget + 1e-12
-        assert (c.value or 0.0) == pytest.approx(best, rel=1e-9, abs=1e-12)
+        assert c.predicted <= budget + 1e-12, f"seed {seed!r} budget {budget}"
+        assert (c.value or 0.0) == pytest.approx(best, rel=1e-9, abs=1e-12), f"seed {seed!r} budget {budget}"
         if c.compensates:  # the setting is what its value and predicted slowdown say
             on = {kind: c.blocks.get(kind, range(p.layer(kind).count)) for kind in c.kinds}
             v = sum(sum(values(kind, c.k_chunk[kind])[b] for b in on[kind]) for kind in c.kinds)
             added = sum(len(on[kind]) * max(0.0, oracle(kind, c.n_tb[kind], c.k_chunk[kind]) - oracle(kind, 0, 0))
                         for kind in c.kinds)  # a point below the base adds 0
-            assert c.value == pytest.approx(v) and c.predicted == pytest.approx(added / p.step_time)
+            assert c.value == pytest.approx(v) and c.predicted == pytest.approx(added / p.step_time), \
+                f"seed {seed!r} budget {budget}"
         else:
-            assert best == 0.0 or budget == 0.0
+            assert best == 0.0 or budget == 0.0, f"seed {seed!r} budget {budget}"
 
 
 @pytest.mark.parametrize("trial", range(4))
 def test_single_is_the_one_call_of_most_value_that_fits(trial):
     from localllm.tuner.search import LADDER, single
-    rng = random.Random(f"{os.getpid()}-single-{trial}")
+    seed = f"{os.getpid()}-single-{trial}"
+    rng = random.Random(seed)
     p = small_problem(rng)
     oracle = Memo(noisy(p.layers, rng.random()))
     values = random_values(rng, p)
@@ -372,7 +375,8 @@ def test_single_is_the_one_call_of_most_value_that_fits(trial):
         calls = [(max(0.0, oracle(lay.kind, n, k) - oracle(lay.kind, 0, 0)), values(lay.kind, k)[b])
                  for lay in p.layers for k in LADDER if k <= lay.k_max for n in lay.n_tb for b in range(lay.count)]
         best = max((v for t, v in calls if t <= budget * p.step_time), default=0.0)
-        assert (c.value or 0.0) == pytest.approx(best) and c.predicted <= budget + 1e-12
+        assert (c.value or 0.0) == pytest.approx(best) and c.predicted <= budget + 1e-12, \
+            f"seed {seed!r} budget {budget}"
         if c.compensates:
             assert p.calls(c) == 1
 
