@@ -128,8 +128,9 @@ def cmd_info(a) -> None:
     print(f"GPU memory   {size(d['gpu_bytes'])} (weights, without KV cache)")
     print(f"pinned host  {size(d['pinned_host_bytes'])} (QDEC residuals) + {size(d['pinned_embed_bytes'])} (embeddings, on a "
           "GPU)")
-    print(f"CPU memory   {size(d['cpu_bytes'])} (on a machine without a GPU: the weights as float32), or "
-          f"{size(d['cpu_unpacked_bytes'])} where that does not fit (their codes unpacked, slower)")
+    print(f"CPU memory   {size(d['cpu_bytes'])} (on a machine without a GPU: the weights as float32)"
+          + (f", or {size(d['cpu_unpacked_bytes'])} where that does not fit (their codes unpacked, slower)"
+             if d["cpu_unpacked_bytes"] != d["cpu_bytes"] else ""))
     kv, sa = d["kv_cache"], d["kv_cache"]["smooth_attention"]
     per_token = ", ".join(f"{n / 2**10:.1f} KiB at {b} bits" for b, n in kv["bytes_per_token"].items())
     cpu16 = kv["cpu_bytes_per_token_16"] / 2**10
@@ -154,7 +155,8 @@ def cmd_info(a) -> None:
         print(f"quantized on {q['device']} in {q['seconds'] / 60:.1f} min")
     print(f"source       {d['source'].get('hub_id') or d['source']['path']}"
           + (f"  sha256 {d['source']['sha256'][:16]}" if d['source'].get('sha256') else ""))
-    untuned = "no profiles (run `localllm tune`)" if d["bits"] < 16 else "none (`localllm tune` takes a quantized model)"
+    untuned = "no profiles (`localllm tune` makes one on a GPU)" if d["bits"] < 16 else \
+        "none (`localllm tune` takes a quantized model)"
     profiles = [name + (f" ({why})" if why else "") for name, why in d["tuning_profiles"].items()]
     print(f"tuning       {', '.join(profiles) or untuned}")
 
@@ -434,8 +436,9 @@ def parser() -> argparse.ArgumentParser:
                                    "at each --bits, measures perplexity and activation statistics on the CPU, and "
                                    "the QDEC kernel and the tuner's budgets on the GPU when one is usable; writes "
                                    "report.md, report.json and PNG plots into a new folder (needs matplotlib: pip "
-                                   "install 'localllm[report]'). Measurements are saved in the folder's report.json "
-                                   "as they are made: rerunning an interrupted command resumes it.")
+                                   "install 'localllm[report]'). Measurements are saved in the folder's "
+                                   "report.unfinished.json as they are made (report.json is written at the end): "
+                                   "rerunning an interrupted command resumes it.")
     r.add_argument("model", nargs="?", help="checkpoint folder, .gguf file or hub id (default: the demo model)")
     r.add_argument("--out", help="new folder for the report (default: report-<model name>)")
     r.add_argument("--tokens", type=int, default=2048, help="predicted tokens of the evaluation text (default 2048)")

@@ -495,7 +495,8 @@ def _steps(o: Options, sections, full: bool) -> int:
 
 def make_report(o: Options) -> Path:
     """Measure what the options ask for and write the report folder (atomically); returns its path. Measurements
-    are saved in --out/report.json as they are made; an unfinished run of the same command is resumed."""
+    are saved in --out/report.unfinished.json as they are made (UNFINISHED; report.json at the end); an unfinished
+    run of the same command is resumed."""
     from .demo import demo_gguf
     from .evaluate import read_text
     from .loader import MANIFEST, open_checkpoint

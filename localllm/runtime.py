@@ -39,6 +39,7 @@ class LocalModel:
     qdec_untuned: bool = False  # qdec="on" on a GPU fell back to the default k_chunk: no tuning profile applies
     _tuned: object = field(default=None, repr=False)  # tuner.profile.Selection for self.budget, looked up once
     kv_bits: int = 16  # KV cache width: 16 (the model's dtype), 8 or 4 (kvquant); set_kv_bits changes it
+    _smooth_noted: bool = field(default=False, repr=False)  # set_kv_bits said the model has no SmoothAttention
     source_files: list | None = field(default=None, repr=False)  # a dense model's weight files (loader.fingerprint)
     _asked: tuple | None = field(default=None, repr=False)  # set_qdec's last request and what it decided
     # generate() runs one reply at a time: the KV cache and the sampling generator are shared. A reply holds the lock
@@ -67,11 +68,16 @@ class LocalModel:
         if bits == self.kv_bits:
             return
         self.kv_bits, self._decoder = bits, None
-        if bits < 16 and not self.smooth_attention:
-            what = "is not quantized by localllm" if self.manifest is None else "was quantized without them"
-            print(f"localllm: note: {self.path} has no SmoothAttention factors (it {what}); its {bits}-bit keys are "
-                  "quantized unsmoothed, with larger errors: `localllm quantize` the source again to get them",
-                  file=sys.stderr)
+        if bits < 16 and not self.smooth_attention and not self._smooth_noted:
+            self._smooth_noted = True  # once a model
+            if self.manifest is None:
+                what, fix = "is not quantized by localllm", ": `localllm quantize` it to get them"
+            elif "smooth_attention" in self.manifest:  # None: made with --no-smooth-attention, on purpose
+                what, fix = "was quantized with --no-smooth-attention", ""
+            else:
+                what, fix = "was quantized before localllm made them", ": `localllm quantize` the source again to get them"
+            print(f"localllm: note: {self.path} has no SmoothAttention factors (it {what}); its quantized keys are "
+                  f"unsmoothed, with larger errors{fix}", file=sys.stderr)
 
     def decoder(self, max_len: int, keep: bool = False):
         """A Decoder whose cache holds max_len tokens: the one kept from an earlier reply when it is long enough (so

@@ -218,17 +218,25 @@ def test_quantize_folds_smooth_attention_and_older_files_still_load(tiny_ckpt, t
         a, b, ref = load(tiny_quant, qdec="off").model(toks), load(plain, qdec="off").model(toks), dense(toks)
     # the same function up to weight rounding: the two quantized models are much closer than either is to the source
     assert (a - b).norm() < 0.25 * (a - ref).norm()
+    # made without them on purpose: a note once, with no advice to quantize again
+    capsys.readouterr()
+    lm = load(plain, qdec="off", kv_bits=4)
+    lm.set_kv_bits(8)
+    err = capsys.readouterr().err
+    assert err.count("has no SmoothAttention factors (it was quantized with --no-smooth-attention)") == 1
+    assert "`localllm quantize`" not in err
     # an older file (no smooth_attention in its manifest) loads and runs a 4-bit cache, with a note
-    m.pop("smooth_attention")
+    was = m.pop("smooth_attention")
     (tiny_quant / "localllm.json").write_text(json.dumps(m))
     try:
         capsys.readouterr()
         lm = load(tiny_quant, qdec="off", kv_bits=4)
-        assert "has no SmoothAttention factors" in capsys.readouterr().err
+        assert "quantized before localllm made them); its quantized keys are unsmoothed, with larger errors: `localllm "\
+               "quantize` the source again" in capsys.readouterr().err
         from localllm.generate import generate
         assert generate(lm, "Once upon", max_new_tokens=4, seed=0)
     finally:
-        m["smooth_attention"] = {"alpha": 0.5}
+        m["smooth_attention"] = was
         (tiny_quant / "localllm.json").write_text(json.dumps(m))
 
 
