@@ -62,8 +62,9 @@ class ModelConfig:
             theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
             rope_type = rope.get("rope_type") or rope.get("type") or "default"
             native = rope.get("original_max_position_embeddings")
-            if rope_type == "dynamic":  # dynamic NTK is the default RoPE up to the native context: run it there
-                rope_type, cap = "default", native or cfg["max_position_embeddings"]
+            if rope_type == "dynamic":  # dynamic NTK is the default RoPE up to max_position_embeddings (transformers
+                # reads no original_max_position_embeddings for it): run it there
+                rope_type, cap = "default", cfg["max_position_embeddings"]
             else:
                 cap = None
             if not (isinstance(heads, int) and heads > 0):

@@ -43,6 +43,13 @@ def test_dynamic_rope_runs_as_default_within_its_native_context_and_yarn_is_refu
     toks = torch.randint(0, ours.cfg.vocab_size, (1, 200))
     with torch.no_grad():
         assert (ours(toks) - ref(toks).logits).abs().max() < 1e-4
+    # an original_max_position_embeddings below it: transformers still runs the default RoPE up to the whole context
+    path = make_checkpoint(tmp_path / "dyn2", rope_scaling={"rope_type": "dynamic", "factor": 4.0,
+                                                            "original_max_position_embeddings": 64})
+    ours, ref = load(path).model, _hf(path)
+    assert ours.cfg.max_position_embeddings == 256 and not ours.cfg.rope_scaling
+    with torch.no_grad():
+        assert (ours(toks) - ref(toks).logits).abs().max() < 1e-4
     yarn = dict(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                 num_attention_heads=4, max_position_embeddings=131072,
                 rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
