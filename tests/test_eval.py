@@ -175,8 +175,9 @@ def test_a_model_whose_outputs_are_nan_says_so(tmp_path):
     from conftest import make_checkpoint
     path = make_checkpoint(tmp_path / "nan")
     t = load_file(path / "model.safetensors")
-    t["model.layers.0.mlp.down_proj.weight"][0, 0] = 3e38  # finite (a NaN weight is refused at load), but the
-    # activations after it overflow
+    # finite weights (a NaN one is refused at load) whose activations overflow: the MLP's input ~1e30, so gate * up
+    # is inf of either sign, and down's sums of +inf and -inf are NaN
+    t["model.layers.0.post_attention_layernorm.weight"][:] = 1e30
     save_file(t, path / "model.safetensors", metadata={"format": "pt"})
     r = run("eval", path, "--max-tokens", "100", "--ctx", "64")
     assert r.returncode == 0 and " nan" in r.stdout and "the model's outputs hold NaN" in r.stderr
