@@ -22,7 +22,8 @@ DEFAULT_K_CHUNK = 8  # channels per 1024 compensated when QDEC is on and no tuni
 def _describe_k(ks: dict, blocks: dict | None = None) -> str:
     vals = set(ks.values())
     out = f"k_chunk {vals.pop()}" if len(vals) == 1 else "k_chunk " + ", ".join(f"{k} {v}" for k, v in ks.items())
-    return out + "".join(f" ({k} in blocks {', '.join(map(str, sorted(b)))} only)" for k, b in (blocks or {}).items())
+    return out + "".join(f" ({k} in blocks {', '.join(map(str, sorted(b)))} only)" if b else f" ({k} in no block)"
+                         for k, b in (blocks or {}).items())
 
 
 @dataclass
