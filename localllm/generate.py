@@ -230,8 +230,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     else:
         stats.finish_reason = "context" if full else "length"
     if (stats.finish_reason in ("eos", "length", "context") or as_token) and len(text) > emitted:
-        yield text[emitted:]  # what _ready held back: no stop string came in the text (the tokens' text, as decode
-        # gives it)
+        yield text[emitted:]  # what _ready held back: no stop string came in the text (as decode gives it)
 
 
 def _steps(lm: LocalModel, me: object, tokens: Iterator[int]) -> Iterator[int]:

@@ -200,12 +200,12 @@ def tokenizer_of(path: Path, **kw):
     error where its files are missing or damaged."""
     from transformers import AutoTokenizer
     names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    if "gguf_file" not in kw and Path(path).is_dir() and not any((Path(path) / n).exists() for n in names):
+    folder = "gguf_file" not in kw and Path(path).is_dir()  # (a GGUF's tokenizer is in the file)
+    if folder and not any((Path(path) / n).exists() for n in names):
         raise LocalLLMError(f"{path} holds no tokenizer files: copy the model's tokenizer.json (or tokenizer.model) "
                             "and tokenizer_config.json into it from its source")
-    p = Path(path)
-    if "gguf_file" not in kw and p.is_dir() and (p / "tokenizer.model").exists() and \
-            not (p / "tokenizer.json").exists() and not _sentencepiece():
+    if folder and (Path(path) / "tokenizer.model").exists() and not (Path(path) / "tokenizer.json").exists() and \
+            not _sentencepiece():
         raise LocalLLMError(f"{path}'s tokenizer is tokenizer.model (SentencePiece) alone, which transformers reads "
                             "only with `pip install sentencepiece protobuf`; install them, or put the model's "
                             "tokenizer.json beside it")
