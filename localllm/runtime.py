@@ -95,6 +95,8 @@ class LocalModel:
             kept = self._decoder.kept() if keep and self._decoder is not None else None
             self._decoder = None  # free the old cache first
             dev = self.model.device
+            if dev.type != "cuda":  # the first forward makes the CPU's form of the weights: before free is read
+                self.model.make_ready()
             free = gpu_free(dev) if dev.type == "cuda" else devices.host_available()
             if free is not None:
                 cpu = dev.type != "cuda"

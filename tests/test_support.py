@@ -269,6 +269,20 @@ def test_a_checkpoint_or_kv_cache_past_the_hosts_memory_is_refused_in_one_line(t
         localllm.generate(lm, "hi", max_new_tokens=200)
 
 
+def test_the_cpu_kv_cache_is_sized_against_memory_the_weights_left(tiny_quant, monkeypatch):
+    """The first forward on the CPU makes the weights' float32 form: the KV cache's check of the host's memory comes
+    after it, so the memory it counts on is not the weights' (the API path makes its decoder before any forward)."""
+    import localllm
+    from localllm import devices
+    lm = localllm.load(tiny_quant, device="cpu")
+    lins = [lin for lin in (*lm.model.linears(), lm.model.head) if lin.quant is not None]
+    ready_when_read = []
+    monkeypatch.setattr(devices, "host_available", lambda: ready_when_read.append(all(lin.ready for lin in lins))
+                        or 1 << 40)
+    localllm.generate(lm, "hi", max_new_tokens=2)
+    assert ready_when_read == [True]
+
+
 def test_the_cpu_weights_are_made_before_the_first_token_with_progress(tiny_quant):
     """Each quantized layer's CPU form (float32, or its codes unpacked) is made for all layers at once, under a progress
     bar: by warm_up (the chat runs it while it loads) or else by the first forward, not silently layer by layer."""
