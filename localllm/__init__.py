@@ -1,8 +1,17 @@
 """localllm: low-bit LLM inference with QDEC dynamic error compensation."""
+import os as _os
+import sys as _sys
+
 __version__ = "0.1.0"
 
-from .errors import LocalLLMError  # noqa: E402
-from .generate import generate  # noqa: E402
-from .runtime import LocalModel, load  # noqa: E402
+try:  # (torch's import takes seconds)
+    from .errors import LocalLLMError
+    from .generate import generate
+    from .runtime import LocalModel, load
+except KeyboardInterrupt:  # Ctrl+C while the `localllm` command starts: its usual line, not an import traceback
+    if _sys.argv and _os.path.basename(_sys.argv[0]) == "localllm":
+        print("\nlocalllm: interrupted", file=_sys.stderr)
+        raise SystemExit(130) from None
+    raise
 
 __all__ = ["LocalLLMError", "LocalModel", "generate", "load", "__version__"]

@@ -316,3 +316,23 @@ def test_out_of_gpu_memory_past_the_load_checks_is_one_line(monkeypatch, capsys)
     err = capsys.readouterr().err
     assert err == "localllm: error: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 5.8 GiB " \
                   "total)); a shorter prompt, fewer new tokens, --kv-bits 8 or 4, or a smaller model needs less\n"
+
+
+@pytest.mark.parametrize("argv0", ["/usr/bin/localllm", "python"])
+def test_ctrl_c_while_the_command_starts_is_one_line(argv0):
+    """Ctrl+C during torch's import (the `localllm` command's first seconds) ends the command with its usual line and
+    status 130, not an import traceback; a program importing localllm gets its KeyboardInterrupt as usual."""
+    code = ("import builtins, sys\n"
+            f"sys.argv = [{argv0!r}]\n"
+            "real = builtins.__import__\n"
+            "def ctrl_c(name, *a, **k):\n"
+            "    if name == 'torch':\n"
+            "        raise KeyboardInterrupt\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = ctrl_c\n"
+            "import localllm\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if argv0 == "python":
+        assert r.returncode != 130 and r.stderr.rstrip().endswith("KeyboardInterrupt")
+    else:
+        assert (r.returncode, r.stderr) == (130, "\nlocalllm: interrupted\n")
