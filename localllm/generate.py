@@ -1,6 +1,7 @@
 """Text generation: chat templates, the token loop (sampling.py chooses the tokens), stop strings and streaming."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 import weakref
@@ -24,7 +25,7 @@ class Stats:
     time_to_first_token: float = 0.0
     decode_seconds: float = 0.0
     # "eos" | "stop" | "length" (max_new_tokens) | "context" (the model's context is full) | "cancelled" (cancel set,
-    # or Stream.close() before the end)
+    # Stream.close() before the end, or a later reply on the model, which makes this stream raise)
     finish_reason: str = ""
 
     @property
@@ -167,13 +168,12 @@ def special_stops(tok, stops: list[str]) -> set[int]:
     return {tok.convert_tokens_to_ids(s) for s in stops if s in special}
 
 
-def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingParams, stops: list[str],
+def _run(lm: LocalModel, me: object, ids: list[int], max_new_tokens: int, params: SamplingParams, stops: list[str],
          seed: int, stats: Stats, cancel, reuse: bool) -> Iterator[str]:
     model, tok = lm.model, lm.tokenizer
     dev = model.device
     limit = lm.model.cfg.max_position_embeddings
-    if len(ids) >= limit:
-        raise LocalLLMError(f"the prompt has {len(ids)} tokens; this model's context is {limit}: shorten it")
+    _check_length(ids, limit)
     full = limit - len(ids) < max_new_tokens  # the context ends the reply first
     max_new_tokens = min(max_new_tokens, limit - len(ids))
     eos, stop_ids = set(lm.eos_ids), special_stops(tok, stops)
@@ -185,7 +185,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
     # inference mode only around the model's work, never across a yield: the caller's code between pieces runs in
     # its own grad mode (and streams closed in another order than opened restore no stale mode)
     with lm.lock:
-        me = lm.reply = object()  # a stream opened before stops at its next step
+        _check_latest(lm, me, stats)  # (a stream read after a later call would run with that call's settings)
         lm.settings.generator = torch.Generator(device=dev).manual_seed(seed + 1)
         # (the decoder's buffers made outside inference mode: code that reuses it later may run outside it)
         dec = lm.decoder(len(ids) + max_new_tokens, keep=reuse)
@@ -201,7 +201,7 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
                 return
             stats.cached_tokens = dec.reused
             dec.start(logits, len(ids), seen, params, draws)
-    for step, t in enumerate(_steps(lm, me, dec.tokens(max_new_tokens))):
+    for step, t in enumerate(_steps(lm, me, stats, dec.tokens(max_new_tokens))):
         if step == 0:
             stats.time_to_first_token = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -233,27 +233,50 @@ def _run(lm: LocalModel, ids: list[int], max_new_tokens: int, params: SamplingPa
         yield text[emitted:]  # what _ready held back: no stop string came in the text (as decode gives it)
 
 
-def _steps(lm: LocalModel, me: object, tokens: Iterator[int]) -> Iterator[int]:
+def _steps(lm: LocalModel, me: object, stats: Stats, tokens: Iterator[int]) -> Iterator[int]:
     """tokens, each step taken under the model's lock and only while this reply is the model's latest (the decoder
     advances inside next(): a reply started since then holds the cache now)."""
     while True:
         with lm.lock, torch.inference_mode():
-            if lm.reply is not me:
-                raise LocalLLMError("another reply on this model began before this stream ended (replies share the "
-                                    "model's KV cache): finish or close() a stream before the next generate()")
+            _check_latest(lm, me, stats)
             t = next(tokens, None)
         if t is None:
             return
         yield t
 
 
-def _check_call(prompt, max_new_tokens, stop, seed) -> list[str]:
+def _check_latest(lm: LocalModel, me: object, stats: Stats) -> None:
+    """Raise where a reply began on this model after this one's call (the replies share its KV cache)."""
+    if lm.reply is not me:
+        stats.finish_reason = "cancelled"
+        raise LocalLLMError("another reply on this model began before this stream ended (replies share the "
+                            "model's KV cache): finish or close() a stream before the next generate()")
+
+
+def _check_length(ids: list[int], limit: int) -> None:
+    if len(ids) >= limit:
+        raise LocalLLMError(f"the prompt has {len(ids)} tokens; this model's context is {limit}: shorten it")
+
+
+def _check_call(model, prompt, max_new_tokens, stop, seed, stream, cancel, reuse_cache) -> list[str]:
     """Refuse, in one line, arguments of the wrong kind (before anything about the model changes); the stop strings."""
-    chat = isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                                        for m in prompt)
-    if not (isinstance(prompt, str) or chat):
+    if not (model is None or isinstance(model, (LocalModel, str, os.PathLike))):
+        raise LocalLLMError(f"model must be what localllm.load() returns, a model path, or None (the demo model), "
+                            f"got {type(model).__name__}")
+    if isinstance(prompt, list) and prompt:
+        for i, m in enumerate(prompt):
+            if not (isinstance(m, dict) and isinstance(m.get("content"), str)):
+                got = f"a {type(m).__name__}" if not isinstance(m, dict) else \
+                    f"content {type(m.get('content')).__name__}" if "content" in m else "no 'content'"
+                raise LocalLLMError(f"chat message {i} must be a dict with 'role' and 'content' (a string), got {got}")
+    elif not isinstance(prompt, str):
         raise LocalLLMError(f"the prompt must be a string or a non-empty list of chat messages ({{'role': ..., "
                             f"'content': str}}), got {type(prompt).__name__}{' (empty)' if prompt == [] else ''}")
+    for name, v in (("stream", stream), ("reuse_cache", reuse_cache)):
+        if not isinstance(v, bool):  # ("no" would be true)
+            raise LocalLLMError(f"{name}={v!r}: give True or False")
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+        raise LocalLLMError(f"cancel must be a threading.Event (or None), got {type(cancel).__name__}")
     if not (is_whole(max_new_tokens) and max_new_tokens >= 1):
         raise LocalLLMError(f"max_new_tokens must be a whole number, at least 1, got {max_new_tokens!r}")
     if seed is not None and not (is_whole(seed) and 0 <= seed <= MAX_SEED):
@@ -290,21 +313,25 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     The same seed gives the same text (with reuse_cache, after the same earlier calls)."""
     params = SamplingParams(temperature, top_p, top_k, repetition_penalty, min_p)
     params.check()
-    stops = _check_call(prompt, max_new_tokens, stop, seed)
+    stops = _check_call(model, prompt, max_new_tokens, stop, seed, stream, cancel, reuse_cache)
     if kv_bits is not None:
         kvquant.check_bits(kv_bits)
     lm = model if isinstance(model, LocalModel) else load(model)
     with lm.lock:  # not while another thread's reply takes a step
+        ids = encode_prompt(lm, prompt)  # the prompt's refusals too come before the model changes
+        if not ids:
+            raise LocalLLMError("the prompt is empty (no tokens): give some text")
+        _check_length(ids, lm.model.cfg.max_position_embeddings)
         if qdec is not None:
             lm.set_qdec(qdec)
         if kv_bits is not None:
             lm.set_kv_bits(kv_bits)
+        if reuse_cache and not isinstance(prompt, str):
+            ids = _splice(lm.tokenizer, ids, lm.cached_tokens())
         seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)  # (numpy's as Python's)
         s = Stream(iter(()))
-        ids = encode_prompt(lm, prompt, lm.cached_tokens() if reuse_cache else None)
-        if not ids:
-            raise LocalLLMError("the prompt is empty (no tokens): give some text")
-        s.pieces = _run(lm, ids, int(max_new_tokens), params, stops, seed, s.stats, cancel, reuse_cache)
+        me = lm.reply = object()  # a stream opened before, or this one read after a later call, raises when read
+        s.pieces = _run(lm, me, ids, int(max_new_tokens), params, stops, seed, s.stats, cancel, reuse_cache)
         if stream:
             return s
         return s.text()  # the whole reply under the lock: a reply another thread asks for meanwhile waits for it

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .errors import LocalLLMError
+from .errors import LocalLLMError, is_whole
 from .quant import pack_words, unpack_words
 
 KV_BITS = (16, 8, 4)  # 16: the model's dtype (fp16 on a GPU), no quantization
@@ -19,7 +19,7 @@ KV_BITS = (16, 8, 4)  # 16: the model's dtype (fp16 on a GPU), no quantization
 
 def check_bits(bits) -> int:
     """The kv-bits setting as an int, or a one-line error naming the choices."""
-    if bits not in KV_BITS or isinstance(bits, bool):
+    if not is_whole(bits) or bits not in KV_BITS:  # (not 8.0 or True)
         raise LocalLLMError(f"kv-bits {bits!r} is not supported; use one of {', '.join(map(str, KV_BITS))} "
                             "(16: no KV cache quantization)")
     return int(bits)

@@ -1,6 +1,7 @@
 """A loaded model ready to run: the decoder, its tokenizer, its manifest and QDEC settings."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -122,6 +123,9 @@ class LocalModel:
         choice (without this the demo model's first reply ran at 0.55-0.8x of later ones on the H100). A chat UI calls
         it while it loads; set_qdec and a longer reply make a new Decoder, whose graphs are captured at first use
         again. On the CPU: the weights in the form they run in (Transformer.make_ready)."""
+        if not (is_whole(max_len) and max_len >= 1):
+            raise LocalLLMError(f"warm_up takes the tokens a first reply may hold (prompt and reply), a whole number "
+                                f"of at least 1, got {max_len!r}")
         if self.model.device.type != "cuda":
             self.model.make_ready()
             return
@@ -404,6 +408,9 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
                            ("tune", tune, (bool, type(None)))):
         if not isinstance(v, kinds):  # ("no" would be true)
             raise LocalLLMError(f"{name}={v!r}: give True or False" + (" (or None)" if name == "tune" else ""))
+    if not (src is None or isinstance(src, (str, os.PathLike))) or src == "":
+        raise LocalLLMError(f"load() takes a model folder, a .gguf file or a hub id (or None: the demo model), got "
+                            f"{src!r}")
     dev = resolve_device(device)
     demo = src is None
     if demo:

@@ -297,8 +297,11 @@ def test_bad_arguments_are_refused(lm):
     for kw in wrong:
         with pytest.raises(LocalLLMError, match=next(iter(kw))):
             generate(lm, "x", **kw)
-    for prompt in (None, 123, b"x", [], [{"role": "user"}], ["hi"]):
+    for prompt in (None, 123, b"x", []):
         with pytest.raises(LocalLLMError, match="prompt must be a string or a non-empty list of chat messages"):
+            generate(lm, prompt)
+    for prompt in ([{"role": "user"}], ["hi"]):
+        with pytest.raises(LocalLLMError, match="chat message 0 must be a dict with 'role' and 'content'"):
             generate(lm, prompt)
 
 
@@ -346,10 +349,18 @@ def test_numpy_numbers_are_numbers(lm):
 def test_a_refused_call_changes_nothing_about_the_model(lm):
     """Every argument is checked before generate() applies qdec or kv_bits to the model."""
     mode, kv = lm.settings.mode, lm.kv_bits
-    for kw in (dict(temperature=-1), dict(seed=-3), dict(max_new_tokens=0), dict(stop=5)):
+    generate(lm, "The river ran", max_new_tokens=3, temperature=0)
+    cached = lm.cached_tokens()
+    assert cached
+    limit = lm.model.cfg.max_position_embeddings
+    calls = [("x", dict(temperature=-1)), ("x", dict(seed=-3)), ("x", dict(max_new_tokens=0)), ("x", dict(stop=5)),
+             ("x", dict(cancel=True)), ("x", dict(stream="no")), ("x", dict(reuse_cache="no")), ("x", dict(kv_bits=8.0)),
+             ("", {}), ([{"role": "user", "content": None}], {}), ("one " * limit, {}),
+             ("\udcff", {})]  # (not UTF-8: a byte that decodes to no character)
+    for prompt, kw in calls:
         with pytest.raises(LocalLLMError):
-            generate(lm, "x", qdec="off" if mode != "off" else 8, kv_bits=8 if kv != 8 else 16, **kw)
-        assert (lm.settings.mode, lm.kv_bits) == (mode, kv)
+            generate(lm, prompt, **{"qdec": "off" if mode != "off" else 8, "kv_bits": 8 if kv != 8 else 16, **kw})
+        assert (lm.settings.mode, lm.kv_bits, lm.cached_tokens()) == (mode, kv, cached), (prompt[:10], kw)
 
 
 def test_an_empty_stop_string_is_ignored(lm):
@@ -388,6 +399,12 @@ def test_a_later_reply_stops_an_open_stream_and_threads_take_turns(lm):
         next(first)
     assert text + "".join(it) == alone["The river ran"]
     assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled(), "no stale mode restored"
+    # a stream not read yet when another reply is asked for raises too (it would run with that call's settings)
+    unread = generate(lm, "Once upon a time", seed=2, stream=True, **kw)
+    generate(lm, "The river ran", max_new_tokens=1)
+    with pytest.raises(LocalLLMError, match="another reply on this model began before this stream ended"):
+        unread.text()
+    assert unread.stats.finish_reason == "cancelled"
     out = {}
 
     def run(p):
@@ -615,3 +632,18 @@ def test_detokenizer_gives_the_whole_decoding(kind):
         d = Detokenizer(tok)
         for i, t in enumerate(ids):
             assert d.add(t) == tok.decode(ids[:i + 1], skip_special_tokens=True), i
+
+
+def test_arguments_of_the_wrong_kind_for_load_warm_up_and_model_are_refused_in_one_line(lm):
+    import localllm
+    for call, match in ((lambda: localllm.load(5), "load\\(\\) takes a model folder"),
+                        (lambda: localllm.load(""), "load\\(\\) takes a model folder"),
+                        (lambda: generate(5, "x"), "model must be what localllm.load\\(\\) returns"),
+                        (lambda: generate(lm.model, "x"), "model must be what localllm.load\\(\\) returns"),
+                        (lambda: lm.warm_up(-5), "warm_up takes"), (lambda: lm.warm_up("10"), "warm_up takes"),
+                        (lambda: generate(lm, ["Hi"]), "chat message 0 must be a dict"),
+                        (lambda: generate(lm, [{"role": "user", "content": "a"}, {"role": "user"}]),
+                         "chat message 1 must be a dict with 'role' and 'content' \\(a string\\), got no 'content'")):
+        with pytest.raises(LocalLLMError, match=match) as e:
+            call()
+        assert "\n" not in str(e.value)
