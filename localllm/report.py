@@ -344,11 +344,30 @@ def quality_evals(o: Options, full: bool) -> int:
     return 1 + len(quality_plan(o, {b: ALL_CHANNELS for b in (*o.bits, o.compare_bits)}, full))
 
 
+def true_residuals(ckpt, path: Path, lm):
+    """(linear, R = W - W_hat) for each decoder linear of lm, the variant at path: W is the source's weights as the
+    variant quantized them, with SmoothAttention's factors folded into qkv where it was on (else R would hold
+    (1 - lambda) W_q, and compensating a channel would undo part of the smoothing)."""
+    from safetensors import safe_open
+
+    from .model import KINDS
+    from .modelfile import FILES
+    from .smooth_attention import fold
+    with safe_open(path / FILES[0], "pt") as f:
+        smooth = {n: f.get_tensor(n) for n in f.keys() if n.endswith(".k_smooth")}
+    for i, blk in enumerate(lm.model.blocks):
+        dense = ckpt.block_tensors(i)
+        if (lam := smooth.get(f"blocks.{i}.k_smooth")) is not None:
+            dense = fold(dense, lm.model.cfg, lam)
+        for kind in KINDS:
+            lin = getattr(blk, kind)
+            yield lin, dense[kind]["weight"] - lin.dense()
+
+
 def measure_quality(r: Run) -> dict:
     """Perplexity of the source model, of every base width off and approx per k_chunk, and at --compare-bits the
     other selection modes and residual widths (each selection's recall vs exact top-k per layer type). Each
     evaluation is saved as it is made; models are loaded only for what is not saved yet."""
-    from .model import KINDS
     from .modelfile import read_manifest
     from .outliers import SelectionRecall
     from .quant import quantize_residual
@@ -368,11 +387,8 @@ def measure_quality(r: Run) -> dict:
             held.update(bits=bits, res=4, lm=r.load(bits))
         lm = held["lm"]
         if held["res"] != res_bits:
-            for i, blk in enumerate(lm.model.blocks):
-                dense = r.ckpt.block_tensors(i)
-                for kind in KINDS:
-                    lin = getattr(blk, kind)
-                    lin.residual = quantize_residual(dense[kind]["weight"] - lin.dense(), res_bits)
+            for lin, res in true_residuals(r.ckpt, r.variant(bits), lm):
+                lin.residual = quantize_residual(res, res_bits)
             held["res"] = res_bits
         return lm
 

@@ -87,6 +87,24 @@ def test_perplexities_are_those_of_the_models(report, tiny_ckpt, cache):
     assert all(math.isfinite(r["ppl"]) and r["ppl"] > 1 for r in q["rows"])
 
 
+def test_table1_residuals_are_those_the_variant_keeps(report, tiny_ckpt, cache):
+    """Table 1 requantizes each variant's true residual R = W - W_hat at other widths. W must be the weights the
+    variant quantized (SmoothAttention rescales q and k rows): at 4 bits R requantized is the file's own residual.
+    (Exact compensation with the fp16 R gives back the source whatever R is, so that check cannot tell.)"""
+    from localllm.loader import open_checkpoint
+    from localllm.quant import quantize_residual
+    from localllm.report import true_residuals
+    (variant,) = (cache / "models").glob("*-w3g128")
+    assert read_manifest(variant).get("smooth_attention"), "the variants smooth the keys (the case that matters)"
+    lm = load(variant, qdec="off")
+    n = 0
+    for lin, r in true_residuals(open_checkpoint(tiny_ckpt), variant, lm):
+        want, got = lin.residual.dequantize().float(), quantize_residual(r, 4).dequantize().float()
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max(), lin
+        n += 1
+    assert n == 4 * lm.model.cfg.num_layers
+
+
 def test_recall_is_measured_on_the_selections(report):
     _, rep = report
     for r in rows(rep, mode="exact"):
