@@ -170,12 +170,12 @@ def cmd_quantize(a) -> None:
 
 
 def cmd_eval(a) -> None:
-    from .evaluate import Reference, load_source, paired_change, read_text, source_path, sweep, tokenize
+    from .evaluate import PAIR_BLOCK, Reference, load_source, paired_change, read_text, source_path, sweep, tokenize
     from .loader import check_source
     from .model import QDEC_MODES
     from .devices import resolve_device
     from .runtime import load
-    modes = [m.strip() for m in (a.qdec or DEFAULT_EVAL_QDEC).split(",") if m.strip()]
+    modes = [m.strip() for m in (DEFAULT_EVAL_QDEC if a.qdec is None else a.qdec).split(",") if m.strip()]
     bad = [m for m in modes if m not in QDEC_MODES]
     if bad or not modes:
         raise LocalLLMError(f"--qdec takes a comma-separated list of {', '.join(QDEC_MODES)}; got {a.qdec!r}")
@@ -222,14 +222,18 @@ def cmd_eval(a) -> None:
     # vs off: the change in perplexity and its 95% interval (the same tokens, compared token by token)
     print(f"{'QDEC':8} {'k_chunk':>7} {'perplexity':>11}" + (f" {'vs off (95%)':>16}" if base else "")
           + (f" {'KL':>8}" + (f" {'vs off':>8}" if base else "") if reference else ""))
+    short = False
     for r in rows:
         line = f"{r.mode:8} {r.k_chunk:7d} {r.perplexity:11.4f}"
         if base:
             change, half = paired_change(r.losses, base.losses)
             line += f" {change:+7.2f}% {'±' + ('-' if half is None else f'{half:.2f}'):>7}"  # -: under 2 blocks
+            short = short or half is None
         if reference:
             line += f" {r.kl:8.4f}" + (f" {100 * (r.kl / base.kl - 1):+7.1f}%" if base and base.kl > 0 else "")
         print(line)
+    if short:
+        print(f"(±-: no interval under {2 * PAIR_BLOCK} predicted tokens, as it comes from blocks of {PAIR_BLOCK})")
     if any(math.isnan(r.perplexity) for r in rows):  # not a number to compare, and a table would not say why
         print("localllm: warning: the model's outputs hold NaN (its weights, or its source's, hold NaN or inf): "
               "check the source with `localllm eval SOURCE --qdec off`, and re-download or re-quantize it",
@@ -400,7 +404,8 @@ def parser() -> argparse.ArgumentParser:
                    help="seed of random mode's picks (approx's boundary order is a hash of the input, not random)")
     e.add_argument("--reference", nargs="?", const="source", metavar="MODEL",
                    help="also report KL(MODEL || model) per token; with no MODEL, the source checkpoint the model was "
-                        "quantized from (its path is recorded in the model folder)")
+                        "quantized from (its path is recorded in the model folder; give the evaluated model first: "
+                        "`eval M --reference`, as `eval --reference M` takes M as the reference)")
     e.add_argument("--gguf-file", help="the .gguf file inside MODEL when MODEL is a folder of GGUF files")
     e.add_argument("--prefill-int8", action="store_true",
                    help="every position with 8-bit activations, as prompts run with --prefill-int8 (CPU)")

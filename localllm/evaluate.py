@@ -55,7 +55,8 @@ class EvalResult:
 
 def paired_change(a: torch.Tensor, b: torch.Tensor, block: int = PAIR_BLOCK) -> tuple[float, float | None]:
     """How much higher perplexity is with the per-token losses a than with b, scored on the same tokens, in percent,
-    and the half-width of its 95% interval in percentage points (None: fewer than two blocks). The difference of
+    and the half-width of its 95% interval in percentage points (None: fewer than two blocks): its longer side, as
+    the interval, symmetric in the mean loss, is not in percent, so that "c ± h" holds it whole. The difference of
     the two mean losses is a mean of per-token differences; its standard error comes from their means over
     consecutive blocks of `block` tokens (so that correlated neighbours do not count as independent)."""
     if a.shape != b.shape:
@@ -67,8 +68,8 @@ def paired_change(a: torch.Tensor, b: torch.Tensor, block: int = PAIR_BLOCK) -> 
         return 100 * math.expm1(mean), None
     se = d[: n * block].view(n, block).mean(1).std().item() / math.sqrt(n)
     t = t975(n - 1)  # Student's t: the standard error comes from n block means (1.96 would cover 70% at n = 2)
-    lo, hi = math.expm1(mean - t * se), math.expm1(mean + t * se)
-    return 100 * math.expm1(mean), 50 * (hi - lo)
+    c, lo, hi = math.expm1(mean), math.expm1(mean - t * se), math.expm1(mean + t * se)
+    return 100 * c, 100 * max(hi - c, c - lo)
 
 
 def t975(df: int) -> float:
@@ -206,7 +207,7 @@ def sweep(lm: LocalModel, ids: list[int], modes: list[str], k_chunks: list[int],
     """Perplexity (and with a reference, KL divergence from it) for "off" (once) and for every other mode at every
     k_chunk. Every setting is checked by LocalModel.set_qdec before the first one is evaluated, so a bad one fails
     at once, not after minutes."""
-    settings = [(m, k) for m in modes for k in ([0] if m == "off" else k_chunks)]
+    settings = list(dict.fromkeys((m, k) for m in modes for k in ([0] if m == "off" else k_chunks)))  # (no repeats)
     for mode, k in settings:
         lm.set_qdec("off" if mode == "off" else {"mode": mode, "k_chunk": k})
     results = []

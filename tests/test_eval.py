@@ -52,7 +52,7 @@ def test_sweep_reproducible_and_full_compensation_approaches_the_dense_model(tin
 
 
 def test_eval_command_prints_a_table(tiny_quant):
-    r = run("eval", tiny_quant, "--qdec", "off,exact", "--k-chunk", "8,16", "--max-tokens", "200", "--ctx", "64")
+    r = run("eval", tiny_quant, "--qdec", "off,exact,off", "--k-chunk", "8,16,8", "--max-tokens", "200", "--ctx", "64")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert "199 predicted tokens" in lines[0]
@@ -60,7 +60,9 @@ def test_eval_command_prints_a_table(tiny_quant):
     assert [(x[0], x[1]) for x in rows] == [("off", "0"), ("exact", "8"), ("exact", "16")]
     assert all(float(x[2]) > 1 for x in rows) and rows[0][3:5] == ["+0.00%", "±0.00"]
     # 199 tokens: 3 blocks of 64, so every change has an interval
-    assert all(x[4].startswith("±") and float(x[4][1:]) > 0 for x in rows[1:]), rows
+    assert all(x[4].startswith("±") and float(x[4][1:]) > 0 for x in rows[1:]), rows  # (a setting given twice: once)
+    r = run("eval", tiny_quant, "--qdec", "off,exact", "--k-chunk", "8", "--max-tokens", "100", "--ctx", "64")
+    assert r.stdout.splitlines()[-1] == "(±-: no interval under 128 predicted tokens, as it comes from blocks of 64)"
 
 
 def test_paired_change_measures_a_shift_exactly_and_its_interval_covers_the_truth():
@@ -96,6 +98,13 @@ def test_paired_change_measures_a_shift_exactly_and_its_interval_covers_the_trut
         change, half = paired_change(a, torch.zeros_like(a))
         hits += abs(change) <= half  # the true change is 0
     assert 0.90 <= hits / 400 <= 0.99, hits
+    # a wide interval, symmetric in the mean loss, is not in percent: "change ± half" must hold all of it
+    from localllm.evaluate import t975
+    d = torch.randn(3 * PAIR_BLOCK, dtype=torch.float64) * 2 - 0.15
+    m, se = d.mean().item(), d.view(3, -1).mean(1).std().item() / math.sqrt(3)
+    lo, hi = (100 * math.expm1(m + s * t975(2) * se) for s in (-1, 1))
+    change, half = paired_change(d, torch.zeros_like(d))
+    assert change - half <= lo + 1e-9 and hi - 1e-9 <= change + half and hi - lo > 20
 
 
 def test_t975_is_students_t():
@@ -107,6 +116,7 @@ def test_t975_is_students_t():
 @pytest.mark.parametrize("args,msg", [
     (["--text", "/no/such/file.txt"], "no text file at"),
     (["--qdec", "off,bogus"], "--qdec takes a comma-separated list"),
+    (["--qdec", ""], "--qdec takes a comma-separated list"),  # (not the default modes)
     (["--k-chunk", "8,x"], "--k-chunk takes comma-separated integers"),
     (["--ctx", "1"], "--ctx must be within"),
     (["--qdec", "off,approx", "--k-chunk", "8,2000"], "k_chunk 2000 is outside 0..256 for QDEC mode 'approx' (the largest"),  # refused before any evaluation
