@@ -214,3 +214,18 @@ def test_history_is_saved_to_a_new_file_and_never_replaces_one(lm, tmp_path, mon
 
 def test_control_characters_are_shown_not_sent_to_the_terminal():
     assert printable("a\x1b[31mb\tc\nd\x07\x7f\x9b") == "a␛[31mb\tc\nd␇␡\ufffd"
+
+
+def test_a_resumed_chat_leaves_out_only_what_its_model_needs(lm):
+    """A saved reply's left_out is where its own model's context made the next prompt start (to keep that KV cache):
+    a chat resumed, on a model with a larger context or none of that cache, starts afresh; a reply made since counts."""
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "left_out": 0},
+             {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "left_out": 1}]
+    s = ChatSession(lm, ReplySettings(max_new_tokens=4, seed=1))
+    s.go_on({"system": "", "turns": turns, "model": "/elsewhere", "saved": None})
+    first = s.send("e")
+    assert first.keep_out == 0
+    s.running = None
+    s.turns.append({"role": "user", "content": "e"})
+    s.turns.append({"role": "assistant", "content": "f", "left_out": 1})
+    assert s.send("g").keep_out == 1

@@ -146,6 +146,7 @@ class ChatSession:
         self.lm = lm
         self.settings = settings or ReplySettings()
         self.turns: list[dict] = []  # finished turns: user, then assistant (with its settings and stats)
+        self.resumed = 0  # how many of them came from a saved chat (go_on)
         self.chat = 0
         self.running: Reply | None = None
         self.model_lock = threading.RLock()
@@ -163,7 +164,8 @@ class ChatSession:
         prompt = system + [{"role": t["role"], "content": t["content"]} for t in self.turns] + \
             [{"role": "user", "content": text}]
         seed = st.seed if st.seed is not None else secrets.randbelow(2**31)
-        last = next((t for t in reversed(self.turns) if t["role"] == "assistant"), {})
+        # a saved reply's left_out was of its own model's context and cache: a resumed chat has no cache to keep
+        last = next((t for t in reversed(self.turns[self.resumed:]) if t["role"] == "assistant"), {})
         self.running = Reply(prompt, st, seed, self.chat, keep_out=last.get("left_out", 0))
         return self.running
 
@@ -184,10 +186,11 @@ class ChatSession:
     def go_on(self, saved: dict) -> None:
         """Go on with a saved chat (history.load): its turns are the conversation the next reply gets."""
         self.turns = [dict(t) for t in saved["turns"]]
+        self.resumed = len(self.turns)
 
     def new_chat(self) -> None:
         """Forget the conversation; a reply still running belongs to the old chat and is not recorded."""
-        self.turns = []
+        self.turns, self.resumed = [], 0
         self.chat += 1
 
     def last_reply(self) -> str | None:
