@@ -15,6 +15,7 @@ from .ops import cuda_kernels
 
 # temperatures below this choose greedily: their limit, and float32 logits divided by ~1e-38 overflow into NaN
 GREEDY_BELOW = 1e-4
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -27,7 +28,8 @@ class SamplingParams:
 
     def check(self) -> None:
         # written as what must hold, so that NaN (which fails every comparison) is refused too
-        real = {k: is_real(getattr(self, k)) for k in ("temperature", "top_p", "repetition_penalty", "min_p")}
+        real = {k: is_real(v := getattr(self, k)) and abs(v) <= FLOAT32_MAX  # (NaN and inf fail; next_token's float32)
+                for k in ("temperature", "top_p", "repetition_penalty", "min_p")}
         ok = {"temperature": real["temperature"] and self.temperature >= 0,
               "top_p": real["top_p"] and 0 < self.top_p <= 1,
               "top_k": is_whole(self.top_k) and self.top_k >= 0,
@@ -35,7 +37,7 @@ class SamplingParams:
               "min_p": real["min_p"] and 0 <= self.min_p <= 1}
         bad = ", ".join(f"{k}={getattr(self, k)!r}" for k, good in ok.items() if not good)
         if bad:
-            raise LocalLLMError(f"bad sampling settings ({bad}): need numbers temperature >= 0, 0 < top_p <= 1, "
+            raise LocalLLMError(f"bad sampling settings ({bad}): need finite numbers temperature >= 0, 0 < top_p <= 1, "
                                 "a whole top_k >= 0, repetition_penalty > 0, 0 <= min_p <= 1")
 
     @property

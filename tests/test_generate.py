@@ -293,7 +293,8 @@ def test_bad_arguments_are_refused(lm):
     with pytest.raises(LocalLLMError, match="unknown keys mdoe"):
         generate(lm, "x", qdec={"k_chunk": 4, "mdoe": "exact"})
     wrong = [dict(seed=True), dict(seed=1.5), dict(max_new_tokens=2.5), dict(max_new_tokens=True), dict(top_k=2.5),
-             dict(stop=5), dict(stop=["a", None]), dict(temperature="0.7"), dict(top_p=None)]
+             dict(stop=5), dict(stop=["a", None]), dict(temperature="0.7"), dict(top_p=None),
+             dict(temperature=float("inf")), dict(temperature=1e39), dict(repetition_penalty=float("inf"))]  # (float32)
     for kw in wrong:
         with pytest.raises(LocalLLMError, match=next(iter(kw))):
             generate(lm, "x", **kw)
