@@ -141,6 +141,7 @@ def fingerprint(files: list[Path]) -> str:
 
 def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Checkpoint:
     """Open `src`: a .gguf file, a folder (safetensors or GGUF), or a Hugging Face hub id."""
+    check_path_text(src)
     path = Path(src).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -171,6 +172,16 @@ def check_source(src: str | os.PathLike) -> None:
     fails before loading the first)."""
     if not Path(src).expanduser().exists() and not _looks_like_hub_id(str(src)):
         raise _no_source(src)
+
+
+def check_path_text(path) -> None:
+    """Refuse in one line a path whose name is not UTF-8 (bytes that decode to no character): safetensors and the
+    tokenizers read files by UTF-8 names, and would call the files corrupt."""
+    try:
+        os.fsdecode(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise LocalLLMError(f"the path {os.fsdecode(path)!r} is not valid UTF-8 (a name in another encoding): rename "
+                            "or move it") from None
 
 
 def _no_source(src) -> LocalLLMError:

@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from . import atomic, awq, modelfile, texts
 from .devices import resolve_device
 from .errors import LocalLLMError
-from .loader import Checkpoint, check_token_ids, open_checkpoint
+from .loader import Checkpoint, check_path_text, check_token_ids, open_checkpoint
 from .config import rope_inv_freq
 from .model import KINDS, Linear, QdecSettings, RMSNorm, attention_mask, build_block, rope_tables, select_channels
 from .progress import progress
@@ -380,6 +380,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
                             f"{group_size} or use --method rtn or awq")
     if not str(out).strip():
         raise LocalLLMError("the output folder's name is empty: give -o a new folder, e.g. -o my-model-w4")
+    check_path_text(out)
     if Path(out).expanduser().exists():
         raise LocalLLMError(f"{out} already exists; choose another output path or remove it first")
     atomic.check_writable(out)

@@ -12,7 +12,7 @@ import torch
 from . import devices, kvquant, modelfile, ops
 from .devices import WORKSPACE_BYTES, check_float32_fits, check_kv_cache, gpu_free, resolve_device, size
 from .errors import LocalLLMError, is_real, is_whole
-from .loader import MANIFEST, Checkpoint, open_checkpoint, tokenizer_of
+from .loader import MANIFEST, Checkpoint, check_path_text, open_checkpoint, tokenizer_of
 from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block, in_blocks
 from .tuner import profile as tuning
 from .tuner.profile import DEFAULT_BUDGET
@@ -416,6 +416,7 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
     if demo:
         from .demo import demo_model
         src = demo_model()
+    check_path_text(src)
     path = Path(src).expanduser()
     if path.is_dir() and (path / MANIFEST).exists():
         if gguf_file:  # a quantized folder has no GGUF to pick: the name would be ignored, and the user misled

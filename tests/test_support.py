@@ -305,3 +305,21 @@ def test_the_cpu_weights_are_made_before_the_first_token_with_progress(tiny_quan
         lm.model(torch.tensor([[1, 2, 3]]))
     assert all(lin.ready and lin._codes is not None and lin._dequantized is None for lin in lins)
     assert seen[-1] == ("unpacking the weights for the CPU", len(lins), len(lins), "layer")
+
+
+def test_a_path_that_is_not_utf8_is_refused_in_one_line(tiny_quant, tmp_path):
+    """safetensors and the tokenizers read files by UTF-8 names: a model folder named in another encoding (Latin-1's
+    é) would be called corrupt, with advice to quantize again; it is refused for what it is."""
+    import os
+    from pathlib import Path
+
+    import localllm
+    from localllm.errors import LocalLLMError
+    from localllm.quantize import quantize
+    link = os.path.join(os.fsencode(tmp_path), b"model-\xe9")
+    os.symlink(os.fsencode(tiny_quant), link)
+    for call in (lambda: localllm.load(os.fsdecode(link)), lambda: localllm.load(Path(os.fsdecode(link))),
+                 lambda: quantize(str(tiny_quant), os.fsdecode(link) + "-out")):
+        with pytest.raises(LocalLLMError, match=r"^the path .* is not valid UTF-8 \(a name in another encoding\): "
+                                                "rename or move it$"):
+            call()
