@@ -104,9 +104,13 @@ def cmd_chat(a) -> None:
         from .loader import check_source
         check_source(a.model)
     from .tui.app import ChatApp
-    ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, budget=a.budget, settings=settings,
-            save_dir=a.save_dir, kv_bits=a.kv_bits, prefill_int8=a.prefill_int8, tune=not a.no_tune,
-            resume=resume).run()
+    app = ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, budget=a.budget, settings=settings,
+                  save_dir=a.save_dir, kv_bits=a.kv_bits, prefill_int8=a.prefill_int8, tune=not a.no_tune,
+                  resume=resume)
+    app.run()
+    if app.working:  # the exit waits for them: say why the terminal is not back yet
+        print("localllm: stopping: the model's work ends at its next step (a layer of a long prompt on the CPU, or a "
+              "step of loading)", file=sys.stderr)
 
 
 def cmd_info(a) -> None:

@@ -620,3 +620,28 @@ async def test_on_the_gpu_without_a_profile_the_chat_tunes_qdec_once(tiny_quant,
             if _ == 0:
                 stamp = files[0].stat().st_mtime_ns
     assert files[0].stat().st_mtime_ns == stamp
+
+
+@scenario
+async def test_quitting_while_the_model_works_tells_the_command_line(tiny_quant, monkeypatch):
+    """The model's work runs on threads that stop at their next step (a layer, a step of loading), and the process
+    exits when they have: `localllm chat` says why the terminal is not back yet (app.working); they end afterwards."""
+    import localllm.tui.app as app_mod
+    release = threading.Event()
+    real = app_mod.open_model
+
+    def slow_open(*a, **kw):  # a load that has not reached its next step when the user quits
+        assert release.wait(30)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(app_mod, "open_model", slow_open)
+    app = ChatApp(str(tiny_quant))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.working, "the load to start")
+        await pilot.press("ctrl+q")
+    assert app.working
+    release.set()
+    deadline = time.monotonic() + 30
+    while app.working:
+        assert time.monotonic() < deadline, "the load did not end"
+        await asyncio.sleep(0.05)

@@ -2,7 +2,9 @@
 Textual worker threads and reports to the UI thread with messages, so the UI never waits on the model."""
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 from pathlib import Path
 
 from textual import events, work
@@ -141,6 +143,7 @@ class ChatApp(App):
         self._reply_worker: Worker | None = None
         self._last_stats = None  # of the last reply that did not fail: the status bar's speed
         self._printed = ""  # the library's stderr lines, until their newline
+        self.working: set[int] = set()  # the worker threads doing model work now (they outlive the app by a step)
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -167,10 +170,18 @@ class ChatApp(App):
             raise _Closing()
         self.post_message(WorkProgress(desc, n, total, unit))
 
+    @contextlib.contextmanager
+    def _work(self):
+        self.working.add(threading.get_ident())
+        try:
+            yield
+        finally:
+            self.working.discard(threading.get_ident())
+
     @work(thread=True, exit_on_error=False, group="model")
     def _load(self) -> None:
         try:
-            with observe(self._report):
+            with self._work(), observe(self._report):
                 # tune: once per GPU and model where no profile applies (it is saved next to the model)
                 lm = open_model(self.model_src, self.gguf_file, qdec=self.qdec, device=self.device,
                                 budget=self.budget, kv_bits=self.kv_bits, prefill_int8=self.prefill_int8,
@@ -188,7 +199,7 @@ class ChatApp(App):
     def _generate(self, reply: Reply) -> None:
         # cancelling this worker (Esc, or the app closing) sets cancelled_event: the reply stops after this token
         try:
-            with observe(lambda *a: self.post_message(ReplyProgress(reply, *a))):  # a long prompt on the CPU
+            with self._work(), observe(lambda *a: self.post_message(ReplyProgress(reply, *a))):  # a long CPU prompt
                 reply.run(self.session, lambda piece: self.post_message(ReplyPiece(reply, piece)),
                           get_current_worker().cancelled_event)
         finally:
@@ -198,7 +209,7 @@ class ChatApp(App):
     def _sync_qdec(self) -> None:
         error = None
         try:
-            with observe(self._report):
+            with self._work(), observe(self._report):
                 self.session.sync_qdec()  # waits for a running reply to end
         except _Closing:
             return
