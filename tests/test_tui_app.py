@@ -128,6 +128,7 @@ async def test_a_reply_streams_into_the_transcript(tiny_quant, monkeypatch, repl
         assert app.query(UserMessage).last().text == "Hello there"
         meta = str(app.query_one(ReplyMessage).query_one(".meta", Static).render())
         assert meta.startswith("24 tokens") and meta.endswith("stopped at max new tokens")
+        assert f"({reply.stats.prompt_tokens} prompt tokens read)" in meta  # (the first reply keeps none)
         assert f"{reply.stats.tokens_per_second:.1f} tok/s" in str(app.query_one("#status", Static).render())
         with same_kv_cache(session.lm):  # multi-turn: the first exchange goes along
             second = await done(pilot, await send(pilot, replies, "Why?"))
@@ -323,11 +324,12 @@ async def test_new_chat_copy_and_save(tiny_quant, tmp_path, replies):
 async def test_a_reply_shows_how_far_its_prompt_is_read(tiny_quant, monkeypatch, replies):
     """Reading a long prompt on the CPU takes seconds: the reply's meta line says how far it is, then "generating"."""
     from localllm import model as model_mod
-    from localllm.tui.transcript import GENERATING
+    from localllm.tui.transcript import GENERATING, READING
     monkeypatch.setattr(model_mod, "BLOCKS_BAR_DELAY", 0)  # every prompt counts as long
-    seen, real = [], ReplyMessage.reading
+    seen, before, real = [], [], ReplyMessage.reading
 
     def reading(view, *a):
+        before.append(str(view.query_one(".meta", Static).render()))
         real(view, *a)
         seen.append(str(view.query_one(".meta", Static).render()))
 
@@ -338,7 +340,7 @@ async def test_a_reply_shows_how_far_its_prompt_is_read(tiny_quant, monkeypatch,
         reply = await done(pilot, await send(pilot, replies, "Hello"))
     n = reply.stats.prompt_tokens
     assert seen[0].startswith(f"reading the prompt ({n} tokens): ") and seen[0].endswith(" layer (Esc cancels)")
-    assert seen[-1] == GENERATING
+    assert seen[-1] == GENERATING and before[0] == READING  # (not "generating" before the prompt is read)
 
 
 @scenario

@@ -29,6 +29,7 @@ def pasted(text: str) -> str:
 
 
 GENERATING = "generating… (Esc cancels)"
+READING = "reading the prompt… (Esc cancels)"  # until the first piece (a long prompt on the CPU: seconds)
 
 
 class UserMessage(Vertical):
@@ -76,13 +77,15 @@ class ReplyMessage(Vertical):
     def compose(self):
         yield Label(self.who, classes="who", markup=False)  # a model folder's name, not markup
         yield Markdown(printable(self.saved[0]) if self.saved else None)
-        yield Static(self.saved[1] if self.saved else GENERATING, classes="meta", markup=False)
+        yield Static(self.saved[1] if self.saved else READING, classes="meta", markup=False)
 
     @property
     def markdown(self) -> Markdown:
         return self.query_one(Markdown)
 
     def write(self, piece: str) -> None:
+        if not self.updates and not self._pending:  # the first piece: the prompt has been read
+            self.query_one(".meta", Static).update(GENERATING)
         self._pending += printable(piece)
         self._schedule()
 
@@ -123,9 +126,10 @@ class ReplyMessage(Vertical):
         await self._append()
         meta = self.query_one(".meta", Static)
         st = reply.stats
+        read = st.prompt_tokens - st.cached_tokens
         numbers = f"{st.new_tokens} tokens · {st.tokens_per_second:.1f} tok/s · first token " \
-                  f"{st.time_to_first_token:.2f} s" + (f" ({st.prompt_tokens - st.cached_tokens} new prompt tokens "
-                                                       f"read, {st.cached_tokens} kept)" if st.cached_tokens else "")
+                  f"{st.time_to_first_token:.2f} s" + (f" ({read} new prompt tokens read, {st.cached_tokens} kept)"
+                                                       if st.cached_tokens else f" ({read} prompt tokens read)")
         n, left_out = reply.left_out, ""
         if n:
             which = "the oldest exchange was" if n == 1 else f"the {n} oldest exchanges were"
