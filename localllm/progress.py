@@ -88,3 +88,9 @@ class _Observed(tqdm_std):
     def display(self, msg=None, pos=None) -> bool:
         self._callback(self.desc, self.n, self.total, self.unit)
         return False  # nothing was written to clear
+
+    def refresh(self, nolock=False, lock_args=None):
+        # without tqdm's lock: it is every bar's, and tqdm keeps it when display() raises (a callback that stops the
+        # work, as the chat's does when it closes), so that every later bar in the process would wait forever; these
+        # bars draw on nothing shared
+        return super().refresh(nolock=True)

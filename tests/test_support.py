@@ -32,6 +32,32 @@ def test_progress_can_be_observed_instead_of_printed(capsys):
     assert seen == []
 
 
+def test_an_observer_that_stops_the_work_leaves_other_bars_working():
+    """The chat's observer raises to stop a worker when the app closes: that bar's exception must not leave tqdm's
+    lock (every bar's) taken, or any later bar in the process, in any thread, waits forever."""
+    import threading
+
+    class Stop(Exception):
+        pass
+
+    def stop(desc, n, total, unit):  # at an update, not the bar's first display
+        if n >= 1:
+            raise Stop
+
+    def work():
+        with observe(stop), pytest.raises(Stop):
+            for _ in progress(range(3), "loading", mininterval=0):
+                pass
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:  # (as the chat's workers: the thread lives on; tqdm's lock is reentrant)
+        pool.submit(work).result()
+        done = threading.Event()
+        later = threading.Thread(target=lambda: (list(progress(range(3), "later")), done.set()), daemon=True)
+        later.start()
+        assert done.wait(10), "a later bar waited for the lock the stopped one kept"
+
+
 def test_new_folder_appears_whole_and_never_replaces(tmp_path):
     from localllm.errors import LocalLLMError
     out = tmp_path / "model"
