@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from . import __version__, atomic
 from .config import ModelConfig
 from .digest import sha256_files
-from .errors import LocalLLMError, is_whole
+from .errors import LocalLLMError, is_real, is_whole
 from .loader import MANIFEST
 from .model import KINDS, Block, QdecSettings, RMSNorm, Transformer, build_block
 from .qdec import ActStats
@@ -131,6 +131,9 @@ def read_manifest(path: Path) -> dict:
     if hq and not (isinstance(hq, dict) and is_whole(hq.get("bits")) and is_whole(hq.get("group_size"))
                    and hq["group_size"] in GROUP_SIZES):
         bad.append("quant.head")
+    bad += _bad_quant(q) + _bad_calibration(m.get("calibration"))
+    if isinstance(files, dict) and bool(m.get("residual")) != (FILES[1] in files):  # (QDEC would run on or off anyway)
+        bad.append("residual (it says the opposite of files)")
     if not bad and "model_id" in m and m["model_id"] != model_id(files):  # a files table edited by hand
         bad.append("files (they are not the ones its model_id names)")
     if bad:
@@ -143,6 +146,43 @@ def read_manifest(path: Path) -> dict:
         raise LocalLLMError(f"{path} holds weights in layout '{layout}', which this localllm cannot read (it reads "
                             f"{', '.join(READABLE[v])}); upgrade localllm or re-run `localllm quantize`")
     return m
+
+
+def _bad_quant(q: dict) -> list[str]:
+    """The manifest's quant entries that are not what quantize writes (what info states and the loader reads)."""
+    bad = []
+    bits, mix, method = q.get("bits"), q.get("block_bits"), q.get("method", "rtn")
+    if not (is_real(bits) and (bits in BASE_BITS or bits - 0.5 in BASE_BITS and bits + 0.5 in BASE_BITS)):
+        bad.append("quant.bits")
+    elif mix is not None and not (isinstance(mix, list) and mix and set(mix) <= {math.floor(bits), math.ceil(bits)}):
+        bad.append("quant.block_bits (not of quant.bits)")
+    if method not in METHOD_NAMES or (method == "squeezellm") != (q.get("layout") in (LUT_LAYOUT, LUT_GROUP_LAYOUT)):
+        bad.append("quant.method (not of its weight layout)")
+    picks = q.get("awq_alpha")
+    if picks is not None and not (isinstance(picks, list) and all(
+            isinstance(b, dict) and all(isinstance(p, dict) and is_real(p.get("alpha")) and isinstance(p.get("duo"), bool)
+                                        and is_real(p.get("error_vs_rtn", 0.0)) for p in b.values()) for b in picks)):
+        bad.append("quant.awq_alpha")
+    return bad
+
+
+def _bad_calibration(c: dict | None) -> list[str]:
+    """The calibration entries that the runtime (kmax) and the tuner and info (qdec_value) read, if not as written."""
+    if not isinstance(c, dict):
+        return []
+    bad = [] if "kmax" not in c or is_whole(c["kmax"]) and 1 <= c["kmax"] <= 1024 else ["calibration.kmax"]
+    v = c.get("qdec_value")
+    if v is None:
+        return bad
+    ok = isinstance(v, dict) and is_whole(v.get("k_chunk")) and is_real(v.get("off")) and \
+        isinstance(v.get("kl"), dict) and set(v["kl"]) == set(KINDS) and all(map(is_real, v["kl"].values()))
+    fo = v.get("blocks") if ok else None
+    if fo is not None:
+        ks = fo.get("k_chunks") if isinstance(fo, dict) else None
+        ok = isinstance(ks, list) and all(map(is_whole, ks)) and isinstance(fo.get("kl"), dict) and \
+            set(fo["kl"]) == set(KINDS) and all(isinstance(b, list) and all(
+                isinstance(r, list) and len(r) == len(ks) and all(map(is_real, r)) for r in b) for b in fo["kl"].values())
+    return bad + ([] if ok else ["calibration.qdec_value"])
 
 
 def block_bits(m: dict, num_layers: int) -> list[int]:

@@ -154,7 +154,21 @@ def test_a_damaged_manifest_is_refused_in_one_line(broken):
               "head a number": lambda m: {**m, "quant": {**m["quant"], "head": 8}},
               "head group size 0": lambda m: {**m, "quant": {**m["quant"], "head": {"bits": 8, "group_size": 0}}},
               "another model's file entry": lambda m: {**m, "files": {**m["files"], "residuals.safetensors": {
-                  "bytes": 123, "sha256": "0" * 64}}}}
+                  "bytes": 123, "sha256": "0" * 64}}},
+              # what info states and the runtime and tuner read (hand edits gave tracebacks or false statements)
+              "bits text": lambda m: {**m, "quant": {**m["quant"], "bits": "x"}},
+              "bits 5": lambda m: {**m, "quant": {**m["quant"], "bits": 5}},
+              "no bits": lambda m: {**m, "quant": {k: v for k, v in m["quant"].items() if k != "bits"}},
+              "bits not the blocks'": lambda m: {**m, "quant": {**m["quant"], "bits": 3,
+                                                                "block_bits": [4] * m["config"]["num_layers"]}},
+              "a method without its layout": lambda m: {**m, "quant": {**m["quant"], "method": "squeezellm"}},
+              "an unknown method": lambda m: {**m, "quant": {**m["quant"], "method": "gptq"}},
+              "awq picks not records": lambda m: {**m, "quant": {**m["quant"], "awq_alpha": [{"qkv": 1}]}},
+              "kmax text": lambda m: {**m, "calibration": {**m["calibration"], "kmax": "x"}},
+              "kmax 0": lambda m: {**m, "calibration": {**m["calibration"], "kmax": 0}},
+              "qdec_value a number": lambda m: {**m, "calibration": {**m["calibration"], "qdec_value": 5}},
+              "qdec_value without kl": lambda m: {**m, "calibration": {**m["calibration"], "qdec_value": {"off": 1}}},
+              "no residual but its file": lambda m: {**m, "residual": None}}
     for what, change in damage.items():
         f.write_text(json.dumps(change(json.loads(json.dumps(good)))))
         with pytest.raises(LocalLLMError, match="manifest|damaged|not one this localllm writes"):
