@@ -84,6 +84,10 @@ def calibration_tokens(tokenizer, text: str, name: str, n_tokens: int, seq_len: 
     if n_seq < 1 or seq_len < 16:
         raise LocalLLMError(f"calibration text {name} is too short ({len(ids)} tokens); give at least a few "
                             "thousand tokens of text")
+    if n_seq < max(1, n_tokens // seq_len):  # the text, not the request, set the count: statistics from fewer tokens
+        print(f"localllm: warning: calibration text {name} gives {n_seq * seq_len} tokens in sequences of {seq_len}, "
+              f"fewer than the {n_tokens} asked (--calib-tokens): the calibration is noisier; give a longer "
+              "--calib-text", file=sys.stderr)
     toks = torch.tensor(ids[: n_seq * seq_len]).view(n_seq, seq_len)
     info = {"text": name, "sha256": hashlib.sha256(text.encode()).hexdigest(), "tokens": n_seq * seq_len,
             "seq_len": seq_len}

@@ -751,3 +751,23 @@ def test_a_calibration_text_too_short_is_refused_in_one_line():
     for text in ("", "a few words"):  # an empty file once divided by zero
         with pytest.raises(LocalLLMError, match="too short"):
             calibration_tokens(tok, text, "notes.txt", 4096, 512)
+
+
+def test_a_calibration_text_shorter_than_asked_is_named_in_a_warning(capsys):
+    """A text that gives fewer tokens than --calib-tokens asks for is used (statistics are still made), with a
+    warning; one that gives what was asked (to whole sequences) says nothing."""
+    from importlib import resources
+
+    from localllm.quantize import calibration_tokens
+    from localllm.synthetic import tokenizer
+    tok = tokenizer(384)
+    text = resources.files("localllm").joinpath("data", "calibration.txt").read_text()[:4000]
+    have = len(tok(text, add_special_tokens=False)["input_ids"])
+    assert have > 3 * 64
+    toks, info = calibration_tokens(tok, text, "short.txt", 4 * have, 64)
+    assert info["tokens"] == toks.numel() == have // 64 * 64
+    err = capsys.readouterr().err
+    assert err.startswith(f"localllm: warning: calibration text short.txt gives {have // 64 * 64} tokens in sequences "
+                          f"of 64, fewer than the {4 * have} asked") and err.count("\n") == 1
+    calibration_tokens(tok, text, "short.txt", 2 * 64, 64)
+    assert capsys.readouterr().err == ""
