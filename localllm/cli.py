@@ -260,11 +260,17 @@ def _budget_arg(s: str) -> float:
 def cmd_tune(a) -> None:
     from .kernels import cuda
     from .tuner.profile import parse_budgets
-    if why := cuda.unusable():
-        raise LocalLLMError(f"localllm tune times the QDEC kernels on the GPU and needs one: {why}")
-    budgets = parse_budgets(a.budget)
+    budgets = parse_budgets(a.budget)  # the arguments' own errors first, also on a machine without a GPU
     if a.tokens < 2:
         raise LocalLLMError(f"--tokens must be at least 2 (perplexity needs a token to predict); got {a.tokens}")
+    if a.model is not None:
+        from .loader import check_source
+        from .modelfile import read_manifest
+        check_source(a.model)
+        if Path(a.model).expanduser().exists():
+            read_manifest(Path(a.model).expanduser())  # (a checkpoint, not a quantized model: the fix in one line)
+    if why := cuda.unusable():
+        raise LocalLLMError(f"localllm tune times the QDEC kernels on the GPU and needs one: {why}")
     from .runtime import load
     from .tuner.tune import table, tune
     lm = load(a.model, qdec="off", device="cuda")

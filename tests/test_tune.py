@@ -544,6 +544,13 @@ def test_cli_tune_without_a_gpu_is_one_line(tiny_quant):
     r = subprocess.run([sys.executable, "-m", "localllm.cli", "generate", "--budget", "abc", "hi"],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "budget" in r.stderr and "Traceback" not in r.stderr
+    # the arguments' own errors come first, so that a user meets them before renting a GPU
+    for args, what in (([str(tiny_quant), "--budget", "abc"], "a budget is a percentage"),
+                       (["/no/such/model"], "no such file or folder: /no/such/model"),
+                       ([str(tiny_quant.parent)], "is not a localllm model")):
+        r = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", *args], capture_output=True, text=True,
+                           env=env)
+        assert r.returncode == 2 and what in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_problem_of_a_model_with_this_gpus_numbers(tiny_quant):
