@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from . import atomic, awq, modelfile, texts
-from .devices import resolve_device
+from .devices import resolve_device, size
 from .errors import LocalLLMError
 from .loader import Checkpoint, check_path_text, check_token_ids, open_checkpoint
 from .config import rope_inv_freq
@@ -361,6 +362,21 @@ def mixed_bits(kls: list[float], bits: float) -> list[int]:
     return [lo if i in low else lo + 1 for i in range(len(kls))]
 
 
+def check_disk(cfg, out: str, bits: float, group_size: int, residuals: bool, head_bits: int) -> None:
+    """Refuse in one line, before any block is quantized, an output the disk has no room for: the files' least size
+    (packed weights with their group scales, residuals, fp16 embeddings, the head) against the space free where the
+    folder is made (an 8B model on the CPU would otherwise fail at its end, tens of minutes later)."""
+    w, vd = cfg.linear_weights, cfg.vocab_size * cfg.hidden_size
+    need = w * bits / 8 + w / group_size * 3 + (w / 2 if residuals else 0) + vd * (2 + head_bits / 8)
+    folder = Path(out).expanduser().resolve().parent
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise LocalLLMError(f"{out} needs at least {size(need)} of disk and {folder} has {size(free)} free: free some "
+                            "space or choose another -o")
+
+
 def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, residuals: bool = True,
              calib_text: str | None = None, calib_tokens: int = 4096, seq_len: int = 512, kmax: int = 256,
              gguf_file: str | None = None, ckpt: Checkpoint | None = None, method: str = "rtn",
@@ -398,6 +414,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         if K % TILE_K or N % TILE_N:
             raise LocalLLMError(f"{kind} projection is {N}x{K}: localllm needs in_features % {TILE_K} == 0 and "
                                 f"out_features % {TILE_N} == 0 (the GPU kernels' tiles)")
+    check_disk(cfg, out, bits, group_size, residuals, head_bits)
     start = time.perf_counter()
     fit = GpuMemoryFit(dev)
     if dev.type == "cuda":

@@ -102,6 +102,29 @@ def test_existing_output_is_never_overwritten(tiny_quant, tiny_ckpt):
     assert (tiny_quant / "localllm.json").read_bytes() == before
 
 
+def test_a_disk_without_room_is_refused_before_any_block_is_quantized(tiny_ckpt, tmp_path, monkeypatch):
+    """The files' least size against the space free where the folder is made, before the work (an 8B model on the CPU
+    once failed at its end, tens of minutes in); with room, the files are at least that size."""
+    import shutil
+
+    from localllm import quantize as q
+    real = shutil.disk_usage
+    monkeypatch.setattr(q.shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
+    monkeypatch.setattr(q, "block_tensors", lambda *a: pytest.fail("a block was quantized"))
+    with pytest.raises(LocalLLMError, match=r"needs at least [\d.]+ [KMG]iB of disk and .* has [\d.]+ KiB free: free some "
+                                            "space or choose another -o$"):
+        q.quantize(str(tiny_ckpt), str(tmp_path / "m"), bits=3)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    monkeypatch.setattr(q.shutil, "disk_usage", lambda p: real(p)._replace(free=0))
+    with pytest.raises(LocalLLMError) as e:
+        q.quantize(str(tiny_ckpt), str(tmp_path / "m"), bits=3)
+    least = float(str(e.value).split("needs at least ")[1].split()[0]) * 1024  # KiB, the tiny model's
+    monkeypatch.undo()
+    out = q.quantize(str(tiny_ckpt), str(tmp_path / "m"), bits=3)
+    assert sum(f.stat().st_size for f in out.iterdir()) >= least > 0
+
+
 @pytest.fixture
 def broken(tiny_quant, tmp_path):
     dst = tmp_path / "copy"
