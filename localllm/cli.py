@@ -132,7 +132,8 @@ def cmd_info(a) -> None:
     print(f"GPU memory   {size(d['gpu_bytes'])} (weights, without KV cache)")
     print(f"pinned host  {size(d['pinned_host_bytes'])} (QDEC residuals) + {size(d['pinned_embed_bytes'])} (embeddings, on a "
           "GPU)")
-    print(f"CPU memory   {size(d['cpu_bytes'])} (on a machine without a GPU: the weights as float32)"
+    print(f"CPU memory   {size(d['cpu_bytes'])} (on a machine without a GPU: the weights as float32"
+          + (", the QDEC residuals" if d["pinned_host_bytes"] else "") + ")"
           + (f", or {size(d['cpu_unpacked_bytes'])} where that does not fit (their codes unpacked, slower)"
              if d["cpu_unpacked_bytes"] != d["cpu_bytes"] else ""))
     kv, sa = d["kv_cache"], d["kv_cache"]["smooth_attention"]

@@ -381,8 +381,9 @@ class LocalModel:
             cpu, cpu_unpacked = cpu + lin.cpu_bytes(), cpu_unpacked + lin.cpu_bytes(unpacked=True)
             if lin.residual is not None:
                 host += lin.residual.nbytes  # pinned when QDEC is on
+        # (the CPU holds the residuals too, in the same 4-bit form, which its QDEC reads)
         return {"gpu_bytes": gpu, "pinned_host_bytes": host, "pinned_embed_bytes": embed if host_embed else 0,
-                "cpu_bytes": cpu, "cpu_unpacked_bytes": cpu_unpacked}
+                "cpu_bytes": cpu + host, "cpu_unpacked_bytes": cpu_unpacked + host}
 
     def _norms(self):
         yield self.model.norm

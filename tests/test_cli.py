@@ -45,7 +45,7 @@ def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):
     lins = (*cpu.linears(), cpu.head)
     assert not cpu.tied and cpu.embed.dtype == torch.float16  # as the file holds it: the head does not multiply by it
     assert d["cpu_bytes"] == 4 * sum(lin.dense().numel() + (lin.bias is not None) * lin.out_features for lin in lins) \
-        + 2 * cpu.embed.numel() + sum(lin.nbytes for lin in lins)
+        + 2 * cpu.embed.numel() + sum(lin.nbytes for lin in lins) + d["pinned_host_bytes"]  # and the residuals
     assert d["cpu_unpacked_bytes"] < d["cpu_bytes"] and "CPU memory   " in out and " where that does not fit" in out
     assert f"quantized on {d['quantized_on']['device']} in " in out
     v = d["calibration"]["qdec_value"]  # what each kind's QDEC took away, as quantize measured it
