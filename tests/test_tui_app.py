@@ -318,6 +318,22 @@ async def test_new_chat_copy_and_save(tiny_quant, tmp_path, replies):
         assert session.turns == [] and not app.query(ReplyMessage) and len(app.query(Notice)) == 1
         nxt = await done(pilot, await send(pilot, replies, "Hi"))
         assert nxt.prompt == [{"role": "user", "content": "Hi"}]
+        # a chat with exchanges not saved: Ctrl+N and Ctrl+Q each say so and act at their second press
+        for key, says in (("ctrl+n", "press Ctrl+N again to start a new chat"), ("ctrl+q", "press Ctrl+Q again to quit")):
+            await pilot.press(key)
+            await pilot.pause()
+            assert len(session.turns) == 2 and app.is_running
+            assert any(f"This chat has exchanges that are not saved: {says}" in n.message for n in app._notifications)
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert len(session.turns) == 2 and app.is_running, "Ctrl+Q between: Ctrl+N's first press no longer counts"
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert session.turns == []
+        await done(pilot, await send(pilot, replies, "Hey"))
+        await pilot.press("ctrl+s", "ctrl+q")  # saved: no second press
+        await pilot.pause()
+        assert not app.is_running
 
 
 @scenario

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import time
 from pathlib import Path
 
 from textual import events, work
@@ -25,6 +26,7 @@ from .session import ChatSession, Reply, ReplySettings, open_model, readable
 from .settings import SettingsPanel
 from .transcript import Notice, ReplyMessage, Transcript, UserMessage, pasted
 
+DISCARD_SECONDS = 5  # Ctrl+N / Ctrl+Q on a chat with unsaved exchanges: how long the second press may wait
 
 class Loaded(Message):
     def __init__(self, lm: LocalModel):
@@ -144,6 +146,7 @@ class ChatApp(App):
         self._last_stats = None  # of the last reply that did not fail: the status bar's speed
         self._printed = ""  # the library's stderr lines, until their newline
         self.working: set[int] = set()  # the worker threads doing model work now (they outlive the app by a step)
+        self._armed, self._armed_until = None, 0.0  # a discarding key pressed once: (action, turns then), until when
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -329,7 +332,25 @@ class ChatApp(App):
         if self.session is not None and self.session.running is not None and self._reply_worker is not None:
             self._reply_worker.cancel()
 
+    def _discard_ok(self, action: str, key: str) -> bool:
+        """Whether `action` may drop the conversation now: at once where nothing is unsaved, else at the key's
+        second press within a few seconds (the first says so)."""
+        if self.session is None or not self.session.unsaved or self._armed == (action, len(self.session.turns)) \
+                and time.monotonic() < self._armed_until:
+            return True
+        self._armed, self._armed_until = (action, len(self.session.turns)), time.monotonic() + DISCARD_SECONDS
+        what = {"new_chat": "start a new chat", "quit": "quit"}[action]
+        self.notify(f"This chat has exchanges that are not saved: press {key} again to {what} without them, or "
+                    "Ctrl+S to save first.", severity="warning", timeout=DISCARD_SECONDS)
+        return False
+
+    async def action_quit(self) -> None:
+        if self._discard_ok("quit", "Ctrl+Q"):
+            self.exit()
+
     async def action_new_chat(self) -> None:
+        if not self._discard_ok("new_chat", "Ctrl+N"):
+            return
         self.action_cancel()  # a reply still running belongs to the old chat: it ends unseen
         self._current = None
         self.session.new_chat()
@@ -355,6 +376,7 @@ class ChatApp(App):
         except (OSError, LocalLLMError) as e:
             self.notify(f"Could not save the chat: {e}", severity="error", markup=False)
             return
+        self.session.saved = len(self.session.turns)
         self.notify(f"Saved the chat to {path}", title="Saved", timeout=10, markup=False)
 
     def action_toggle_settings(self) -> None:

@@ -147,6 +147,7 @@ class ChatSession:
         self.settings = settings or ReplySettings()
         self.turns: list[dict] = []  # finished turns: user, then assistant (with its settings and stats)
         self.resumed = 0  # how many of them came from a saved chat (go_on)
+        self.saved = 0  # how many of them a file holds (saved, or resumed from)
         self.chat = 0
         self.running: Reply | None = None
         self.model_lock = threading.RLock()
@@ -186,12 +187,17 @@ class ChatSession:
     def go_on(self, saved: dict) -> None:
         """Go on with a saved chat (history.load): its turns are the conversation the next reply gets."""
         self.turns = [dict(t) for t in saved["turns"]]
-        self.resumed = len(self.turns)
+        self.resumed = self.saved = len(self.turns)
 
     def new_chat(self) -> None:
         """Forget the conversation; a reply still running belongs to the old chat and is not recorded."""
-        self.turns, self.resumed = [], 0
+        self.turns, self.resumed, self.saved = [], 0, 0
         self.chat += 1
+
+    @property
+    def unsaved(self) -> bool:
+        """Whether exchanges were made since the chat was last saved (or resumed)."""
+        return len(self.turns) > self.saved
 
     def last_reply(self) -> str | None:
         return next((t["content"] for t in reversed(self.turns) if t["role"] == "assistant" and t["content"]), None)
