@@ -196,8 +196,8 @@ def cmd_eval(a) -> None:
     if a.ctx is not None and a.ctx < 2:  # (its upper bound, the model's context, is checked once it loads)
         raise LocalLLMError(f"--ctx must be within 2..the model's context; got {a.ctx}")
     if a.prefill_int8 and resolve_device(a.device).type != "cpu":  # ("auto" without a GPU: the CPU)
-        raise LocalLLMError("--prefill-int8 changes prompts only, and eval on the GPU runs token by token: measure its "
-                            "effect with --device cpu (the GPU computes the same function)")
+        raise LocalLLMError("eval measures --prefill-int8 on the CPU only: add --device cpu (the GPU's int8 prompt "
+                            "path computes the same function)")
     text, name = read_text(a.text)  # the cheap checks before the model loads
     if a.reference not in (None, "source"):
         check_source(a.reference)

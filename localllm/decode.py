@@ -93,6 +93,7 @@ class Decoder:
     def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         """Logits [V] after `token` (a 0-dim device tensor) at position `pos`. With a CUDA graph they are a view of
         the graph's output buffer: read them before the next step."""
+        self._fits(pos)
         self._prompt, self._out, self._at = [], [], 0  # the cache is the caller's now
         if not self.use_graph:
             return self.model(token.view(1, 1), pos, self.cache)[0, -1]
@@ -123,6 +124,7 @@ class Decoder:
 
     def advance(self) -> None:
         """Run the last chosen token through the model and choose the next (read() gives it)."""
+        self._fits(self._at)
         pos, self._at = self._at, self._at + 1
         if not self.use_graph:
             self._choose(self.model(self.tok, pos, self.cache)[0, -1])
@@ -132,6 +134,11 @@ class Decoder:
         if (self.greedy, span) not in self._advance_graphs:
             self.capture(self.greedy)
         self._advance_graphs[self.greedy, span].replay()
+
+    def _fits(self, pos: int) -> None:
+        # (a graph would write the next kv head's rows, or past the buffer: the CPU's append refuses it as well)
+        if not 0 <= pos < self.max_len:
+            raise ValueError(f"position {pos} is outside the KV cache (0..{self.max_len - 1})")
 
     def span(self, pos: int) -> int:
         """The span of the graphs that serve position pos: the first that holds it."""

@@ -195,7 +195,7 @@ def losses(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: 
 
 def _decoded_logits(lm: LocalModel, w: torch.Tensor) -> torch.Tensor:
     """Logits [len(w) - 1, vocab] after each of w[:-1], one decode step (graph replay) per token after the first."""
-    dec = lm.decoder(len(w))
+    dec = lm.decoder(len(w) - 1)  # (positions 0..len(w) - 2)
     out = [dec.prefill(w[:1].tolist()).float()]
     for pos in range(1, len(w) - 1):  # a step's logits are the graph's buffer: copied before the next step
         out.append(dec.step(w[pos], pos).to(torch.float32, copy=True))

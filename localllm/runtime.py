@@ -89,8 +89,8 @@ class LocalModel:
         one's cache holds (a chat reusing it). On a GPU a cache that does not fit is refused in one line naming the
         kv-bits setting that would fit; on the CPU one that does not fit the host's available memory."""
         from .decode import Decoder
-        if self._decoder is None or self._decoder.max_len < max_len:
-            limit = self.model.cfg.max_position_embeddings
+        limit = self.model.cfg.max_position_embeddings
+        if self._decoder is None or self._decoder.max_len < min(max_len, limit):  # (never more than the context)
             need = min(limit, -(-max_len // 256) * 256)
             n = min(limit, max(need, 2 * self._decoder.max_len if self._decoder is not None else 0))
             kept = self._decoder.kept() if keep and self._decoder is not None else None

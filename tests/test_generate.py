@@ -573,18 +573,27 @@ def test_a_full_context_ends_the_reply_and_says_so(lm):
     assert s.stats.finish_reason == "length"  # max_new_tokens reached as the context fills: the user's limit
 
 
-def test_decoder_is_kept_and_grows_geometrically(lm):
+def test_decoder_is_kept_and_grows_geometrically(lm, monkeypatch):
     """A chat's history grows each turn: the runtime keeps its Decoder while it is long enough and, past it, at least
-    doubles it (each new one costs a CUDA-graph capture on a GPU)."""
+    doubles it (each new one costs a CUDA-graph capture on a GPU), up to the model's context."""
+    limit = lm.model.cfg.max_position_embeddings
+    monkeypatch.setattr(lm.model.cfg, "max_position_embeddings", 4096)  # (the tiny model's is 256)
     lm._decoder = None
     first = lm.decoder(100)
     assert first.max_len == 256 and lm.decoder(200) is first
     with torch.inference_mode():
         first.prefill([1, 2, 3])
     second = lm.decoder(300)  # (not keep: a reply that does not reuse the cache takes nothing from it)
-    assert second is not first and second.max_len == min(512, lm.model.cfg.max_position_embeddings)
+    assert second is not first and second.max_len == 512
     assert second.cached() == []
-    assert lm.decoder(2000).max_len == min(2048, lm.model.cfg.max_position_embeddings)
+    assert lm.decoder(2000).max_len == 2048
+    monkeypatch.undo()
+    lm._decoder = None
+    full = lm.decoder(limit + 1)  # more than the context: the context, and kept (eval's windows at --ctx = context)
+    assert full.max_len == limit and lm.decoder(limit + 1) is full
+    for pos in (-1, limit):  # a step outside the cache is refused, not written past it (a GPU graph would)
+        with pytest.raises(ValueError, match=f"position {pos} is outside the KV cache"):
+            full.step(torch.tensor(1), pos)
 
 
 def test_decoder_spans_split_at_one_attention_chunk(lm):
