@@ -254,3 +254,59 @@ def test_warm_up_captures_what_the_first_reply_replays(tiny_quant):
     for t, text in want.items():
         assert generate(lm, "hello there", max_new_tokens=24, temperature=t, seed=3) == text
     assert lm.decoder(1) is dec and dec._advance_graphs == graphs  # nothing captured again
+
+
+@pytest.mark.parametrize("arch,tied,bits,head_bits,kv_bits", [("llama3", False, 3.5, 8, 16), ("qwen2", True, 3, 16, 8),
+                                                               ("qwen2", False, 2.5, 8, 4)])
+def test_fused_decode_of_real_shaped_models_matches_cpu(tmp_path, monkeypatch, arch, tied, bits, head_bits, kv_bits):
+    """Models whose heads the fused decode attention takes (head_dim 64; the tiny model's 16 falls back to torch):
+    Llama 3's RoPE scaling, Qwen2's qkv bias, tied embeddings, mixed 3.5 / 2.5-bit blocks, an fp16 or 8-bit head,
+    16 / 8 / 4-bit caches. Decoder steps teacher-forced past the short graphs' span give the CPU's logits, up to
+    fp16 rounding (the 4-bit cache's codes round apart where fp16 and float32 keys differ)."""
+    from conftest import make_checkpoint
+    from localllm import ops
+    from localllm.quantize import quantize
+    src = make_checkpoint(tmp_path / "src", arch, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                          num_key_value_heads=2, tie_word_embeddings=tied, max_position_embeddings=512)
+    q = quantize(str(src), str(tmp_path / "q"), bits=bits, group_size=64, calib_tokens=1024, seq_len=128,
+                 head_bits=head_bits)
+    cpu, gpu = load(q, qdec="off", kv_bits=kv_bits), load(q, device="cuda", qdec="off", kv_bits=kv_bits)
+    assert gpu.model.cfg.qkv_bias == (arch == "qwen2") and gpu.model.tied == (tied and head_bits == 16)
+    fused = []
+    real = ops.attend_decode
+    monkeypatch.setattr(ops, "attend_decode", lambda *a, **k: fused.append(1) or real(*a, **k))
+    n, steps = 100, 50  # steps cross SHORT_SPAN: both graphs' spans
+    assert n < SHORT_SPAN < n + steps
+    toks = torch.randint(0, cpu.model.cfg.vocab_size, (n + steps,))
+    rels = []
+    with torch.inference_mode():
+        decs = [Decoder(lm.model, n + steps, kv_bits=kv_bits) for lm in (cpu, gpu)]
+        outs = [d.prefill(toks[:n].tolist()).float().cpu() for d in decs]
+        rels.append(((outs[1] - outs[0]).norm() / outs[0].norm()).item())
+        for pos in range(n, n + steps - 1):
+            want = decs[0].step(toks[pos], pos).float()
+            got = decs[1].step(toks[pos].cuda(), pos).float().cpu()
+            rels.append(((got - want).norm() / want.norm()).item())
+    assert fused, "the fused decode attention did not run"
+    # (random weights at 2-3 bits: fp16 rounding moves these logits 1-2%, and the 4-bit cache's codes 5-9% (up to
+    # 16% on a step), as much in the prompt's pass, rels[0], as in the steps; a wrong position or span would be far
+    # off, and grow)
+    most, mean = (0.3, 0.12) if kv_bits == 4 else (3e-2, 3e-2)
+    assert max(rels) < most and sum(rels) / len(rels) < mean, rels
+    assert sum(rels[-10:]) < 2 * sum(rels[1:11]), rels
+
+
+def test_gpu_decode_steps_match_cpu_with_a_16_bit_cache(tiny_quant):
+    """The GEMV kernels (uniform weights, 16-bit cache) over many positions, step by step, against the CPU: a prompt's
+    pass (dequantize + cuBLAS) is another path."""
+    cpu, gpu = load(tiny_quant, qdec="off"), load(tiny_quant, device="cuda", qdec="off")
+    toks = torch.randint(0, cpu.model.cfg.vocab_size, (40,))
+    with torch.inference_mode():
+        decs = [Decoder(lm.model, 64) for lm in (cpu, gpu)]
+        for d in decs:
+            d.prefill(toks[:4].tolist())
+        for pos in range(4, 40):
+            want = decs[0].step(toks[pos], pos).float()
+            got = decs[1].step(toks[pos].cuda(), pos).float().cpu()
+            rel = ((got - want).norm() / want.norm()).item()
+            assert rel < 2e-2, (pos, rel)

@@ -252,3 +252,30 @@ def test_qdec_gemv_in_the_variant_that_fits_a_smaller_shared_memory(variant, mon
     N, K = 4096, 14336
     fit_only(monkeypatch, Packed.from_quant(random_quant(16, K, 4, 128, device="cpu"), "cuda"), variant)
     test_qdec_gemv_selects_by_the_bucket_rule_and_compensates(N, K, 4, 8)
+
+
+def test_qdec_on_some_blocks_follows_the_cpu(tiny_quant):
+    """A tuning profile's per-kind k_chunk on some blocks only: the GPU's logits with it are much closer to the CPU's
+    with the same setting than to its own without (not equal: see the test above)."""
+    from localllm.decode import Decoder
+    from localllm.runtime import load
+    cpu, gpu = load(tiny_quant, qdec="off"), load(tiny_quant, device="cuda", qdec="off")
+    k = min(256, cpu.manifest["calibration"]["kmax"])  # (a quarter of the tiny layers' channels: a visible change)
+    some = {"k_chunk": {"gate_up": k, "down": k, "qkv": k}, "blocks": {"gate_up": [1], "down": [0], "qkv": [0]}}
+    ids = torch.randint(0, cpu.model.cfg.vocab_size, (16,)).tolist()
+
+    def run(lm, q):
+        lm.set_qdec(q)
+        dec = Decoder(lm.model, 32)
+        out = [dec.prefill(ids[:1]).float().cpu()]
+        with torch.no_grad():
+            for pos in range(1, len(ids)):
+                out.append(dec.step(torch.tensor(ids[pos], device=lm.model.device), pos).float().cpu())
+        return torch.stack(out)
+
+    want, off, got = run(cpu, some), run(gpu, "off"), run(gpu, some)
+    on = {("gate_up", 1), ("down", 0), ("qkv", 0)}
+    assert {(lin.kind, lin.block) for lin in gpu.model.linears() if lin.comp is not None} == on
+    assert {(lin.kind, lin.block) for lin in cpu.model.linears() if lin.settings.k_for(lin.kind, lin.block)} == on
+    err = lambda a: ((a - want).norm() / want.norm()).item()  # noqa: E731
+    assert err(got) < 0.5 * err(off), (err(got), err(off))
