@@ -131,9 +131,6 @@ def read_manifest(path: Path) -> dict:
     if hq and not (isinstance(hq, dict) and is_whole(hq.get("bits")) and is_whole(hq.get("group_size"))
                    and hq["group_size"] in GROUP_SIZES):
         bad.append("quant.head")
-    bad += _bad_quant(q) + _bad_calibration(m.get("calibration"))
-    if isinstance(files, dict) and bool(m.get("residual")) != (FILES[1] in files):  # (QDEC would run on or off anyway)
-        bad.append("residual (it says the opposite of files)")
     if not bad and "model_id" in m and m["model_id"] != model_id(files):  # a files table edited by hand
         bad.append("files (they are not the ones its model_id names)")
     if bad:
@@ -145,6 +142,12 @@ def read_manifest(path: Path) -> dict:
     if layout not in READABLE[v]:
         raise LocalLLMError(f"{path} holds weights in layout '{layout}', which this localllm cannot read (it reads "
                             f"{', '.join(READABLE[v])}); upgrade localllm or re-run `localllm quantize`")
+    bad = _bad_quant(q) + _bad_calibration(m["calibration"])  # what info states, the runtime and the tuner read
+    if bool(m.get("residual")) != (FILES[1] in files):  # (QDEC would run, or not, whatever it says)
+        bad.append("residual (it says the opposite of files)")
+    if bad:
+        raise LocalLLMError(f"{f} is damaged ({', '.join(bad)} missing or not what localllm writes); re-run "
+                            "`localllm quantize`")
     return m
 
 

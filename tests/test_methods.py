@@ -581,7 +581,7 @@ def test_version_1_files_still_load(tiny_quant, tmp_path):
     m["quant"]["block_bits"] = [3, 5]
     m["format_version"] = 2
     (dst / "localllm.json").write_text(json.dumps(m))
-    with pytest.raises(LocalLLMError, match="block bit widths"):
+    with pytest.raises(LocalLLMError, match="quant.block_bits \\(not of quant.bits\\)"):
         load(dst)
 
 
