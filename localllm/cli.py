@@ -49,10 +49,24 @@ def cmd_generate(a) -> None:
         raise LocalLLMError(f"generate takes [MODEL] PROMPT, got {len(a.args)} arguments: quote the prompt "
                             "(localllm generate MODEL \"a prompt of several words\")")
     model, prompt = (None, a.args[0]) if len(a.args) == 1 else a.args
+    from .sampling import SamplingParams  # the options' own refusals before the model loads (seconds to minutes)
+    SamplingParams(a.temperature, a.top_p, a.top_k, a.repetition_penalty, a.min_p).check()
+    if a.max_new_tokens < 1:
+        raise LocalLLMError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")
+    if sys.stdout is None:
+        raise LocalLLMError("standard output is closed: the reply is written there (redirect it to a file)")
+    if prompt == "-" and sys.stdin is None:
+        raise LocalLLMError("standard input is closed: pipe the prompt in, or give it as an argument")
     if prompt == "-":  # the prompt from standard input: `cat notes.txt | localllm generate MODEL -`
-        prompt = sys.stdin.read()
+        if sys.stdin.isatty():
+            print("localllm: reading the prompt from the terminal: end it with Ctrl+D", file=sys.stderr)
+        # (bytes that are not UTF-8 as lone surrogates, whatever the locale: generate refuses them in one line)
+        prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
+        prompt = prompt[:-1] if prompt.endswith("\n") else prompt  # (echo's newline: --raw continues the text)
         if not prompt.strip():
             raise LocalLLMError("the prompt from standard input (-) is empty: pipe some text in")
+    elif not prompt.strip():
+        raise LocalLLMError("the prompt is empty: give some text (or - to read it from standard input)")
     elif model is None and Path(prompt).expanduser().exists() and len(prompt.split()) == 1:
         raise LocalLLMError(f"generate got one argument, {prompt!r}, which is a path: give the prompt too "
                             f"(localllm generate {prompt} \"PROMPT\")")
@@ -72,10 +86,20 @@ def cmd_generate(a) -> None:
     s = generate(lm, msgs if use_chat else prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                  top_p=a.top_p, top_k=a.top_k, repetition_penalty=a.repetition_penalty, min_p=a.min_p, stop=a.stop,
                  seed=a.seed, stream=True)
-    for piece in s:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    try:
+        for piece in s:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:  # the reply so far ends its line, and the numbers say how it ended
+        s.close()
+        _reply_done(lm, s)
+        raise
+    _reply_done(lm, s)
+
+
+def _reply_done(lm, s) -> None:
     sys.stdout.write("\n")
+    sys.stdout.flush()
     st = s.stats
     print(f"[{st.new_tokens} tokens, {st.tokens_per_second:.1f} tok/s, first token {st.time_to_first_token:.2f} s, "
           f"finished by {st.finish_reason}; "
@@ -338,15 +362,15 @@ def parser() -> argparse.ArgumentParser:
                        "[options]", description="localllm generate [MODEL] PROMPT: with no MODEL, the demo model; "
                        "PROMPT - reads it from standard input.")
     g.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=0.9)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=256, help="(default 256)")
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    g.add_argument("--top-p", type=float, default=0.9, help="(default 0.9)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     g.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens less likely than this times the most likely one (0 = off; 0.05-0.1 is typical)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--seed", type=_seed)
+    g.add_argument("--seed", type=_seed, help="the same seed gives the same text (default: a new one)")
     g.add_argument("--system", help="system prompt (chat models)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
     _model_options(g)

@@ -237,14 +237,22 @@ def test_small_things_a_user_meets(tiny_quant, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "--system needs the model's chat template" in err and "; QDEC off;" in err
     # "-": the prompt from standard input, as given on the command line
-    monkeypatch.setattr("sys.stdin", io.StringIO("hi"))
-    assert main(["generate", str(tiny_quant), "-", "--max-new-tokens", "4", "--seed", "3"]) == 0
+    stdin = lambda data: monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))  # noqa: E731
+    stdin(b"hi\n")  # (echo's newline is not part of the prompt: --raw would continue after it)
+    assert main(["generate", str(tiny_quant), "-", "--raw", "--max-new-tokens", "4", "--seed", "3"]) == 0
     piped = capsys.readouterr().out
-    assert main(["generate", str(tiny_quant), "hi", "--max-new-tokens", "4", "--seed", "3"]) == 0
+    assert main(["generate", str(tiny_quant), "hi", "--raw", "--max-new-tokens", "4", "--seed", "3"]) == 0
     assert capsys.readouterr().out == piped
-    monkeypatch.setattr("sys.stdin", io.StringIO(" \n"))
+    stdin(b" \n")
     assert main(["generate", str(tiny_quant), "-"]) == 2
     assert "the prompt from standard input (-) is empty" in capsys.readouterr().err
+    stdin(b"caf\xe9\n")  # not UTF-8, whatever the locale's decoding (a strict one raised at the read)
+    assert main(["generate", str(tiny_quant), "-", "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err.strip().startswith("localllm: error: the prompt is not UTF-8 text")
+    assert main(["generate", str(tiny_quant), ""]) == 2  # an empty argument (an unset "$PROMPT")
+    assert "the prompt is empty" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", None)
+    assert main(["generate", str(tiny_quant), "-"]) == 2 and "standard input is closed" in capsys.readouterr().err
     # bytes that are not UTF-8 (Python reads them as lone surrogates), a seed beyond 64 bits: one line each
     assert main(["generate", str(tiny_quant), "caf\udce9", "--max-new-tokens", "2"]) == 2
     assert capsys.readouterr().err.strip().startswith("localllm: error: the prompt is not UTF-8 text")
@@ -336,3 +344,36 @@ def test_ctrl_c_while_the_command_starts_is_one_line(argv0):
         assert r.returncode != 130 and r.stderr.rstrip().endswith("KeyboardInterrupt")
     else:
         assert (r.returncode, r.stderr) == (130, "\nlocalllm: interrupted\n")
+
+
+def test_generate_refuses_its_options_before_loading_and_ends_an_interrupted_reply(tiny_quant, capsys, monkeypatch):
+    """Bad sampling options are refused before the model loads (an 8B model's load and dequantization take minutes);
+    Ctrl+C mid-reply ends the reply's line and still prints the numbers, finished by cancelled."""
+    from localllm import runtime
+    gen_mod = sys.modules["localllm.generate"]  # (localllm.generate is also the function)
+    real_load = runtime.load
+    monkeypatch.setattr(runtime, "load", lambda *a, **k: pytest.fail("loaded before refusing"))
+    for args, what in ((["--top-p", "0"], "top_p=0.0"), (["--temperature", "-1"], "temperature=-1.0"),
+                       (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1")):
+        assert main(["generate", str(tiny_quant), "hi", *args]) == 2
+        assert what in capsys.readouterr().err
+    monkeypatch.setattr(runtime, "load", real_load)
+    real_generate = gen_mod.generate
+
+    def interrupted(*a, **k):  # the user presses Ctrl+C after the first piece
+        s = real_generate(*a, **k)
+        pieces = iter(s.pieces)
+
+        def gen():
+            yield next(pieces)
+            raise KeyboardInterrupt
+        s.pieces = gen()
+        return s
+
+    monkeypatch.setattr(gen_mod, "generate", interrupted)
+    lm = real_load(tiny_quant)
+    lm.eos_ids = []
+    monkeypatch.setattr(runtime, "load", lambda *a, **k: lm)
+    assert main(["generate", str(tiny_quant), "hi", "--max-new-tokens", "8"]) == 130
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and out.strip() and "finished by cancelled" in err and err.endswith("interrupted\n")
