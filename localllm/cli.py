@@ -292,8 +292,8 @@ def cmd_tune(a) -> None:
         from .loader import check_source
         from .modelfile import read_manifest
         check_source(a.model)
-        if Path(a.model).expanduser().exists():
-            read_manifest(Path(a.model).expanduser())  # (a checkpoint, not a quantized model: the fix in one line)
+        if (path := Path(a.model).expanduser()).exists():
+            read_manifest(path)  # (a checkpoint, not a quantized model: the fix in one line)
     if why := cuda.unusable():
         raise LocalLLMError(f"localllm tune times the QDEC kernels on the GPU and needs one: {why}")
     from .runtime import load

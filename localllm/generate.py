@@ -60,15 +60,16 @@ def encode_prompt(lm: LocalModel, prompt: str | list[dict], cached: list[int] | 
     are its first tokens (_splice)."""
     ids = _encode(lm, prompt)
     check_token_ids(ids, lm.model.cfg.vocab_size)
-    return _splice(lm.tokenizer, ids, cached) if cached and not isinstance(prompt, str) else ids
+    return _splice(lm.tokenizer, prompt, ids, cached)
 
 
-def _splice(tok, ids: list[int], cached: list[int]) -> list[int]:
-    """ids with their start replaced by `cached` where the two decode to the same text: a chat's earlier reply is
-    then the model's own tokens, which the KV cache holds, not its text tokenized anew (a model's tokens are not
-    always the canonical tokenization of their text: the demo model's sampled replies on the CPU with QDEC part from it
-    within ~130 tokens, and everything after that point was read again)."""
-    if ids[:len(cached)] == cached:
+def _splice(tok, prompt: str | list[dict], ids: list[int], cached: list[int] | None) -> list[int]:
+    """ids of chat messages (a plain prompt's stay as they are) with their start replaced by `cached` where the two
+    decode to the same text: a chat's earlier reply is then the model's own tokens, which the KV cache holds, not its
+    text tokenized anew (a model's tokens are not always the canonical tokenization of their text: the demo model's
+    sampled replies on the CPU with QDEC part from it within ~130 tokens, and everything after that point was read
+    again)."""
+    if not cached or isinstance(prompt, str) or ids[:len(cached)] == cached:
         return ids
     decode = lambda t: tok.decode(t, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
     text, head = decode(ids), decode(cached)
@@ -326,8 +327,8 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
             lm.set_qdec(qdec)
         if kv_bits is not None:
             lm.set_kv_bits(kv_bits)
-        if reuse_cache and not isinstance(prompt, str):
-            ids = _splice(lm.tokenizer, ids, lm.cached_tokens())
+        if reuse_cache:
+            ids = _splice(lm.tokenizer, prompt, ids, lm.cached_tokens())
         seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)  # (numpy's as Python's)
         s = Stream(iter(()))
         me = lm.reply = object()  # a stream opened before, or this one read after a later call, raises when read

@@ -133,9 +133,7 @@ def read_manifest(path: Path) -> dict:
         bad.append("quant.head")
     if not bad and "model_id" in m and m["model_id"] != model_id(files):  # a files table edited by hand
         bad.append("files (they are not the ones its model_id names)")
-    if bad:
-        raise LocalLLMError(f"{f} is damaged ({', '.join(bad)} missing or not what localllm writes); re-run "
-                            "`localllm quantize`")
+    _refuse_damaged(f, bad)
     layout = m["quant"].get("layout")
     if v < 1 or (v == 1 and layout != WEIGHT_LAYOUT):
         raise LocalLLMError(f"{path} uses an older format (version {v}); re-run `localllm quantize` on the source")
@@ -145,10 +143,14 @@ def read_manifest(path: Path) -> dict:
     bad = _bad_quant(q) + _bad_calibration(m["calibration"])  # what info states, the runtime and the tuner read
     if bool(m.get("residual")) != (FILES[1] in files):  # (QDEC would run, or not, whatever it says)
         bad.append("residual (it says the opposite of files)")
+    _refuse_damaged(f, bad)
+    return m
+
+
+def _refuse_damaged(f: Path, bad: list[str]) -> None:
     if bad:
         raise LocalLLMError(f"{f} is damaged ({', '.join(bad)} missing or not what localllm writes); re-run "
                             "`localllm quantize`")
-    return m
 
 
 def _bad_quant(q: dict) -> list[str]:

@@ -168,6 +168,18 @@ def short_of_shared_memory(monkeypatch, linears, headroom: int = 4096) -> int:
     return limit
 
 
+def teacher_forced(lm, ids: list[int], use_graph=None) -> torch.Tensor:
+    """Logits [len(ids), V] on the CPU: a Decoder reads ids[0], then steps through the rest one token at a time (each
+    step a single-token GEMV, with QDEC where it is on)."""
+    from localllm.decode import Decoder
+    dec = Decoder(lm.model, 32, use_graph=use_graph)
+    out = [dec.prefill(ids[:1]).float().cpu()]
+    with torch.no_grad():
+        for pos in range(1, len(ids)):
+            out.append(dec.step(torch.tensor(ids[pos], device=lm.model.device), pos).float().cpu())
+    return torch.stack(out)
+
+
 @pytest.mark.parametrize("smem", ["this GPU's", "short"])
 def test_decode_with_qdec_follows_the_cpu_compensated_path(tiny_quant, smem, monkeypatch):
     """Decoding from one token (so every step is a single-token GEMV with QDEC), teacher-forced: the GPU logits
@@ -175,7 +187,6 @@ def test_decode_with_qdec_follows_the_cpu_compensated_path(tiny_quant, smem, mon
     selection modes other than approx are refused on the GPU. (Not equal: x differs from the CPU's by rounding, so
     the hash behind the boundary-bucket order, and with it part of the selection, differs; the kernel tests above
     compare selections on the same x.) Short of shared memory, the GEMVs that need it run smaller variants."""
-    from localllm.decode import Decoder
     from localllm.errors import LocalLLMError
     from localllm.kernels.gemv import decode_variant
     from localllm.runtime import load
@@ -186,15 +197,7 @@ def test_decode_with_qdec_follows_the_cpu_compensated_path(tiny_quant, smem, mon
         assert all(decode_variant(lin.packed, limit) != decode_variant(lin.packed) for lin in gemvs)
     k = min(64, cpu.manifest["calibration"]["kmax"])
     ids = torch.randint(0, cpu.model.cfg.vocab_size, (16,)).tolist()
-
-    def run(lm, use_graph=None):
-        dec = Decoder(lm.model, 32, use_graph=use_graph)
-        out = [dec.prefill(ids[:1]).float().cpu()]
-        with torch.no_grad():
-            for pos in range(1, len(ids)):
-                out.append(dec.step(torch.tensor(ids[pos], device=lm.model.device), pos).float().cpu())
-        return torch.stack(out)
-
+    run = lambda lm, use_graph=None: teacher_forced(lm, ids, use_graph)  # noqa: E731
     off = run(gpu)
     for lm in (cpu, gpu):
         lm.set_qdec({"mode": "approx", "k_chunk": k})
@@ -257,7 +260,6 @@ def test_qdec_gemv_in_the_variant_that_fits_a_smaller_shared_memory(variant, mon
 def test_qdec_on_some_blocks_follows_the_cpu(tiny_quant):
     """A tuning profile's per-kind k_chunk on some blocks only: the GPU's logits with it are much closer to the CPU's
     with the same setting than to its own without (not equal: see the test above)."""
-    from localllm.decode import Decoder
     from localllm.runtime import load
     cpu, gpu = load(tiny_quant, qdec="off"), load(tiny_quant, device="cuda", qdec="off")
     k = min(256, cpu.manifest["calibration"]["kmax"])  # (a quarter of the tiny layers' channels: a visible change)
@@ -266,12 +268,7 @@ def test_qdec_on_some_blocks_follows_the_cpu(tiny_quant):
 
     def run(lm, q):
         lm.set_qdec(q)
-        dec = Decoder(lm.model, 32)
-        out = [dec.prefill(ids[:1]).float().cpu()]
-        with torch.no_grad():
-            for pos in range(1, len(ids)):
-                out.append(dec.step(torch.tensor(ids[pos], device=lm.model.device), pos).float().cpu())
-        return torch.stack(out)
+        return teacher_forced(lm, ids)
 
     want, off, got = run(cpu, some), run(gpu, "off"), run(gpu, some)
     on = {("gate_up", 1), ("down", 0), ("qkv", 0)}

@@ -28,6 +28,7 @@ from .transcript import Notice, ReplyMessage, Transcript, UserMessage, pasted
 
 DISCARD_SECONDS = 5  # Ctrl+N / Ctrl+Q on a chat with unsaved exchanges: how long the second press may wait
 
+
 class Loaded(Message):
     def __init__(self, lm: LocalModel):
         super().__init__()
