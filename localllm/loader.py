@@ -6,6 +6,7 @@ a large model never needs it whole in memory (except GGUF, which transformers de
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -22,7 +23,7 @@ from .config import ModelConfig
 from .digest import sha256_files
 from .devices import check_float32_fits
 from .errors import LocalLLMError
-from .progress import follow_rule_in_transformers
+from .progress import follow_rule_in_transformers, progress
 
 MANIFEST = "localllm.json"  # marks a quantized localllm model folder
 
@@ -411,27 +412,41 @@ def _gguf_parsed_once():
     ~17 on two cores. Both are only read. Process-wide while a GGUF loads (gguf's own names are what transformers
     imports at each call)."""
     import gguf
-    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    parsed = {}
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    reader, name_map, hf_load = gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint
+    parsed, metadata = {}, {}
 
     def parse(path, mode="r"):
         key = (str(path), mode)
         if key not in parsed:
             parsed[key] = reader(path, mode)
         return parsed[key]
-    gguf.GGUFReader, gguf.get_tensor_name_map = parse, functools.cache(name_map)
+
+    def load(path, return_tensors=False, **kw):  # the config's and the tokenizer's calls: ~1.5 s of fields each
+        if return_tensors or kw:
+            return hf_load(path, return_tensors, **kw)
+        if str(path) not in metadata:
+            metadata[str(path)] = hf_load(path, False)
+        return copy.deepcopy(metadata[str(path)])  # (callers may change what they get)
+    gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = parse, functools.cache(name_map), load
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = reader, name_map, hf_load
 
 
 def _open_gguf(folder: Path, name: str) -> Checkpoint:
-    with _gguf_parsed_once():
-        return _read_gguf(folder, name)
+    # seconds pass before the weights' own bar (the demo's 135M: ~8 s on two cores): their stages, so something shows
+    with _gguf_parsed_once(), progress(total=4, desc=f"reading {name} (metadata)", unit="step",
+                                       bar_format="{desc}: {n_fmt}/{total_fmt} [{elapsed}]") as bar:
+        def done(then: str) -> None:
+            bar.update()
+            bar.set_description_str(f"reading {name} ({then})")
+        return _read_gguf(folder, name, done)
 
 
-def _read_gguf(folder: Path, name: str) -> Checkpoint:
+def _read_gguf(folder: Path, name: str, done: Callable[[str], None]) -> Checkpoint:
+    """done(the next stage's name) after each stage."""
     f = folder / name
     if not f.exists():
         here = sorted(p.name for p in folder.glob("*.gguf"))
@@ -441,11 +456,13 @@ def _read_gguf(folder: Path, name: str) -> Checkpoint:
         raise LocalLLMError(f"{f} is part {int(split[1])} of a GGUF split into {int(split[2])} files: merge them "
                             "(llama.cpp's `llama-gguf-split --merge FIRST_PART merged.gguf`) and pass the merged file")
     scaling = _gguf_rope_scaling(f)
+    done("config")
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
         hf_config = AutoConfig.from_pretrained(str(folder), gguf_file=name)
     except Exception as e:
         raise _unreadable_gguf(f, e) from None
+    done("tokenizer")
     try:  # before the weights, which take minutes to dequantize on a large model
         tokenizer = tokenizer_of(folder, gguf_file=name)
     except LocalLLMError:
@@ -457,6 +474,7 @@ def _read_gguf(folder: Path, name: str) -> Checkpoint:
     config = ModelConfig.from_hf(hf)
     check_float32_fits(config, "free host memory, or use a smaller model: transformers dequantizes a GGUF's blocks "
                                "all at once")  # before it does
+    done("weights")
     try:
         with follow_rule_in_transformers():  # transformers shows its own progress bars while it dequantizes
             # config= spares building the config again
@@ -470,6 +488,7 @@ def _read_gguf(folder: Path, name: str) -> Checkpoint:
         raise LocalLLMError(f"{f} lacks {len(missing)} of the model's tensors (e.g. {missing[0]}): the file is "
                             "incomplete; re-download it")
     state = model.state_dict()
+    done("weights read")
     return Checkpoint(config, tokenizer,
                       {"format": "gguf", "path": str(Path(folder).resolve()), "gguf_file": name}, [f], state.__getitem__,
                       set(state), _gguf_end_tokens(f))

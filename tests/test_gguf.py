@@ -8,6 +8,7 @@ import torch
 from conftest import make_checkpoint
 from localllm.errors import LocalLLMError
 from localllm.loader import open_checkpoint
+from localllm.progress import observe
 from localllm.runtime import load
 
 BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -78,8 +79,9 @@ def test_a_llama_cpp_gguf_runs_as_its_source(ckpt, tmp_path):
 
 
 def test_a_gguf_is_parsed_once_while_it_loads(ckpt, tmp_path, monkeypatch):
-    """transformers reads the file for the config, the tokenizer and the weights: one parse serves the three, and
-    gguf's own reader is back in place afterwards, even after a refused file."""
+    """transformers reads the file for the config, the tokenizer and the weights: one parse serves the three, one
+    read of its metadata the first two, the stages show as progress, and gguf's and transformers' own functions are
+    back in place afterwards, even after a refused file."""
     import gguf
     parses = []
 
@@ -91,11 +93,29 @@ def test_a_gguf_is_parsed_once_while_it_loads(ckpt, tmp_path, monkeypatch):
     cfg = json.loads((ckpt / "config.json").read_text())
     half = cfg["hidden_size"] // cfg["num_attention_heads"] // 2
     f = write_gguf(ckpt, tmp_path / "tiny-F32.gguf", rope_freqs=[1.0] * half)  # our own read of the factors too
-    open_checkpoint(f)
-    assert parses == [str(f)] and gguf.GGUFReader is Counting
+    from transformers import AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    hf_load, metadata_reads, stages = hf_gguf.load_gguf_checkpoint, [], []
+
+    def counting_load(path, return_tensors=False, **kw):
+        metadata_reads.append(not return_tensors)
+        return hf_load(path, return_tensors, **kw)
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", counting_load)
+    with observe(lambda desc, n, total, unit: stages.append((desc.split("(")[-1].rstrip(")"), n, total))):
+        c = open_checkpoint(f)
+    # the config's and the tokenizer's metadata reads are one; the weights' read is its own
+    assert parses == [str(f)] and gguf.GGUFReader is Counting and metadata_reads == [True, False]
+    assert hf_gguf.load_gguf_checkpoint is counting_load
+    assert [s for s in stages if s[1] == s[2]][-1] == ("weights read", 4, 4)  # the stages ended on the weights
+    assert {"metadata", "config", "tokenizer", "weights"} <= {s[0] for s in stages}
+    # the cached metadata gives the tokenizer and config transformers makes without it
+    plain = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=f.name)
+    text = "hello there, a test of 12 tokens"
+    assert c.tokenizer(text)["input_ids"] == plain(text)["input_ids"] and c.tokenizer.eos_token == plain.eos_token
+    assert c.config == open_checkpoint(f).config
     with pytest.raises(LocalLLMError):
         open_checkpoint(write_gguf(ckpt, tmp_path / "miss.gguf", drop={"blk.1.ffn_down.weight"}))
-    assert gguf.GGUFReader is Counting
+    assert gguf.GGUFReader is Counting and hf_gguf.load_gguf_checkpoint is counting_load
 
 
 def test_a_ggufs_end_of_turn_tokens_end_a_reply(ckpt, tmp_path):
