@@ -762,11 +762,11 @@ def bench_quantize(bits: int = 4, methods=("rtn", "awq", "squeezellm"), cpu_shap
     """`localllm quantize` on the GPU vs the CPU (all of this machine's cores): seconds per block (quantize, residuals,
     calibration) of one block of each QUANT_SHAPES model, and the whole model's blocks at that rate; then the 8B block
     on the GPU with torch's memory capped at cap_gib (the row blocks it settles on)."""
-    import json
     import tempfile
     from pathlib import Path
 
     from . import synthetic
+    from .modelfile import read_manifest
     from .quantize import quantize
     rows = []
     print(f"\nQuantizing, {bits} bits, 4096 calibration tokens: seconds per block (the whole model's blocks at that "
@@ -777,7 +777,7 @@ def bench_quantize(bits: int = 4, methods=("rtn", "awq", "squeezellm"), cpu_shap
         def quantized_on(name: str, method: str, dev: str, tag: str) -> dict:  # name's block quantized: its record
             out = quantize(str(Path(tmp) / name), str(Path(tmp) / f"{name}-{method}-{tag}"), bits, method=method,
                            head_bits=16, device=dev)
-            return json.loads((out / "localllm.json").read_text())["quantized_on"]
+            return read_manifest(out)["quantized_on"]
 
         for name, (arch, layers, cfg) in QUANT_SHAPES.items():
             synthetic.checkpoint(Path(tmp) / name, arch, std=0.02, tokenizer_vocab=4096, dtype=torch.float16,

@@ -14,7 +14,7 @@ import torch
 
 from . import atomic
 from .errors import LocalLLMError
-from .quant import GROUP_SIZES, HEAD_BITS, HEAD_WIDTHS
+from .quant import BASE_BITS, GROUP_SIZES, HEAD_BITS, HEAD_WIDTHS
 
 DEFAULT_EVAL_QDEC = "off,approx"
 
@@ -345,7 +345,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _kv_bits_option(p: argparse.ArgumentParser, what: str = "") -> None:
-    p.add_argument("--kv-bits", type=int, default=16, choices=(16, 8, 4),
+    from .kvquant import KV_BITS
+    p.add_argument("--kv-bits", type=int, default=16, choices=KV_BITS,
                    help="KV cache width: 16 (default), 8 or 4 (scale and zero per token and head; about 1/2 and "
                         f"1/4 of the fp16 cache's memory){what}")
 
@@ -404,9 +405,10 @@ def parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="quantize a checkpoint (+ QDEC residuals and calibration)")
     q.add_argument("source", help="checkpoint folder (safetensors), .gguf file, or hub id")
     q.add_argument("-o", "--output", required=True, help="new model folder (must not exist)")
-    q.add_argument("--bits", default="4", choices=("2", "2.5", "3", "3.5", "4"),
+    from .quantize import METHODS, MIXED_BITS
+    q.add_argument("--bits", default="4", choices=[f"{b:g}" for b in sorted((*BASE_BITS, *MIXED_BITS))],
                    help="bits per weight; 2.5 / 3.5: half the blocks one bit lower, chosen by KL sensitivity")
-    q.add_argument("--method", default="rtn", choices=("rtn", "awq", "squeezellm"),
+    q.add_argument("--method", default="rtn", choices=METHODS,
                    help="base quantizer: rtn (round to nearest), awq (activation-aware scaling and clipping, then "
                         "rtn), squeezellm (non-uniform per-channel tables by sensitivity-weighted k-means, over "
                         "weights normalized per group of 128)")

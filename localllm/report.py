@@ -95,12 +95,6 @@ def require_matplotlib() -> None:
                             "pip install 'localllm[report]'") from None
 
 
-def gpu_unusable() -> str | None:
-    """Why the GPU sections cannot run here, or None when they can."""
-    from .kernels import cuda
-    return cuda.unusable()
-
-
 def _check(o: Options) -> None:
     from .quant import BASE_BITS, GROUP_SIZES, RESIDUAL_BITS, RESIDUAL_WIDTHS
     if not o.bits or any(b not in BASE_BITS for b in o.bits):
@@ -527,7 +521,8 @@ def make_report(o: Options) -> Path:
         origin = read_manifest(p).get("source", {}).get("path", "?")
         raise LocalLLMError(f"{p} is a quantized localllm model; the report quantizes the source checkpoint itself "
                             f"at each width: pass that checkpoint ({origin})")
-    why_no_gpu = gpu_unusable()
+    from .kernels import cuda
+    why_no_gpu = cuda.unusable()  # why the GPU sections cannot run here
     asked = o.sections
     sections = tuple(s for s in SECTIONS if s in (asked or SECTIONS))
     if why_no_gpu:

@@ -280,7 +280,7 @@ class LocalModel:
         # approximate top-k needs a calibrated bucket boundary for k; the other modes go up to a whole chunk
         kmax = self.manifest["calibration"]["kmax"] if mode == "approx" else 1024
         if bad := sorted({v for v in ks.values() if not 0 <= v <= kmax}):
-            why = f" (the largest this model's calibration covers; exact, static and random go up to 1024)" \
+            why = " (the largest this model's calibration covers; exact, static and random go up to 1024)" \
                 if mode == "approx" else ""
             raise LocalLLMError(f"k_chunk {', '.join(map(str, bad))} is outside 0..{kmax} for QDEC mode '{mode}'{why}")
         nts = {kind: n_tb for kind in KINDS} if n_tb is None or is_whole(n_tb) else \

@@ -8,11 +8,18 @@ from types import SimpleNamespace
 import pytest
 
 from localllm.kernels import qdec
-from localllm.tuner.search import (LEAST_SLACK, Layer, Memo, Problem, _coarse, _Cost, _uniform, largest_k, least,
-                                   search, search_budgets)
+from localllm.tuner.search import (LEAST_SLACK, Layer, Memo, Problem, _coarse, _Cost, _uniform, carry_forward,
+                                   largest_k, least, search)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # Llama-3-8B
 BUDGETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5)
+
+
+def search_budgets(p: Problem, time, budgets):
+    """What tune.run's search does over several budgets, before its measurements: search() each (ascending) on one
+    Memo, then carry_forward()."""
+    memo = time if isinstance(time, Memo) else Memo(time)
+    return carry_forward(p, [search(p, memo, b) for b in sorted(set(budgets))])
 
 
 def problem(sms=132, kmax=256, layers=32, k_max=None, step=None) -> Problem:

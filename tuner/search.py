@@ -32,8 +32,7 @@ least() is the cheapest setting that compensates at all: what tune.run measures 
 where even that is over the budget, on fewer blocks (some_blocks: those with the most to gain). single() is its
 counterpart for allocate(): the one compensating call of most value.
 
-Every oracle point is measured once (Memo); several budgets tuned together share the points (one Memo: tune.run,
-search_budgets), and
+Every oracle point is measured once (Memo); several budgets tuned together share the points (one Memo: tune.run), and
 a larger budget never gets fewer compensated channels than a smaller one: a smaller budget's setting fits a larger
 one too, so it is carried forward when the larger budget's own search found less.
 """
@@ -397,12 +396,6 @@ def carry_forward(problem: Problem, choices: Iterable[Choice]) -> list[Choice]:
         out.append(c)
         best = c
     return out
-
-
-def search_budgets(problem: Problem, time: Oracle, budgets: Iterable[float]) -> list[Choice]:
-    """search() for each budget (ascending), sharing every measured point, then carry_forward()."""
-    memo = time if isinstance(time, Memo) else Memo(time)
-    return carry_forward(problem, [search(problem, memo, b) for b in sorted(set(budgets))])
 
 
 def largest_k(need: Callable[[int], int], limit: int, cap: int) -> int:
