@@ -482,7 +482,8 @@ def parser() -> argparse.ArgumentParser:
                                    "report.unfinished.json as they are made (report.json is written at the end): "
                                    "rerunning an interrupted command resumes it.")
     r.add_argument("model", nargs="?", help="checkpoint folder, .gguf file or hub id (default: the demo model)")
-    r.add_argument("--out", help="new folder for the report (default: report-<model name>)")
+    r.add_argument("-o", "--output", "--out", dest="out",
+                   help="new folder for the report (default: report-<model name>; -o as quantize's)")
     r.add_argument("--tokens", type=int, default=2048, help="predicted tokens of the evaluation text (default 2048)")
     r.add_argument("--ctx", type=int, help="tokens per evaluation window (default 512, or the model's context where "
                                            "shorter)")
@@ -507,9 +508,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--text", help="UTF-8 evaluation text (default: the one shipped with localllm)")
     r.add_argument("--seed", type=_seed, default=0, help="seed of the random picks (default 0)")
     r.add_argument("--gguf-file", help="which GGUF file of a folder to use")
-    r.add_argument("--force", action="store_true", help="replace --out when it exists")
+    r.add_argument("--force", action="store_true", help="replace -o when it exists")
     r.add_argument("--update", action="store_true",
-                   help="replace --out, keeping the sections of its report that this run does not measure")
+                   help="replace -o, keeping the sections of its report that this run does not measure")
     r.set_defaults(func=cmd_report)
     return p
 

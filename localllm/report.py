@@ -608,7 +608,7 @@ def _check_out(o: Options, out: Path) -> dict | None:
         atomic.check_writable(out)
         return None
     if not out.is_dir():
-        raise LocalLLMError(f"{out} is a file; choose a folder for --out")
+        raise LocalLLMError(f"{out} is a file; choose a folder for -o")
     atomic.check_writable(out / UNFINISHED)
     unfinished = _read_report(out / UNFINISHED)
     if unfinished is not None and "in_progress" in unfinished:
@@ -616,12 +616,12 @@ def _check_out(o: Options, out: Path) -> dict | None:
     prior = _read_report(out / "report.json")
     if prior is None and any(out.iterdir()):
         raise LocalLLMError(f"{out} exists and holds no localllm report (no readable report.json of one); --force "
-                            "and --update replace or extend a report in its folder only: choose another --out")
+                            "and --update replace or extend a report in its folder only: choose another -o")
     if o.update and prior is None:
         raise LocalLLMError(f"--update needs the report.json of an earlier report in {out}; there is none "
                             "readable: run without --update")
     if prior is not None and not (o.update or o.force):
-        raise LocalLLMError(f"{out} already holds a report; choose another --out, --force to replace it, or "
+        raise LocalLLMError(f"{out} already holds a report; choose another -o, --force to replace it, or "
                             "--update to add sections to it")
     return prior
 
@@ -662,7 +662,7 @@ def _start(o: Options, out: Path, prior: dict | None, key: dict, sha: str, name:
         prior = None
     if prior is not None and prior.get("model", {}).get("sha256") != sha:
         raise LocalLLMError(f"the report in {out} is of another model (sha256 {prior.get('model', {}).get('sha256')}"
-                            f"); --update adds sections of the same model: use another --out")
+                            f"); --update adds sections of the same model: use another -o")
     cfg = ckpt.config
     runs = (prior or {}).get("runs", [])
     runs.append({"command": command_of(o), "sections": list(sections), "localllm": __version__, "date": _now(),

@@ -170,7 +170,7 @@ def test_outlier_statistics_are_the_float64_ones(tiny_quant):
 def test_an_existing_report_is_kept_unless_asked(report, tiny_ckpt, capsys):
     out, rep = report
     before = (out / "report.md").read_text()
-    assert main(["report", str(tiny_ckpt), "--out", str(out), "--tokens", "20"]) == 2
+    assert main(["report", str(tiny_ckpt), "-o", str(out), "--tokens", "20"]) == 2
     err = capsys.readouterr().err
     assert "already holds a report" in err and "--force" in err and len(err.strip().splitlines()) == 1
     assert (out / "report.md").read_text() == before
