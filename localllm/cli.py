@@ -353,6 +353,8 @@ def _kv_bits_option(p: argparse.ArgumentParser, what: str = "") -> None:
 
 def parser() -> argparse.ArgumentParser:
     from .generate import MAX_SEED
+    from .sampling import SamplingParams as S  # (its defaults are every command's)
+    from .tui.session import ReplySettings
     _seed = _whole_arg("--seed", 0, MAX_SEED)
     from . import __version__
     p = argparse.ArgumentParser(prog="localllm", description="Low-bit LLM inference with QDEC error compensation.")
@@ -364,12 +366,12 @@ def parser() -> argparse.ArgumentParser:
                        "PROMPT - reads it from standard input.")
     g.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
     g.add_argument("--max-new-tokens", type=int, default=256, help="(default 256)")
-    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
-    g.add_argument("--top-p", type=float, default=0.9, help="(default 0.9)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
-    g.add_argument("--min-p", type=float, default=0.0,
+    g.add_argument("--temperature", type=float, default=S.temperature, help=f"0 = greedy (default {S.temperature})")
+    g.add_argument("--top-p", type=float, default=S.top_p, help=f"(default {S.top_p})")
+    g.add_argument("--top-k", type=int, default=S.top_k, help="0 = off (default)")
+    g.add_argument("--min-p", type=float, default=S.min_p,
                    help="drop tokens less likely than this times the most likely one (0 = off; 0.05-0.1 is typical)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default)")
+    g.add_argument("--repetition-penalty", type=float, default=S.repetition_penalty, help="1 = off (default)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--seed", type=_seed, help="the same seed gives the same text (default: a new one)")
     g.add_argument("--system", help="system prompt (chat models)")
@@ -381,10 +383,11 @@ def parser() -> argparse.ArgumentParser:
                        description="localllm chat [MODEL]: a chat UI in the terminal; with no MODEL, the demo model.")
     c.add_argument("model", nargs="?", help="model folder, checkpoint or .gguf file (default: the demo model)")
     c.add_argument("--system", help="system prompt")
-    c.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    c.add_argument("--top-p", type=float, default=0.9)
-    c.add_argument("--min-p", type=float, default=0.0, help="as generate's --min-p (0 = off)")
-    c.add_argument("--max-new-tokens", type=int, default=512)
+    c.add_argument("--temperature", type=float, default=S.temperature, help=f"0 = greedy (default {S.temperature})")
+    c.add_argument("--top-p", type=float, default=S.top_p, help=f"(default {S.top_p})")
+    c.add_argument("--min-p", type=float, default=S.min_p, help="as generate's --min-p (0 = off)")
+    c.add_argument("--max-new-tokens", type=int, default=ReplySettings.max_new_tokens,
+                   help=f"(default {ReplySettings.max_new_tokens})")
     c.add_argument("--seed", type=_seed, help="the same seed for every reply (default: a new one each)")
     _model_options(c)
     c.add_argument("--resume", metavar="FILE",

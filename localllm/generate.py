@@ -289,9 +289,10 @@ def _check_call(model, prompt, max_new_tokens, stop, seed, stream, cancel, reuse
 
 
 def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_tokens: int = 256,
-             temperature: float = 0.7, top_p: float = 0.9, top_k: int = 0, repetition_penalty: float = 1.0,
+             temperature: float = SamplingParams.temperature, top_p: float = SamplingParams.top_p,
+             top_k: int = SamplingParams.top_k, repetition_penalty: float = SamplingParams.repetition_penalty,
              stop: str | list[str] | None = None, seed: int | None = None, stream: bool = False,
-             qdec: str | int | dict | None = None, kv_bits: int | None = None, min_p: float = 0.0,
+             qdec: str | int | dict | None = None, kv_bits: int | None = None, min_p: float = SamplingParams.min_p,
              cancel=None, reuse_cache: bool = False) -> str | Stream:
     """Generate a reply to `prompt` (a string, or chat messages [{"role": ..., "content": ...}] which get the
     model's chat template). `model` is a LocalModel, a model path, or None for the demo model.

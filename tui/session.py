@@ -23,9 +23,9 @@ from localllm.sampling import SamplingParams
 class ReplySettings:
     """What the next reply is generated with; the settings panel edits them, each reply keeps a copy."""
     system: str = ""
-    temperature: float = 0.7
-    top_p: float = 0.9
-    min_p: float = 0.0
+    temperature: float = SamplingParams.temperature
+    top_p: float = SamplingParams.top_p
+    min_p: float = SamplingParams.min_p
     max_new_tokens: int = 512
     seed: int | None = None  # None: a fresh seed per reply (the history records the one drawn)
 
