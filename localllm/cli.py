@@ -117,8 +117,8 @@ def cmd_chat(a) -> None:
         from .tui import history
         resume = history.load(a.resume)
     system = a.system if a.system is not None else resume["system"] if resume else ""
-    settings = ReplySettings(system=system, temperature=a.temperature, top_p=a.top_p, min_p=a.min_p,
-                             max_new_tokens=a.max_new_tokens, seed=a.seed)
+    settings = ReplySettings(system=system, temperature=a.temperature, top_p=a.top_p, min_p=a.min_p, top_k=a.top_k,
+                             repetition_penalty=a.repetition_penalty, max_new_tokens=a.max_new_tokens, seed=a.seed)
     settings.check()
     save_dir = Path(a.save_dir).expanduser()  # found now, not at the first Ctrl+S after a long chat
     if not save_dir.is_dir():
@@ -386,6 +386,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=float, default=S.temperature, help=f"0 = greedy (default {S.temperature})")
     c.add_argument("--top-p", type=float, default=S.top_p, help=f"(default {S.top_p})")
     c.add_argument("--min-p", type=float, default=S.min_p, help="as generate's --min-p (0 = off)")
+    c.add_argument("--top-k", type=int, default=S.top_k, help="0 = off (default)")
+    c.add_argument("--repetition-penalty", type=float, default=S.repetition_penalty, help="1 = off (default)")
     c.add_argument("--max-new-tokens", type=int, default=ReplySettings.max_new_tokens,
                    help=f"(default {ReplySettings.max_new_tokens})")
     c.add_argument("--seed", type=_seed, help="the same seed for every reply (default: a new one each)")

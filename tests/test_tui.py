@@ -175,7 +175,9 @@ def test_settings_are_checked_by_generates_rules():
     assert st.updated("temperature", " 0 ").temperature == 0.0
     assert st.updated("max_new_tokens", "7").max_new_tokens == 7
     assert st.updated("min_p", "0.05").min_p == 0.05
+    assert st.updated("top_k", "40").top_k == 40 and st.updated("repetition_penalty", "1.3").repetition_penalty == 1.3
     for name, text in [("temperature", "-1"), ("top_p", "0"), ("top_p", "1.5"), ("min_p", "-0.1"), ("min_p", "2"),
+                       ("top_k", "-1"), ("top_k", "2.5"), ("repetition_penalty", "0"), ("repetition_penalty", "inf"),
                        ("max_new_tokens", "0"),
                        ("max_new_tokens", "2.5"), ("temperature", "warm"), ("temperature", "nan")]:
         with pytest.raises(ValueError):

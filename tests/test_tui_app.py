@@ -231,7 +231,8 @@ async def test_settings_apply_to_the_next_reply(tiny_quant, replies):
     async with app.run_test(size=SIZE) as pilot:
         session = await loaded(pilot)
         await pilot.press("f2")
-        for field, text in [("top_p", "x"), ("temperature", "0"), ("max_new_tokens", "5")]:
+        for field, text in [("top_p", "x"), ("temperature", "0"), ("max_new_tokens", "5"), ("top_k", "3"),
+                            ("repetition_penalty", "1.5")]:
             await pilot.click(f"#{field}")
             await pilot.press("end", "ctrl+u", *text)
         await pilot.pause()
@@ -243,8 +244,10 @@ async def test_settings_apply_to_the_next_reply(tiny_quant, replies):
         await until(pilot, lambda: session.lm.settings.mode == "off", "QDEC to turn off")
         reply = await done(pilot, await send(pilot, replies, "Hi"))
         assert (reply.settings.temperature, reply.settings.max_new_tokens, reply.settings.top_p) == (0.0, 5, 0.9)
+        assert (reply.settings.top_k, reply.settings.repetition_penalty) == (3, 1.5)
         assert reply.stats.new_tokens == 5 and reply.qdec["mode"] == "off"
-        want = generate(session.lm, [{"role": "user", "content": "Hi"}], max_new_tokens=5, temperature=0, seed=2)
+        want = generate(session.lm, [{"role": "user", "content": "Hi"}], max_new_tokens=5, temperature=0, seed=2,
+                        repetition_penalty=1.5)
         assert reply.text == want and session.lm.settings.mode == "off"
         assert "QDEC off" in str(app.query_one("#status", Static).render())
         await pilot.click("#qdec")  # and back on: the k_chunk in force is shown again

@@ -26,17 +26,20 @@ class ReplySettings:
     temperature: float = SamplingParams.temperature
     top_p: float = SamplingParams.top_p
     min_p: float = SamplingParams.min_p
+    top_k: int = SamplingParams.top_k
+    repetition_penalty: float = SamplingParams.repetition_penalty
     max_new_tokens: int = 512
     seed: int | None = None  # None: a fresh seed per reply (the history records the one drawn)
 
     def check(self) -> None:
-        SamplingParams(self.temperature, self.top_p, min_p=self.min_p).check()
+        SamplingParams(self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.min_p).check()
         if self.max_new_tokens < 1:
             raise LocalLLMError(f"max new tokens must be at least 1, got {self.max_new_tokens}")
 
     def updated(self, name: str, text: str) -> "ReplySettings":
         """A copy with field `name` set from what the user typed; ValueError when that is not valid."""
-        kind = {"system": str, "temperature": float, "top_p": float, "min_p": float, "max_new_tokens": int}[name]
+        kind = {"system": str, "temperature": float, "top_p": float, "min_p": float, "top_k": int,
+                "repetition_penalty": float, "max_new_tokens": int}[name]
         try:
             new = replace(self, **{name: kind(text if kind is str else text.strip())})
             new.check()
@@ -97,7 +100,8 @@ class Reply:
                 st = self.settings
                 prompt, self.left_out = fit_context(session.lm, self.prompt, st.max_new_tokens, self.keep_out)
                 stream = generate(session.lm, prompt, max_new_tokens=st.max_new_tokens, temperature=st.temperature,
-                                  top_p=st.top_p, min_p=st.min_p, seed=self.seed, stream=True, cancel=stop,
+                                  top_p=st.top_p, min_p=st.min_p, top_k=st.top_k,
+                                  repetition_penalty=st.repetition_penalty, seed=self.seed, stream=True, cancel=stop,
                                   reuse_cache=True)  # each turn reads only the new messages
                 self.stats = stream.stats
                 for piece in stream:

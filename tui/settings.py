@@ -1,5 +1,5 @@
-"""The settings panel: system prompt, temperature, top-p, min-p, max new tokens (for the next reply); QDEC on/off and
-the tuning budget, with the k_chunk per layer type in force and where it comes from."""
+"""The settings panel: system prompt, temperature, top-p, min-p, top-k, repetition penalty, max new tokens (for the
+next reply); QDEC on/off and the tuning budget, with the k_chunk per layer type in force and where it comes from."""
 from __future__ import annotations
 
 from textual import events
@@ -18,6 +18,8 @@ from .transcript import pasted
 # field: (label, what it must be: generate's rules, as ReplySettings.check applies them)
 FIELDS = {"system": ("System prompt", "text"), "temperature": ("Temperature (0 = greedy)", "a number ≥ 0"),
           "top_p": ("Top-p", "a number > 0 and ≤ 1"), "min_p": ("Min-p (0 = off)", "a number ≥ 0 and ≤ 1"),
+          "top_k": ("Top-k (0 = off)", "a whole number ≥ 0"),
+          "repetition_penalty": ("Repetition penalty (1 = off)", "a number > 0"),
           "max_new_tokens": ("Max new tokens", "a whole number ≥ 1")}
 
 
