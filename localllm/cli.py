@@ -186,7 +186,7 @@ def cmd_info(a) -> None:
           + (f"  sha256 {d['source']['sha256'][:16]}" if d['source'].get('sha256') else ""))
     untuned = "no profiles (`localllm tune` makes one on a GPU)" if d["bits"] < 16 else \
         "none (`localllm tune` takes a quantized model)"
-    profiles = [name + (f" ({why})" if why else "") for name, why in d["tuning_profiles"].items()]
+    profiles = [f"{name} ({what})" for name, what in d["tuning_profiles"].items()]
     print(f"tuning       {', '.join(profiles) or untuned}")
 
 

@@ -215,25 +215,31 @@ class LocalModel:
                 print(f"localllm: warning: {w}", file=sys.stderr)
             self._tuned = sel
         sel = self._tuned
-        if sel.profile is not None:
-            layers = sel.profile["layers"]
+        while sel.candidates:  # the preferred profile first; one that does not fit this model gives way to the next
+            path, profile = sel.candidates[0]
+            layers = profile["layers"]
             try:
                 placed = self._apply("approx", {k: v["k_chunk"] for k, v in layers.items()},
                                      {k: v["n_tb"] for k, v in layers.items()},
                                      {k: v["blocks"] for k, v in layers.items() if "blocks" in v})
             except LocalLLMError as e:
-                w = (f"tuning profile {sel.path} does not fit this model ({e}); using the default k_chunk "
-                     f"{DEFAULT_K_CHUNK}: re-run `localllm tune {self.path}`")
+                then = f"the next, {sel.candidates[1][0].name}" if len(sel.candidates) > 1 else \
+                    f"the default k_chunk {DEFAULT_K_CHUNK}"
+                w = f"tuning profile {path} does not fit this model ({e}); using {then}: re-run `localllm tune " \
+                    f"{self.path}`"
                 print(f"localllm: warning: {w}", file=sys.stderr)
-                sel.profile = None
                 sel.warnings.append(w)
-            else:
-                if placed:
-                    self.qdec_source, self.qdec_overhead = tuning.source_of(sel.profile), sel.profile.get("slowdown")
-                return
+                sel.misfits.append(sel.candidates.pop(0)[0])
+                continue
+            sel.path, sel.profile = path, profile
+            if placed:
+                self.qdec_source, self.qdec_overhead = tuning.source_of(profile), profile.get("slowdown")
+            return
+        sel.path = sel.profile = None
         if self._apply("approx", DEFAULT_K_CHUNK):
-            self.qdec_source = f"default k_chunk {DEFAULT_K_CHUNK}: no tuning profile for this GPU (run `localllm " \
-                               f"tune {self.path}`)"
+            self.qdec_source = f"default k_chunk {DEFAULT_K_CHUNK}: " + (
+                "this GPU's tuning profiles do not fit this model" if sel.misfits else
+                "no tuning profile for this GPU") + f" (run `localllm tune {self.path}`)"
             self.qdec_untuned = True
 
     def profiles_changed(self) -> None:
@@ -586,8 +592,9 @@ def describe(lm: LocalModel) -> dict:
         "kv_cache": {"bits": lm.kv_bits, "bytes_per_token": {b: kvquant.bytes_per_token(c, b) for b in kvquant.KV_BITS},
                      "cpu_bytes_per_token_16": kvquant.bytes_per_token(c, 16, cpu=True),  # float32 on the CPU
                      "smooth_attention": m.get("smooth_attention")},
-        # file -> None (a profile of this model, for the GPU it names) or why it is not one
-        "tuning_profiles": tuning.listing(lm.path, m.get("model_id")) if m else {},
+        # file -> the GPU and budget of a profile this model can run, or why it is not one
+        "tuning_profiles": tuning.listing(lm.path, m.get("model_id"), m["calibration"].get("kmax", 0),
+                                          c.num_layers) if m else {},
         "qdec": {"mode": lm.settings.mode, "k_chunk": lm.settings.k_chunk, "source": lm.qdec_source,
                  "blocks": {k: sorted(b) for k, b in lm.settings.blocks.items()}},
     }

@@ -300,6 +300,9 @@ def test_profile_round_trip_and_replacing_the_same_target(tmp_path):
     path2, old = P.write(tmp_path, d2)  # re-tuning the same GPU, model and budget replaces, and says so
     assert path2 == path and old == d and P.read(path) == d2
     assert [f.name for f in (tmp_path / "profiles").iterdir()] == [path.name]  # no temp files left
+    # a budget is a fraction of the decode step, as load() takes it: 5 (meant as 5%) is not one, nor is 0
+    for bad in (5, 0, -0.05, 1.01):
+        assert "no budget" in P.problems(a_profile(budget=bad)), bad
 
 
 def test_a_file_that_is_not_this_targets_profile_is_never_overwritten(tmp_path):
@@ -337,6 +340,8 @@ def test_select_takes_the_largest_budget_within_the_one_asked_for(tmp_path):
         P.write(tmp_path, a_profile(budget=b))
     pick = lambda b: P.select(tmp_path, H100["name"], 132, "abc", b)  # noqa: E731
     assert pick(0.05).profile["budget"] == 0.025 and not pick(0.05).warnings
+    # the others in order, should the runtime find one not to fit: within the budget largest first, then above it
+    assert [d["budget"] for _, d in pick(0.15).candidates] == [0.1, 0.025, 0.2]
     assert pick(0.1).profile["budget"] == 0.1
     assert pick(0.5).profile["budget"] == 0.2
     assert pick(0.01).profile["budget"] == 0.025  # none within: the smallest
@@ -496,7 +501,7 @@ def test_runtime_warns_and_uses_the_default_for_another_gpu_or_model(model_copy,
 
 
 def test_runtime_survives_a_corrupt_or_unfitting_profile(model_copy, fake_gpu, capsys):
-    from localllm.runtime import DEFAULT_K_CHUNK, load
+    from localllm.runtime import DEFAULT_K_CHUNK, describe, load
     (model_copy / "profiles").mkdir()
     (model_copy / "profiles" / "nvidia-h100-80gb-hbm3__5pct.json").write_text('{"format": 1, "gpu": ')
     lm = load(model_copy)
@@ -507,8 +512,20 @@ def test_runtime_survives_a_corrupt_or_unfitting_profile(model_copy, fake_gpu, c
     P.write(model_copy, a_profile(model_id=lm.manifest["model_id"], ks=(4, 4, 4, 999)), force=True)
     lm = load(model_copy)
     err = capsys.readouterr().err
-    assert "does not fit this model" in err and err.count("\n") == 1
-    assert lm.settings.k_chunk["down"] == DEFAULT_K_CHUNK and lm.qdec_source.startswith("default")
+    assert "does not fit this model" in err and err.count("\n") == 1 and "using the default k_chunk" in err
+    assert lm.settings.k_chunk["down"] == DEFAULT_K_CHUNK
+    assert lm.qdec_source.startswith(f"default k_chunk {DEFAULT_K_CHUNK}: this GPU's tuning profiles do not fit")
+    # ... or the next profile, where one fits: a smaller budget's (the largest within the budget asked for first)
+    P.write(model_copy, a_profile(model_id=lm.manifest["model_id"], budget=0.025, ks=(2, 2, 2, 2)))
+    lm = load(model_copy)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not fit this model" in err and "using the next, " in err
+    assert lm.settings.k_chunk == dict(zip(KINDS, (2, 2, 2, 2))) and "2.5% budget" in lm.qdec_source
+    assert describe(lm)["tuning_profiles"]["nvidia-h100-80gb-hbm3__5pct.json"].startswith(
+        "not usable: down k_chunk 999, past the")
+    lm.set_qdec("off")
+    lm.set_qdec("on")  # the lookup is kept: no second warning, the same profile
+    assert capsys.readouterr().err == "" and lm.settings.k_chunk["down"] == 2
 
 
 def test_cpu_ignores_profiles(model_copy, capsys):
@@ -528,11 +545,13 @@ def test_info_lists_profiles(model_copy, capsys):
     (model_copy / "profiles" / "other__20pct.json").write_text(json.dumps(a_profile(model_id="other")))
     d = describe(load(model_copy))
     assert d["tuning_profiles"] == {"broken__10pct.json": "unreadable: delete it or re-run `localllm tune`",
-                                    "nvidia-h100-80gb-hbm3__5pct.json": None,
-                                    "other__20pct.json": "made for another model (other)"} and d["qdec"]["source"]
+                                    "nvidia-h100-80gb-hbm3__5pct.json": "NVIDIA H100 80GB HBM3 (132 SMs), 5% budget",
+                                    "other__20pct.json": "not usable: made for another model (other)"}
+    assert d["qdec"]["source"]
     assert main(["info", str(model_copy)]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tuning"))
-    assert "nvidia-h100-80gb-hbm3__5pct.json," in line and "broken__10pct.json (unreadable" in line
+    assert "nvidia-h100-80gb-hbm3__5pct.json (NVIDIA H100 80GB HBM3 (132 SMs), 5% budget)," in line
+    assert "broken__10pct.json (unreadable" in line
 
 
 def test_cli_tune_without_a_gpu_is_one_line(tiny_quant):

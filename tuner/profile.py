@@ -3,7 +3,9 @@ MODEL/profiles/<gpu>__<budget>pct.json (e.g. nvidia-h100-80gb-hbm3__5pct.json), 
 
 Selection (select): among the folder's profiles made on this GPU (same name and SM count) for this model
 (manifest model_id), the one with the largest budget <= the budget asked for (default 5%); when every such profile
-has a larger budget, the smallest of them. Profiles of other GPUs or models are never used: the runtime warns in
+has a larger budget, the smallest of them. The others follow in the same order (Selection.candidates): where a
+profile does not fit the model after all (a k_chunk past its calibration, a block it does not have: a hand edit),
+the runtime says so and takes the next. Profiles of other GPUs or models are never used: the runtime warns in
 one line and runs with the default k_chunk. An unreadable profile is skipped with a one-line warning naming it.
 
 Writing (write): atomic (temp file + rename). A profile of the same (GPU, model, budget) is replaced, since
@@ -115,8 +117,8 @@ def problems(d) -> str | None:
         return "no gpu name and sm_count"
     if not isinstance(d.get("model_id"), str):
         return "no model_id"
-    if not _is_num(d.get("budget")) or d["budget"] < 0:
-        return "no budget"
+    if not _is_num(d.get("budget")) or not 1e-6 <= d["budget"] <= 1:  # (as load() takes budgets: 5% is 0.05)
+        return "no budget between 0.0001% and 100%, as a fraction"
     layers = d.get("layers")
     if not isinstance(layers, dict) or set(layers) != set(KINDS):
         return f"layers must give {', '.join(KINDS)}"
@@ -208,10 +210,24 @@ class Selection:
     profile: dict | None = None
     path: Path | None = None
     warnings: list[str] = field(default_factory=list)
+    candidates: list[tuple[Path, dict]] = field(default_factory=list)  # in order of preference: path, profile first
+    misfits: list[Path] = field(default_factory=list)  # candidates the runtime found not to fit the model
 
 
-def listing(model_dir: str | Path, model_id: str | None) -> dict[str, str | None]:
-    """Each profile file of the model folder -> None where it is a usable profile of this model, else why not."""
+def misfit(d: dict, kmax: int, blocks: int) -> str | None:
+    """Why a (readable) profile cannot run on a model whose calibration covers k_chunk <= kmax and that has `blocks`
+    decoder blocks, or None. (The runtime's own check, when it applies one, also knows the GPU.)"""
+    for kind, v in d["layers"].items():
+        if v["k_chunk"] > kmax:
+            return f"{kind} k_chunk {v['k_chunk']}, past the {kmax} its calibration covers"
+        if any(i >= blocks for i in v.get("blocks") or ()):
+            return f"{kind} blocks past this model's {blocks}"
+    return None
+
+
+def listing(model_dir: str | Path, model_id: str | None, kmax: int, blocks: int) -> dict[str, str]:
+    """Each profile file of the model folder -> what it is (the GPU and budget it was tuned for) where it is a
+    profile this model can run, else why it is not one."""
     folder = Path(model_dir) / DIR
     out = {}
     for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
@@ -221,7 +237,9 @@ def listing(model_dir: str | Path, model_id: str | None) -> dict[str, str | None
             out[p.name] = "not usable: delete it or re-run `localllm tune`" if "usable" in e.args[0] else \
                 "unreadable: delete it or re-run `localllm tune`"
             continue
-        out[p.name] = None if d["model_id"] == model_id else f"made for another model ({d['model_id']})"
+        why = f"made for another model ({d['model_id']})" if d["model_id"] != model_id else misfit(d, kmax, blocks)
+        out[p.name] = f"not usable: {why}" if why else \
+            f"{d['gpu']['name']} ({d['gpu']['sm_count']} SMs), {percent(d['budget'])}% budget"
     return out
 
 
@@ -244,8 +262,10 @@ def select(model_dir: str | Path, gpu_name: str, sm_count: int, model_id: str | 
         else:
             mine.append((d["budget"], p, d))
     if mine:
-        within = [m for m in mine if m[0] <= budget + 1e-9]
-        _, sel.path, sel.profile = max(within, key=lambda m: m[0]) if within else min(mine, key=lambda m: m[0])
+        within = sorted((m for m in mine if m[0] <= budget + 1e-9), key=lambda m: -m[0])  # the largest first
+        sel.candidates = [(p, d) for _, p, d in within + sorted((m for m in mine if m[0] > budget + 1e-9),
+                                                                 key=lambda m: m[0])]
+        sel.path, sel.profile = sel.candidates[0]
     elif others:
         more = f" and {len(others) - 2} more" if len(others) > 2 else ""
         sel.warnings.append(f"no tuning profile in {folder} fits this GPU ({gpu_name}, {sm_count} SMs) and model: "
