@@ -826,9 +826,14 @@ def main(parts: list[str] | None = None, kv_bits: int = 16) -> None:
     bad = [p for p in parts if p not in runs]
     if bad:
         raise LocalLLMError(f"unknown benchmark {', '.join(bad)}; choose from {', '.join(runs)}")
-    if not torch.cuda.is_available() and any(p not in CPU_PARTS for p in parts):
-        raise LocalLLMError(f"localllm bench measures the GPU kernels and needs a CUDA GPU; none is visible (only "
-                            f"{', '.join(CPU_PARTS)} runs on the CPU)")
+    gpu = [p for p in parts if p not in CPU_PARTS]
+    if gpu:  # said before the first measurement (quantize times torch's CUDA; the others the kernels, and CuPy)
+        from .kernels import cuda
+        why = cuda.unusable() if set(gpu) - {"quantize"} else \
+            None if torch.cuda.is_available() else "no CUDA GPU is visible"
+        if why:
+            raise LocalLLMError(f"`localllm bench {' '.join(gpu)}` measures the GPU, and cannot here: {why}; of the "
+                                f"benchmarks only {', '.join(CPU_PARTS)} runs on the CPU")
     print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
     for p in parts:
         runs[p]()

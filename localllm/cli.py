@@ -459,7 +459,7 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="GPU benchmarks: low-bit GEMV kernels vs memory bandwidth and fp16")
     b.add_argument("parts", nargs="*", metavar="PART",
                    help="gemv, gemv-lut, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune, prefill, kv, kv-ppl, "
-                        "quantize (default: gemv e2e demo; kv-ppl runs on the CPU too)")
+                        "quantize (default: gemv e2e demo; kv-ppl runs on the CPU too, ~25 min on two cores)")
     _kv_bits_option(b, "; for the decoders of e2e, demo, breakdown, e2e-qdec (kv and kv-ppl compare all three)")
     b.set_defaults(func=cmd_bench)
 

@@ -605,6 +605,9 @@ def _check_out(o: Options, out: Path) -> dict | None:
     """Refuse an --out this run may not write (--force and --update apply to a report's folder only); the report
     to go on with: an unfinished one, else the finished report.json, if any."""
     if not out.exists():
+        if o.update:  # (a mistyped folder would start a whole new report: hours on a real model)
+            raise LocalLLMError(f"--update adds to an earlier report, and there is no {out}; give that report's "
+                                "folder, or run without --update")
         atomic.check_writable(out)
         return None
     if not out.is_dir():

@@ -3,6 +3,7 @@ and every sentence about them comes from report.json (localllm.report measures).
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 
 from .model import KINDS
@@ -511,8 +512,7 @@ def render(report: dict, folder: Path) -> None:
             missing = ",".join(n for n in ("kernel", "pareto") if n not in secs)
             lines += [title, "", f"Skipped: {why}. On a machine with an NVIDIA GPU and CuPy "
                       f"(`pip install -e '.[cuda12,report]'`), add the GPU sections to this report with "
-                      f"`localllm report {_model_arg(report)}--out DIR --sections {missing} --update` "
-                      "(DIR: this report's folder; the same --bits, --tokens and --budget as it states).", ""]
+                      f"`{_gpu_command(report, missing)}` (DIR: this report's folder).", ""]
     if "quality" in secs:
         lines += checks_md(secs["quality"])
     (folder / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -558,7 +558,17 @@ def _run_md(i: int, run: dict) -> list[str]:
     return out + [""]
 
 
-def _model_arg(report: dict) -> str:
-    cmd = report["runs"][-1]["command"].split()
-    args = cmd[2:]
-    return f"{args[0]} " if args and not args[0].startswith("-") else ""
+def _gpu_command(report: dict, sections: str) -> str:
+    """The last run's command (its model and settings as given) measuring `sections` into DIR with --update."""
+    args, out, skip = shlex.split(report["runs"][-1]["command"])[2:], [], False
+    for a in args:
+        name = a.split("=", 1)[0]
+        if skip or name in ("--force", "--update"):
+            skip = False
+        elif name in ("-o", "--out", "--output", "--sections"):
+            skip = "=" not in a  # its value is the next argument
+        elif a.startswith("-o") and len(a) > 2:  # -oDIR
+            pass
+        else:
+            out.append(a)
+    return "localllm report " + " ".join(map(shlex.quote, out + ["-o", "DIR", "--sections", sections, "--update"]))

@@ -19,6 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from localllm.errors import script_main
+
 SETTINGS = {"off": "off", "k8": {"mode": "approx", "k_chunk": 8},
             "k8 gate_up": {"mode": "approx", "k_chunk": {"qkv": 0, "o": 0, "gate_up": 8, "down": 0}}}
 
@@ -81,4 +83,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_main(main))

@@ -12,6 +12,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
+from localllm.errors import script_main
 from localllm.loader import open_checkpoint
 
 LAYERS_PER_SHARD = 7
@@ -38,4 +39,4 @@ def main(src: Path, out: Path) -> None:
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit(__doc__)
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    script_main(main, Path(sys.argv[1]), Path(sys.argv[2]))

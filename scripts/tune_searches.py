@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from localllm.errors import script_main
 from localllm.evaluate import Reference, load_source, losses, read_text, tokenize
 from localllm.model import KINDS
 from localllm.runtime import load
@@ -55,4 +56,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from localllm.errors import script_main
 from localllm.evaluate import Reference, load_source, losses, paired_change, read_text, tokenize
 from localllm.runtime import load
 from localllm.tuner.timing import setting
@@ -64,4 +65,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -56,7 +56,9 @@ def test_report_folder_holds_markdown_and_valid_pngs(report):
     for title in ("Fig. 12", "Fig. 15", "Fig. 16", "Table 1", "Fig. 5b", "Fig. 17", "Fig. 18", "Checks"):
         assert title in md
     if not torch.cuda.is_available():  # the GPU sections say why they are missing and how to add them
-        assert md.count("Skipped: ") == 2 and "--sections kernel,pareto --update" in md
+        assert md.count("Skipped: ") == 2  # the run's own command, its folder and sections swapped
+        assert f"`localllm report {rep['runs'][0]['command'].split()[2]} --tokens {TOKENS} --ctx {CTX} --bits 2,3 " \
+            "--k-chunk 8,64 -o DIR --sections kernel,pareto --update`" in md
         assert set(rep["skipped"]) == {"kernel", "pareto"}
     run = rep["runs"][0]
     assert run["command"].startswith("localllm report ") and "--tokens 120" in run["command"]
@@ -203,6 +205,9 @@ def test_bad_input_is_one_line(tiny_ckpt, tiny_quant, tmp_path, capsys, monkeypa
         assert main(["report", str(tiny_ckpt), "--out", str(tmp_path / "old"), *args]) == 2, args
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1, (args, err)
+    # --update of a folder that is not there (mistyped): refused, not a new report
+    assert main(["report", str(tiny_ckpt), "-o", str(tmp_path / "typo"), "--update", "--tokens", "20"]) == 2
+    assert "there is no" in capsys.readouterr().err and not (tmp_path / "typo").exists()
     # the text is checked before the checkpoint opens (the model is missing too)
     assert main(["report", str(tmp_path / "no-model"), "--out", str(tmp_path / "t"), "--text",
                  str(tmp_path / "no.txt")]) == 2

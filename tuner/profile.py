@@ -34,7 +34,7 @@ class ProfileError(LocalLLMError):
     """A profile file that cannot be used as one (unreadable, malformed, another format)."""
 
 
-def parse_budgets(text: str) -> list[float]:
+def parse_budgets(text: str, example: str = "e.g. 5 or 2.5,5,10,20") -> list[float]:
     """"2.5,5,10,20", "5%" or "5" -> fractions [0.025, ...]: numbers are percent of the decode step."""
     out = []
     for part in str(text).split(","):
@@ -46,17 +46,17 @@ def parse_budgets(text: str) -> list[float]:
         except ValueError:
             v = math.nan
         if not 0 < v <= 100 or round(v / 100, 6) == 0:  # (a budget that rounds to 0 would be a 0 profile)
-            raise LocalLLMError(f"a budget is a percentage of the decode time from 0.0001 to 100, e.g. 5 or "
-                                f"2.5,5,10,20; got {part.strip()!r}")
+            raise LocalLLMError(f"a budget is a percentage of the decode time from 0.0001 to 100, {example}; got "
+                                f"{part.strip()!r}")
         out.append(round(v / 100, 6))
     if not out:
-        raise LocalLLMError(f"no budget given in {text!r}; use e.g. --budget 5 or --budget 2.5,5,10,20")
+        raise LocalLLMError(f"no budget given in {text!r}; give one, {example}")
     return sorted(set(out))
 
 
 def parse_budget(text: str) -> float:
     """One budget, as parse_budgets reads it: "5", "5%" or "2.5" -> a fraction."""
-    budgets = parse_budgets(text)
+    budgets = parse_budgets(text, "e.g. 5 or 2.5")
     if len(budgets) != 1:
         raise LocalLLMError(f"give one budget here, e.g. 5 or 5%, not {text!r}")
     return budgets[0]
