@@ -377,3 +377,28 @@ def test_generate_refuses_its_options_before_loading_and_ends_an_interrupted_rep
     assert main(["generate", str(tiny_quant), "hi", "--max-new-tokens", "8"]) == 130
     out, err = capsys.readouterr()
     assert out.endswith("\n") and out.strip() and "finished by cancelled" in err and err.endswith("interrupted\n")
+
+
+def test_chat_resume_takes_the_saved_system_prompt(tiny_quant, tmp_path, monkeypatch):
+    """`chat --resume FILE` without --system goes on with the saved chat's system prompt (with --system, that one)."""
+    import localllm.tui.app as app_mod
+    seen = {}
+
+    class Fake:  # what cmd_chat hands the app
+        working = False
+
+        def __init__(self, *a, **kw):
+            seen.clear()
+            seen.update(kw)
+
+        def run(self):
+            pass
+    monkeypatch.setattr(app_mod, "ChatApp", Fake)
+    f = tmp_path / "chat.json"
+    f.write_text(json.dumps({"format": "localllm-chat/1", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"}]}))
+    assert main(["chat", str(tiny_quant), "--resume", str(f), "--save-dir", str(tmp_path)]) in (0, None)
+    assert seen["settings"].system == "Be brief." and seen["resume"]["system"] == "Be brief."
+    assert main(["chat", str(tiny_quant), "--resume", str(f), "--system", "Be long.", "--top-k", "5"]) in (0, None)
+    assert seen["settings"].system == "Be long." and seen["settings"].top_k == 5

@@ -24,6 +24,16 @@ def outlier_keys(T: int, heads: int, D: int, channels=(3, 40)) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+def test_scale_and_zero_are_the_documented_fp16_values(bits):
+    """z = min rounded to fp16, s = (max - z) / levels rounded to fp16 (from the rounded z, so that the top code
+    reaches the max): exactly, since a round trip judged by the stored s and z cannot see which they are."""
+    x = torch.randn(50, 4, 128) * 3 + 1
+    _, sz = kvquant.quantize(x, bits)
+    z = x.amin(-1).half()
+    assert torch.equal(sz[..., 1], z) and torch.equal(sz[..., 0], ((x.amax(-1) - z.float()) / (2**bits - 1)).half())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_round_trip_within_half_a_step(bits):
     levels = 2**bits - 1
     x = outlier_keys(300, 3, 128)

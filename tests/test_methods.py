@@ -88,6 +88,16 @@ def test_awq_fold_computes_the_same_function(seed):
         awq.fold(t, CFG, {"o": torch.rand(CFG.q_size) + 0.5})
 
 
+def test_awq_ties_o_statistics_across_each_gqa_group(seed):
+    """o's input channels that share a v channel (GQA) get one statistic: their group's mean, repeated."""
+    torch.manual_seed(seed % 2**31)
+    v = torch.rand(CFG.q_size)
+    group = CFG.num_heads // CFG.num_kv_heads
+    assert group > 1
+    want = v.view(CFG.num_kv_heads, group, CFG.head_dim).mean(1, keepdim=True).expand(-1, group, -1).reshape(-1)
+    assert torch.allclose(awq.tied(v, CFG), want), f"seed={seed}"
+
+
 def test_awq_search_beats_rtn_on_outlier_channels(seed, monkeypatch):
     torch.manual_seed(seed % 2**31)
     w = torch.randn(64, 256) * 0.02
@@ -326,6 +336,28 @@ def test_quantize_lut_grouped(bits, seed):
     assert (q.dequantize()[3, 128:256] - 0.01).abs().max() < 1e-5  # the constant group, through its offset
     with pytest.raises(ValueError, match="multiple of 64"):
         quantize_lut(w, bits, group_size=96)
+    # the partial last group's range is its own 64 weights' (one-signed ones here: padding would reach 0)
+    w1 = torch.randn(32, k) * 0.05 + 0.3
+    s, o = table_groups(w1, bits, 128)
+    s_last, o_last = table_groups(w1[:, 512:], bits, 64)  # the same weights as a whole group
+    assert torch.equal(s[:, 4], s_last[:, 0]) and torch.equal(o[:, 4], o_last[:, 0]), f"seed={seed}"
+    lo = w1[:, 512:].amin(1)
+    assert (o[:, 4].float() <= lo).all() and (o[:, 4].float() > lo - 1e-3).all()
+
+
+def test_a_refit_table_keeps_each_weights_value_whatever_order_it_comes_in(seed, monkeypatch):
+    """refit_table may return a row's values in another order than the codes were drawn against: the codes are
+    renumbered with it. (A real refit mostly swaps neighbours, for which a wrong renumbering agrees; a cyclic shift
+    does not.)"""
+    torch.manual_seed(seed % 2**31)
+    w, x = torch.randn(32, 128) * 0.02, torch.randn(200, 128)
+    cent = lut_centroids(w, 3)
+    codes = (w[:, :, None] - cent.float()[:, None, :]).abs().argmin(-1)
+    table = cent.double().roll(1, dims=1)
+    monkeypatch.setattr(quant, "refit_table", lambda *a, **k: table)
+    q = quantize_lut(w, 3, None, x)
+    want = QuantLUT(q.qweight, table.half(), 3, 128)  # (the shifted table, the codes as first drawn)
+    assert torch.equal(q.dequantize(), want.values().gather(1, codes)), f"seed={seed}"
 
 
 @pytest.mark.parametrize("bits", (2, 3, 4))

@@ -139,6 +139,16 @@ def test_truncated_file_is_refused(broken):
         load(broken)
 
 
+def test_file_digests_cover_files_past_one_read(tmp_path):
+    """The test models' files are smaller than one read of sha256_files: a real model's byte past it is checked too."""
+    import hashlib
+
+    from localllm.digest import sha256_files
+    data = torch.randint(0, 256, (40 << 20,), dtype=torch.uint8).numpy().tobytes()
+    (tmp_path / "big.bin").write_bytes(data)
+    assert sha256_files([tmp_path / "big.bin"]) == [hashlib.sha256(data).hexdigest()]
+
+
 def test_flipped_byte_is_refused(broken):
     f = broken / "residuals.safetensors"
     data = bytearray(f.read_bytes())

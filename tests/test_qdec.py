@@ -373,3 +373,30 @@ def test_a_models_layers_select_as_their_mode_says(tiny_quant, mode):
                               for s, e in chunk_bounds(x.shape[1])]).expand(x.shape[0], -1)
         assert torch.equal(idx.sort(1).values, want.sort(1).values), lin.kind
     assert mode == "static" or differs  # (else this would not tell approx from exact top-k)
+
+
+def test_b15_is_the_kth_largest_of_its_k_chunk(seed):
+    """The bucket boundary of approximate top-k at k_chunk kc: the calibration's kc-th value (the kernel and the CPU
+    both take it from here, so a test that computes its expectation through b15 cannot see it shift)."""
+    st = ActStats(1536, kmax=300)
+    st.update(torch.randn(9, 1536, generator=gen(seed)))
+    for kc in (1, 2, 31, 64, 300):
+        assert st.b15(kc) == float(st.kth[kc - 1]), (kc, seed)
+
+
+def test_approx_takes_the_boundary_bucket_in_boundary_order(seed):
+    """Which channels of the boundary bucket approximate top-k takes, not only how many: the k smallest of
+    bucket * 1024 + (i * A + off) mod 1024 per chunk, from a plain reference."""
+    x = torch.randn(16, 1536, generator=gen(seed))
+    b0, b15, kc = 3.0, 1.0, 24
+    got = select_approx(x, kc, b0, b15)
+    col = 0
+    for s, e in chunk_bounds(1536):
+        k = k_for_chunk(kc, e - s)
+        A, off = boundary_order(x[:, s:e])
+        for t in range(16):
+            b = bucket_index(x[t, s:e].abs(), b0, b15).long()
+            p = (torch.arange(e - s) * A[t, 0] + off[t, 0]) % 1024
+            want = sorted((b * 1024 + p).argsort()[:k].add(s).tolist())
+            assert got[t, col:col + k].tolist() == want, (t, s, seed)
+        col += k

@@ -210,6 +210,18 @@ def test_k_is_capped_by_each_layers_bound_and_zero_bound_is_not_a_fallback():
     check_choice(p, memo, c, 100.0)
 
 
+def test_memo_asks_the_oracle_for_the_point_asked_for():
+    asked = []
+
+    def oracle(kind, n_tb, k):
+        asked.append((kind, n_tb, k))
+        return 1e-6 * (1 + n_tb + k)
+    memo = Memo(oracle)
+    t = [memo("o", 4, 2), memo("o", 8, 2), memo("o", 4, 2), memo("o", 3, 0)]
+    assert asked == [("o", 4, 2), ("o", 8, 2), ("o", 0, 0)]  # k_chunk 0: the base GEMV, whatever n_tb
+    assert t == [7e-6, 11e-6, 7e-6, 1e-6] and memo.points == {a: oracle(*a) for a in asked[:3]}
+
+
 def test_every_point_is_measured_once_and_base_once_per_kind():
     p = problem()
     asked = []
