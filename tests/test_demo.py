@@ -49,7 +49,7 @@ def test_quantized_demo_answers(tmp_path_factory, ckpt):
     # a tied head gets its own 8-bit weights; the parameter count is still the source's (the head is its embeddings)
     from localllm.runtime import describe
     assert lm.manifest["quant"]["head"]["bits"] == 8 and lm.model.head.quant is not None
-    src, cfg = dense_model(ckpt), ckpt.config
+    src = dense_model(ckpt)
     assert describe(lm)["parameters"] == sum(p.numel() for p in src.parameters())
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     reply = generate(lm, msgs, max_new_tokens=24, temperature=0, seed=0)
