@@ -77,9 +77,12 @@ def cmd_generate(a) -> None:
         why = "is not quantized (a dense checkpoint)" if lm.manifest is None else "has no QDEC residuals"
         print(f"localllm: {lm.path} {why}; generating without compensation", file=sys.stderr)
     use_chat = not a.raw and getattr(lm.tokenizer, "chat_template", None)
-    if a.system and not use_chat:
-        print("localllm: --system needs the model's chat template" + (", which --raw turns off" if a.raw else
-              f"; {lm.path} has none") + ": the system prompt is not used", file=sys.stderr)
+    if not a.raw and not use_chat:  # (a base model; or an instruct model's folder that lost its template)
+        print(f"localllm: {lm.path} has no chat template: the prompt is continued as plain text, as with --raw"
+              + ("; --system is not used" if a.system else ""), file=sys.stderr)
+    elif a.system and a.raw:
+        print("localllm: --system needs the model's chat template, which --raw turns off: the system prompt is not "
+              "used", file=sys.stderr)
     msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
     if lm.model.device.type == "cpu":  # the weights' CPU form now (with its bar): "first token" then times the prompt
         lm.model.make_ready()

@@ -203,19 +203,20 @@ def _download(repo_id: str) -> Path:
                                                                "*.jinja"], ignore_patterns=["consolidated*"]))
     except Exception as e:  # offline, unknown repo, gated repo: all the same advice
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first if len(first) <= 160 else first[:160].rsplit(" ", 1)[0] + " ..."  # (whole words)
         raise LocalLLMError(f"'{repo_id}' is not a local path and could not be fetched from the Hugging Face hub "
-                            f"({first[:160]}); download the checkpoint and pass its folder") from None
+                            f"({first}); download the checkpoint and pass its folder") from None
 
 
-def tokenizer_of(path: Path, **kw):
-    """The tokenizer of a checkpoint or quantized model folder (or of a GGUF file in it: gguf_file=), or a one-line
-    error where its files are missing or damaged."""
+def tokenizer_of(path: Path, vocab_size: int, **kw):
+    """The tokenizer of a checkpoint or quantized model folder (or of a GGUF file in it: gguf_file=) whose model has
+    vocab_size embeddings, or a one-line error where its files are missing, damaged or of another model."""
     from transformers import AutoTokenizer
-    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json")  # (tokenizer_config.json alone makes 3 tokens)
     folder = "gguf_file" not in kw and Path(path).is_dir()  # (a GGUF's tokenizer is in the file)
     if folder and not any((Path(path) / n).exists() for n in names):
-        raise LocalLLMError(f"{path} holds no tokenizer files: copy the model's tokenizer.json (or tokenizer.model) "
-                            "and tokenizer_config.json into it from its source")
+        raise LocalLLMError(f"{path} holds no tokenizer vocabulary: copy the model's tokenizer.json (or "
+                            "tokenizer.model) and tokenizer_config.json into it from its source")
     if folder and (Path(path) / "tokenizer.model").exists() and not (Path(path) / "tokenizer.json").exists() and \
             not _sentencepiece():
         raise LocalLLMError(f"{path}'s tokenizer is tokenizer.model (SentencePiece) alone, which transformers reads "
@@ -224,12 +225,16 @@ def tokenizer_of(path: Path, **kw):
     try:
         # no "clean-up" of decoded text: it strips spaces before punctuation, which BPE tokens spell on purpose
         # (transformers skips it for BPE anyway, with a warning on every run)
-        return AutoTokenizer.from_pretrained(str(path), clean_up_tokenization_spaces=False, **kw)
+        tok = AutoTokenizer.from_pretrained(str(path), clean_up_tokenization_spaces=False, **kw)
     except Exception as e:
         why = " ".join(str(e).split())[:160]  # one line
         raise LocalLLMError(f"cannot load the tokenizer from {path} ({type(e).__name__}: {why}); the folder needs "
                             "intact tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json) and, "
                             "for a checkpoint, a valid config.json: copy them again from the source") from None
+    if len(tok) < min(256, vocab_size // 2):  # (bytes alone are 256 tokens; tokenizer_config.json alone makes 3)
+        raise LocalLLMError(f"the tokenizer in {path} knows {len(tok)} tokens, its model {vocab_size}: the tokenizer "
+                            "files are damaged or of another model; copy the model's own from its source")
+    return tok
 
 
 def check_token_ids(ids, vocab_size: int) -> None:
@@ -282,13 +287,17 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
             "Face format's model*.safetensors is)" if (path / "consolidated.safetensors").exists() else ""
         raise LocalLLMError(f"{path} has no Hugging Face .safetensors weight files{hint}")
     where: dict[str, object] = {}
+    file_of: dict[str, Path] = {}
     for f in files:
         try:
             h = safe_open(str(f), framework="pt")
         except (SafetensorError, OSError, ValueError) as e:
             raise LocalLLMError(f"corrupt or truncated weight file {f} ({e}); re-download it") from None
         for k in h.keys():
-            where[k] = h
+            if k in file_of:  # two copies (e.g. an old export beside the new): which one is the model's is not known
+                raise LocalLLMError(f"{file_of[k].name} and {f.name} in {path} both hold {k}: two models' weights in "
+                                    "one folder; move the one that is not this model's out of it")
+            where[k], file_of[k] = h, f
     layers = {int(k.split(".")[2]) for k in where if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
     if layers and max(layers) >= config.num_layers:
         raise LocalLLMError(f"{path}'s weights hold {max(layers) + 1} decoder layers, its config.json "
@@ -308,7 +317,7 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
         print(f"localllm: warning: {path} says its output head is tied to the embeddings, but its lm_head.weight "
               "differs from them: using lm_head.weight", file=sys.stderr)
         config = replace(config, tie_word_embeddings=False)
-    ckpt = Checkpoint(config, tokenizer_of(path), source, files, get, set(where))
+    ckpt = Checkpoint(config, tokenizer_of(path, config.vocab_size), source, files, get, set(where))
     ckpt.check_complete()
     ckpt.eos_ids  # (a damaged generation_config.json: said now, not after the work)
     return ckpt
@@ -464,7 +473,7 @@ def _read_gguf(folder: Path, name: str, done: Callable[[str], None]) -> Checkpoi
         raise _unreadable_gguf(f, e) from None
     done("tokenizer")
     try:  # before the weights, which take minutes to dequantize on a large model
-        tokenizer = tokenizer_of(folder, gguf_file=name)
+        tokenizer = tokenizer_of(folder, hf_config.vocab_size, gguf_file=name)
     except LocalLLMError:
         raise LocalLLMError(f"{f} holds no tokenizer transformers can read (its tokenizer.ggml.* keys): put the "
                             "model's tokenizer.json and tokenizer_config.json beside it") from None

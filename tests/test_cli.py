@@ -209,11 +209,24 @@ def test_a_damaged_tokenizer_is_one_line(tiny_quant, tmp_path, capsys):
     assert main(["generate", str(copy), "hi", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "cannot load the tokenizer" in err and "tokenizer.json" in err and len(err.strip().splitlines()) == 1
+    (copy / "tokenizer.json").unlink()  # tokenizer_config.json alone (transformers makes 3 tokens of it: "" replies)
+    assert main(["generate", str(copy), "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{copy} holds no tokenizer vocabulary" in err and len(err.strip().splitlines()) == 1
     for f in copy.glob("tokenizer*"):  # none at all: said plainly
         f.unlink()
     assert main(["generate", str(copy), "hi", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
-    assert f"{copy} holds no tokenizer files" in err and len(err.strip().splitlines()) == 1
+    assert f"{copy} holds no tokenizer vocabulary" in err and len(err.strip().splitlines()) == 1
+    # a vocabulary of another (tiny) tokenizer: fewer tokens than bytes
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+    words = Tokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(str(copy))
+    assert main(["generate", str(copy), "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "knows" in err and "of another model" in err and len(err.strip().splitlines()) == 1
 
 
 def test_the_source_is_recorded_by_its_absolute_path(tiny_ckpt, tmp_path, monkeypatch):
@@ -224,7 +237,7 @@ def test_the_source_is_recorded_by_its_absolute_path(tiny_ckpt, tmp_path, monkey
     assert json.loads((out / "localllm.json").read_text())["source"]["path"] == str(tiny_ckpt.resolve())
 
 
-def test_small_things_a_user_meets(tiny_quant, capsys, monkeypatch):
+def test_small_things_a_user_meets(tiny_quant, tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out.startswith("localllm ")
@@ -236,6 +249,16 @@ def test_small_things_a_user_meets(tiny_quant, capsys, monkeypatch):
                  "--qdec", "off"]) == 0
     err = capsys.readouterr().err
     assert "--system needs the model's chat template" in err and "; QDEC off;" in err
+    # a model without a chat template continues the prompt, and says so
+    import shutil
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_quant, plain)
+    cfg = plain / "tokenizer_config.json"
+    cfg.write_text(json.dumps({k: v for k, v in json.loads(cfg.read_text()).items() if k != "chat_template"}))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    assert main(["generate", str(plain), "hi", "--system", "Be brief.", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert f"{plain} has no chat template: the prompt is continued as plain text" in err and "--system is not" in err
     # "-": the prompt from standard input, as given on the command line
     stdin = lambda data: monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))  # noqa: E731
     stdin(b"hi\n")  # (echo's newline is not part of the prompt: --raw would continue after it)

@@ -191,6 +191,12 @@ def test_checkpoint_layouts_of_real_repos(tmp_path):
     (path / "model.safetensors").unlink()
     (path / "model.safetensors.index.json").unlink()
     assert [f.name for f in open_checkpoint(path).files] == ["model-00001-of-00001.safetensors"]
+    # with no index, every file: two holding the same tensor are two models' (an old export beside the new)
+    (path / "model-old.safetensors").write_bytes((path / "model-00001-of-00001.safetensors").read_bytes())
+    with pytest.raises(LocalLLMError, match="model-00001-of-00001.safetensors and model-old.safetensors in .* both "
+                                            "hold .*move the one that is not this model's out"):
+        open_checkpoint(path)
+    (path / "model-old.safetensors").unlink()
     (path / "generation_config.json").write_text('{"eos_token_id": [5,')
     with pytest.raises(LocalLLMError, match="generation_config.json is not valid JSON"):
         open_checkpoint(path).eos_ids
