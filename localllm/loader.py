@@ -416,10 +416,11 @@ def _unreadable_gguf(f: Path, e: Exception) -> LocalLLMError:
 @contextlib.contextmanager
 def _gguf_parsed_once():
     """transformers parses a GGUF file anew for its config, its tokenizer and its weights (the tokenizer's fields:
-    seconds each), and builds gguf's tensor-name map once per submodule of the model. While this is open, one parse
-    per file and one map per (architecture, layers) serve every call: the demo model's GGUF opens in ~8 s instead of
-    ~17 on two cores. Both are only read. Process-wide while a GGUF loads (gguf's own names are what transformers
-    imports at each call)."""
+    seconds each), turns its metadata fields into a config and tokenizer dict for the first two, and builds gguf's
+    tensor-name map once per submodule of the model. While this is open, one parse per file, one metadata dict (a
+    copy to each caller) and one map per (architecture, layers) serve every call: the demo model's GGUF opens in ~7 s
+    instead of ~17 on two cores. The parses and maps are only read. Process-wide while a GGUF loads (gguf's and
+    transformers' own names are what transformers imports at each call)."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
     reader, name_map, hf_load = gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint
