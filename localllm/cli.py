@@ -74,8 +74,7 @@ def cmd_generate(a) -> None:
     lm = load(model, gguf_file=a.gguf_file, device=a.device, qdec=a.qdec, budget=a.budget, kv_bits=a.kv_bits,
               prefill_int8=a.prefill_int8, tune=False)
     if a.qdec != "off" and not lm.has_residuals:
-        why = "is not quantized (a dense checkpoint)" if lm.manifest is None else "has no QDEC residuals"
-        print(f"localllm: {lm.path} {why}; generating without compensation", file=sys.stderr)
+        print(f"localllm: {lm.path} {_uncompensated(lm)}; generating without compensation", file=sys.stderr)
     use_chat = not a.raw and getattr(lm.tokenizer, "chat_template", None)
     if not a.raw and not use_chat:  # (a base model; or an instruct model's folder that lost its template)
         print(f"localllm: {lm.path} has no chat template: the prompt is continued as plain text, as with --raw"
@@ -98,6 +97,11 @@ def cmd_generate(a) -> None:
         _reply_done(lm, s)
         raise
     _reply_done(lm, s)
+
+
+def _uncompensated(lm) -> str:
+    """Why a model has nothing for QDEC to run."""
+    return "is not quantized (a dense checkpoint)" if lm.manifest is None else "has no QDEC residuals"
 
 
 def _reply_done(lm, s) -> None:
@@ -231,7 +235,7 @@ def cmd_eval(a) -> None:
     lm = load(a.model, gguf_file=a.gguf_file, qdec="off", device=a.device, kv_bits=a.kv_bits,
               prefill_int8=a.prefill_int8)
     if a.qdec is None and not lm.has_residuals:  # the default modes: what this model can run
-        print(f"localllm: {lm.path} has no QDEC residuals; evaluating with QDEC off only", file=sys.stderr)
+        print(f"localllm: {lm.path} {_uncompensated(lm)}; evaluating with QDEC off only", file=sys.stderr)
         modes = ["off"]
     ids = tokenize(lm, text, a.max_tokens)
     reference = None

@@ -512,7 +512,8 @@ def fit_cpu_memory(lm: LocalModel) -> None:
     for lin in lins:
         lin.unpack()
     print(f"localllm: on the CPU {lm.path}'s weights as float32 would take {size(as_float32)} more and "
-          f"{size(free)} is available: they run from their codes unpacked ({size(unpacked)} more), dequantized a "
+          f"{size(free)} is available ({size(CPU_HEADROOM)} of it kept for activations and the KV cache): they run "
+          f"from their codes unpacked ({size(unpacked)} more), dequantized a "
           "slice at a time: the same results, slower" + ("" if unpacked <= room else "; even that does not fit: "
           "expect swapping or the OOM killer") + "; a GPU (--device cuda) keeps the weights packed", file=sys.stderr)
 

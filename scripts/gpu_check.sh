@@ -10,6 +10,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+# no usable GPU (none, no CuPy): one line, not a screen of failed GPU tests
+why=$(python3 -c "from localllm.kernels import cuda; print(cuda.unusable() or '')") || exit 1
+if [ -n "$why" ]; then echo "gpu_check.sh runs the GPU tests and benchmarks, and cannot here: $why" >&2; exit 2; fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 # optional arguments: which benchmarks (localllm.bench: gemv, gemv-lut, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune,
 # prefill, kv, kv-ppl, quantize; --kv-bits 8|4 for the decoders of e2e, demo, breakdown, e2e-qdec);
