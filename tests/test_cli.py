@@ -191,7 +191,7 @@ def test_eval_of_a_model_without_residuals_runs_qdec_off(tiny_ckpt, capsys):
     here); asked for explicitly, approx is refused."""
     assert main(["eval", str(tiny_ckpt), "--max-tokens", "40"]) == 0
     out, err = capsys.readouterr()
-    assert "no QDEC residuals; evaluating with QDEC off only" in err and "windows of 256" in out
+    assert "is not quantized (a dense checkpoint); evaluating with QDEC off only" in err and "windows of 256" in out
     rows = [line.split()[0] for line in out.splitlines()[2:] if line.strip() and not line.startswith("(")]  # (notes)
     assert rows == ["off"], out
     assert main(["eval", str(tiny_ckpt), "--max-tokens", "40", "--ctx", "16", "--qdec", "off,approx"]) == 2
