@@ -15,7 +15,7 @@ Methods (the base quantizer; QDEC works on top of each):
     squeezellm  non-uniform: per output channel, 2^bits fp16 values over the weights of each group of 128
                 mapped onto [0, 2^bits - 1] by the group's min and max (quant.QuantLUT), by k-means weighted by
                 each weight's sensitivity, the mean x^2 of its input channel on the block's calibration inputs
-                times its group's scale squared (quant.quantize_lut), then refit to the layer's output error on
+                times its group's scale squared (squeezellm.quantize_lut), then refit to the layer's output error on
                 those inputs (refit_inputs)
 Mixed bits (3.5): every block is quantized alone and scored by the KL divergence of the model's output from the
 source model's (kl_sensitivity); the less sensitive half gets 3 bits, the rest 4.
@@ -58,7 +58,8 @@ from .progress import progress
 from .qdec import ActStats, select_exact
 from .smooth_attention import ALPHA as SMOOTH_ALPHA, factors as smooth_factors, fold as smooth_fold, key_max
 from .quant import (BASE_BITS, GPU_BLOCKS, GROUP_SIZES, HEAD_BITS, HEAD_GROUP, HEAD_WIDTHS, TABLE_GROUP, TILE_K,
-                    TILE_N, gpu_row_blocks_at, quantize_lut, quantize_residual, quantize_rtn)
+                    TILE_N, gpu_row_blocks_at, quantize_residual, quantize_rtn)
+from .squeezellm import quantize_lut
 
 DEFAULT_CALIB = "calibration.txt"  # shipped in localllm/data
 METHODS = ("rtn", "awq", "squeezellm")
@@ -179,7 +180,7 @@ def quantize_block(t: dict, bits: int, group_size: int, residuals: bool, method:
 
 
 def refit_inputs(x: torch.Tensor) -> torch.Tensor:
-    """What squeezellm's tables are refit on (quant.refit_table): REFIT_TOKENS of the calibration inputs x [T, K]
+    """What squeezellm's tables are refit on (squeezellm.refit_table): REFIT_TOKENS of the calibration inputs x [T, K]
     (evenly spaced), once as they are and once with each token's REFIT_K_CHUNK largest |x| per 1024 channels zeroed,
     the channels that QDEC compensates at that k_chunk. Refit on the plain inputs alone, the tables spent their
     precision on those channels (demo model, 3 bits, QDEC off / k8 / k8 gate_up: 67.25 / 46.66 / 62.44 before any

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from localllm.kernels.gemv import PackedLUT, lane_rows, lut_pairs, lut_record_bytes
-from localllm.quant import BASE_BITS, QuantLUT, pack_codes, quantize_lut
+from localllm.quant import BASE_BITS, QuantLUT, pack_codes
+from localllm.squeezellm import quantize_lut
 
 HERE = Path(__file__).parent
 KERNELS = HERE.parent / "kernels"

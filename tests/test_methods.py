@@ -7,15 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from localllm import awq, quant
+from localllm import awq, quant, squeezellm
 from localllm.config import ModelConfig, rope_inv_freq
 from localllm.errors import LocalLLMError
 from localllm.model import KINDS, QdecSettings, attention_mask, build_block, rope_tables
-from localllm.quant import (TABLE_LEVELS, QuantLUT, lut_centroids, pack_codes, quantize_lut, quantize_rtn,
-                            refit_table, rtn_dequantized, table_groups, unpack_codes)
+from localllm.quant import TABLE_LEVELS, QuantLUT, pack_codes, quantize_rtn, rtn_dequantized, unpack_codes
 from localllm.quantize import (REFIT_K_CHUNK, REFIT_TOKENS, GpuMemoryFit, block_inputs, kl_sensitivity, mixed_bits,
                                quantize, quantize_block, refit_inputs)
 from localllm.runtime import describe, load
+from localllm.squeezellm import lut_centroids, quantize_lut, refit_table, table_groups
 
 
 @pytest.fixture
@@ -354,7 +354,7 @@ def test_a_refit_table_keeps_each_weights_value_whatever_order_it_comes_in(seed,
     cent = lut_centroids(w, 3)
     codes = (w[:, :, None] - cent.float()[:, None, :]).abs().argmin(-1)
     table = cent.double().roll(1, dims=1)
-    monkeypatch.setattr(quant, "refit_table", lambda *a, **k: table)
+    monkeypatch.setattr(squeezellm, "refit_table", lambda *a, **k: table)
     q = quantize_lut(w, 3, None, x)
     want = QuantLUT(q.qweight, table.half(), 3, 128)  # (the shifted table, the codes as first drawn)
     assert torch.equal(q.dequantize(), want.values().gather(1, codes)), f"seed={seed}"
