@@ -59,7 +59,12 @@ def demo_model(bits: int = DEFAULT_BITS, smooth_attention: bool = True) -> Path:
         from .quantize import quantize
         src = demo_gguf()
         print(f"localllm: quantizing the demo model to {bits} bits (once) ...", file=sys.stderr)
-        quantize(str(src), str(out), bits=bits, smooth_attention=smooth_attention)
+        try:
+            quantize(str(src), str(out), bits=bits, smooth_attention=smooth_attention)
+        except LocalLLMError:
+            if not _current(out, smooth_attention):
+                raise
+            # another localllm (a second terminal's first run) put the same model in place meanwhile: use it
     return out
 
 

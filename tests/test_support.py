@@ -349,3 +349,30 @@ def test_a_path_that_is_not_utf8_is_refused_in_one_line(tiny_quant, tmp_path):
         with pytest.raises(LocalLLMError, match=r"^the path .* is not valid UTF-8 \(a name in another encoding\): "
                                                 "rename or move it$"):
             call()
+
+
+def test_a_demo_model_another_run_made_meanwhile_is_used(tiny_quant, tmp_path, monkeypatch):
+    """Two first runs at once (two terminals) both quantize the demo model; the second to finish finds the first's
+    folder in place and uses it, instead of failing on "already exists". A failure with nothing in place still
+    raises."""
+    import shutil
+
+    import localllm.quantize
+    from localllm import demo
+    from localllm.errors import LocalLLMError
+    monkeypatch.setenv("LOCALLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(demo, "demo_gguf", lambda: tmp_path / "demo.gguf")
+
+    def raced(src, out, **kw):  # the other run renames its folder into place first
+        shutil.copytree(tiny_quant, out)
+        raise LocalLLMError(f"{out} already exists; choose another output path or remove it first")
+    monkeypatch.setattr(localllm.quantize, "quantize", raced)
+    out = demo.demo_model()
+    assert out.parent == tmp_path / "models" and (out / "localllm.json").exists()
+
+    def failed(src, out, **kw):
+        raise LocalLLMError("the disk is full")
+    shutil.rmtree(out)
+    monkeypatch.setattr(localllm.quantize, "quantize", failed)
+    with pytest.raises(LocalLLMError, match="disk is full"):
+        demo.demo_model()
