@@ -37,7 +37,8 @@ def _temp_file(path: str | os.PathLike, data: bytes):
     """Yield the name of a temp file beside `path` holding `data` (on disk); it is removed afterwards."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_orphans(path)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         os.chmod(tmp, _usual_mode(0o666))  # mkstemp's 0600 would make the user's file private
         with os.fdopen(fd, "wb") as f:
@@ -84,17 +85,39 @@ def check_writable(path: str | os.PathLike, fix: str = "choose an output path in
                             f"{fix}") from None
 
 
-_OWNER = f"{socket.gethostname().replace('.', '-')}-"  # temp folders' owner: this host, then a process id
+_OWNER = f"{socket.gethostname().replace('.', '-')}-"  # temp files' and folders' owner: this host, then a process id
 
 
-def _remove_orphans(path: Path) -> None:
-    """Remove the temp folders of `path` that a process of this host, no longer running, left."""
+def _temp_prefix(path: Path) -> str:
+    """How a temp file or folder for `path` begins: hidden, then its name, this host and this process."""
+    return f".{path.name}.{_OWNER}{os.getpid()}."
+
+
+def remove_orphans(path: str | os.PathLike) -> None:
+    """Remove the temp files and folders for `path` that a process of this host, no longer running, left (SIGKILL,
+    a power cut: no cleanup ran)."""
+    path = Path(path)
     for d in path.parent.glob(f".{glob.escape(path.name)}.{glob.escape(_OWNER)}*.tmp"):
         pid = d.name[len(path.name) + len(_OWNER) + 2:].split(".", 1)[0]
         if not pid.isdigit() or _running(int(pid)):
             continue
-        shutil.rmtree(d, ignore_errors=True)
+        if d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+        else:
+            d.unlink(missing_ok=True)
         print(f"localllm: removed {d}, the unfinished copy an interrupted run left", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def temp_folder(path: str | os.PathLike):
+    """Yield a temp folder beside `path`, named for it (as remove_orphans finds it), removed afterwards."""
+    path = Path(path)
+    remove_orphans(path)
+    tmp = tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
+    try:
+        yield Path(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _running(pid: int) -> bool:
@@ -117,8 +140,8 @@ def new_folder(path: str | os.PathLike):
     if path.exists():
         raise LocalLLMError(f"{path} already exists; choose another output path or remove it first")
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_orphans(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{_OWNER}{os.getpid()}.", suffix=".tmp", dir=path.parent))
+    remove_orphans(path)
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent))
     os.chmod(tmp, _usual_mode(0o777))  # mkdtemp's 0700 would make the user's folder private
     try:
         yield tmp

@@ -539,8 +539,10 @@ def main(argv: list[str] | None = None) -> int:
             stream.reconfigure(errors="replace")
     # `timeout`, kill, a closed terminal: unwind as Ctrl+C does, so that no unfinished temp folder is left behind
     # (not in the chat, whose terminal Textual restores; not off the main thread, where Python allows no handler)
+    # (a signal ignored, as nohup ignores SIGHUP, stays ignored: the run outlives the terminal, as asked)
     unwind = a.command != "chat" and threading.current_thread() is threading.main_thread()
-    before = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)} if unwind else {}
+    before = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
+              if signal.getsignal(sig) is not signal.SIG_IGN} if unwind else {}
     try:
         return _run(a)
     finally:

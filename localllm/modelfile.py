@@ -89,7 +89,12 @@ def save(out: str | Path, manifest: dict, tensors: tuple[dict, dict, dict], toke
                 except SafetensorError as e:  # e.g. a full disk or a file-size limit: as the OSError it wraps
                     raise OSError(f"cannot write {out / name}: {e}") from None
                 files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_files([tmp / name])[0]}
-        tokenizer.save_pretrained(str(tmp))
+        try:
+            tokenizer.save_pretrained(str(tmp))
+        except OSError:
+            raise
+        except Exception as e:  # the tokenizers library's own errors (a full disk: "No space left on device") too
+            raise OSError(f"cannot write the tokenizer into {out}: {e}") from None
         manifest = {"format": "localllm", "format_version": FORMAT_VERSION, "created_by": f"localllm {__version__}",
                     **manifest, "files": files,
                     "model_id": model_id(files)}

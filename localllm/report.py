@@ -35,7 +35,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -137,18 +136,26 @@ def variant(ckpt, sha: str, name: str, bits: int, group_size: int, src: str) -> 
     from .modelfile import read_manifest
     from .quantize import quantize
     out = cache_dir() / "models" / f"{_slug(name)}-{sha[:12]}-w{bits}g{group_size}"
-    if out.exists():
+
+    def made() -> bool:  # this variant, whole, in the cache
         try:
             m = read_manifest(out)
-            if m["source"].get("sha256") == sha and m.get("residual") and m["quant"].get("head") is None:
-                return out
-        except (LocalLLMError, KeyError, TypeError):
-            pass
+            return m["source"].get("sha256") == sha and bool(m.get("residual")) and m["quant"].get("head") is None
+        except (LocalLLMError, KeyError, TypeError, AttributeError):
+            return False
+    if made():
+        return out
+    if out.exists():
         shutil.rmtree(out)  # our own cache, from another localllm or an interrupted write: make it again
     print(f"localllm: quantizing {name} to {bits} bits for the report (cached in {out})", file=sys.stderr)
     seq_len = min(512, ckpt.config.max_position_embeddings)
-    return quantize(src, str(out), bits=bits, group_size=group_size, seq_len=seq_len, ckpt=ckpt,
-                    head_bits=VARIANT_HEAD_BITS, device="auto")
+    try:
+        return quantize(src, str(out), bits=bits, group_size=group_size, seq_len=seq_len, ckpt=ckpt,
+                        head_bits=VARIANT_HEAD_BITS, device="auto")
+    except LocalLLMError:
+        if not made():
+            raise
+        return out  # another report (another terminal) put the same variant in place meanwhile: use it
 
 
 def machine(gpu: bool) -> dict:
@@ -570,7 +577,8 @@ def make_report(o: Options) -> Path:
                 r.finish(s, MEASURE[s](r))
             record["settings"]["calibration"] = _calibration(r)
         except BaseException:
-            if state["done"] or any(sec.get("run") == index for sec in report["sections"].values()):
+            measured = state["done"] or any(sec.get("run") == index for sec in report["sections"].values())
+            if measured and (out / UNFINISHED).exists():  # (not where the first save itself failed: a full disk)
                 print(f"localllm: the report's measurements so far are saved in {out / UNFINISHED}; rerun the "
                       "same command to go on from there", file=sys.stderr)
             raise
@@ -586,8 +594,8 @@ def _write(out: Path, report: dict, render) -> None:
     """The finished report into out beside the user's files: report.md and plots rendered apart and moved in, the
     report's plots that this one lacks removed, then report.json, then the unfinished file removed (interrupted on the
     way, the same command finishes it again)."""
-    with tempfile.TemporaryDirectory(dir=out, prefix=".render.") as tmp:
-        render(report, Path(tmp))
+    with atomic.temp_folder(out / "render") as tmp:
+        render(report, tmp)
         made = {f.name for f in Path(tmp).iterdir()}
         for name in made:
             os.replace(Path(tmp) / name, out / name)
@@ -613,6 +621,8 @@ def _check_out(o: Options, out: Path) -> dict | None:
     if not out.is_dir():
         raise LocalLLMError(f"{out} is a file; choose a folder for -o")
     atomic.check_writable(out / UNFINISHED)
+    for name in (UNFINISHED, "report.json", "render"):  # what a killed run of ours left is not the user's
+        atomic.remove_orphans(out / name)
     unfinished = _read_report(out / UNFINISHED)
     if unfinished is not None and "in_progress" in unfinished:
         return unfinished

@@ -12,18 +12,24 @@ from pathlib import Path
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
-from localllm.errors import script_main
+from localllm import atomic
+from localllm.errors import LocalLLMError, script_main
 from localllm.loader import open_checkpoint
 
 LAYERS_PER_SHARD = 7
 
 
 def main(src: Path, out: Path) -> None:
+    atomic.check_writable(out)
     if out.exists():
-        sys.exit(f"{out} already exists; choose another output folder")
+        raise LocalLLMError(f"{out} already exists; choose another output folder")
     ckpt = open_checkpoint(str(src))
     cfg = AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
-    out.mkdir(parents=True)
+    with atomic.new_folder(out) as tmp:  # whole or not at all: an interrupted run leaves nothing to refuse later
+        write(ckpt, cfg, src, tmp)
+
+
+def write(ckpt, cfg, src: Path, out: Path) -> None:
     cfg.save_pretrained(str(out))
     AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(out))
     shards: dict[str, list[str]] = {}

@@ -171,6 +171,17 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_ckpt, tmp_path, capsys,
     err = capsys.readouterr().err
     assert err.startswith("localllm: error: No space left on device: ") and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+    # the tokenizer's writer (the tokenizers library) raises a plain Exception for a full disk
+    monkeypatch.undo()
+    from transformers import PreTrainedTokenizerBase
+
+    def tokenizer_full(*a, **kw):
+        raise Exception("No space left on device (os error 28)")
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", tokenizer_full)
+    assert main(["quantize", str(tiny_ckpt), "-o", str(tmp_path / "q"), "--calib-tokens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the tokenizer into" in err and "No space left" in err and "check the disk" in err
+    assert len(err.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
 
 
 def test_sigterm_while_writing_leaves_nothing(tiny_ckpt, tmp_path, capsys, monkeypatch):
@@ -425,3 +436,22 @@ def test_chat_resume_takes_the_saved_system_prompt(tiny_quant, tmp_path, monkeyp
     assert seen["settings"].system == "Be brief." and seen["resume"]["system"] == "Be brief."
     assert main(["chat", str(tiny_quant), "--resume", str(f), "--system", "Be long.", "--top-k", "5"]) in (0, None)
     assert seen["settings"].system == "Be long." and seen["settings"].top_k == 5
+
+
+def test_a_hangup_nohup_ignores_stays_ignored(tiny_ckpt, tmp_path, monkeypatch):
+    """Under nohup (SIGHUP ignored) a closed terminal does not stop the run: the handler is not installed over it."""
+    import os
+    import signal
+    import localllm.modelfile as modelfile
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        save = modelfile.save_file
+
+        def hangup_then_save(*a, **kw):
+            os.kill(os.getpid(), signal.SIGHUP)
+            return save(*a, **kw)
+        monkeypatch.setattr(modelfile, "save_file", hangup_then_save)
+        assert main(["quantize", str(tiny_ckpt), "-o", str(tmp_path / "q"), "--calib-tokens", "64"]) == 0
+        assert (tmp_path / "q" / "localllm.json").exists() and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)

@@ -489,3 +489,20 @@ def test_force_keeps_the_old_report_until_the_new_one_is_done(report, tiny_ckpt,
     theirs = {name for name in before if name not in FILES and name != "report.json"}
     assert {p.name for p in out.iterdir() if p.is_file()} == {"fig5b_outliers.png", "report.json", "report.md"} | theirs
     assert (out / "notes.md").read_text() == "mine"
+
+
+def test_a_folder_with_only_a_killed_runs_leftovers_is_reported_into(tiny_ckpt, tmp_path, capsys):
+    """SIGKILL during the first save (or the rendering) leaves hidden temp files of ours only: the same command
+    runs, removes them, and says so (it refused the folder as "holding no report")."""
+    from localllm import atomic
+    out = tmp_path / "r"
+    out.mkdir()
+    owner = atomic._OWNER
+    dead = [out / f".report.unfinished.json.{owner}999999999.a.tmp", out / f".render.{owner}999999999.b.tmp"]
+    dead[0].write_text("{")
+    (dead[1] / "report.md").parent.mkdir()
+    (dead[1] / "report.md").write_text("half")
+    assert main(["report", str(tiny_ckpt), "-o", str(out), "--tokens", "20", "--sections", "outliers"]) == 0
+    err = capsys.readouterr().err
+    assert all(not d.exists() and str(d) in err for d in dead) and (out / "report.json").exists()
+    assert not [f.name for f in out.iterdir() if f.name.startswith(".")], "no temp file of this run left either"

@@ -93,6 +93,16 @@ def test_a_killed_runs_temp_folder_goes_at_the_next_run(tmp_path, capsys):
         (tmp / "a.txt").write_text("one")
     assert not dead.exists() and alive.exists() and other_host.exists() and other_path.exists()
     assert str(dead) in capsys.readouterr().err
+    # files too: a killed write's temp file goes at the next write of the same file; temp_folder's the same way
+    dead_file = tmp_path / f".notes.json.{owner}999999999.x5.tmp"
+    dead_file.write_text("half")
+    atomic.write_text(tmp_path / "notes.json", "whole")
+    assert not dead_file.exists() and (tmp_path / "notes.json").read_text() == "whole"
+    dead_dir = tmp_path / f".render.{owner}999999999.x6.tmp"
+    dead_dir.mkdir()
+    with atomic.temp_folder(tmp_path / "render") as t:
+        assert t.name.startswith(f".render.{owner}{os.getpid()}.") and t.exists()
+    assert not t.exists() and not dead_dir.exists()
 
 
 def test_written_files_and_folders_get_the_usual_permissions(tmp_path):
