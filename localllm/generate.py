@@ -209,11 +209,11 @@ def _run(lm: LocalModel, me: object, ids: list[int], max_new_tokens: int, params
         if cancel is not None and cancel.is_set():
             stats.finish_reason = "cancelled"
             break
+        if t in stop_ids:  # (first: a stop string the caller named that is also an end token is the caller's)
+            stats.finish_reason, as_token = "stop", True
+            break
         if t in eos:
             stats.finish_reason = "eos"
-            break
-        if t in stop_ids:
-            stats.finish_reason, as_token = "stop", True
             break
         text = detok.add(t)
         stats.new_tokens = len(detok.ids)
@@ -250,8 +250,9 @@ def _check_latest(lm: LocalModel, me: object, stats: Stats) -> None:
     """Raise where a reply began on this model after this one's call (the replies share its KV cache)."""
     if lm.reply is not me:
         stats.finish_reason = "cancelled"
-        raise LocalLLMError("another reply on this model began before this stream ended (replies share the "
-                            "model's KV cache): finish or close() a stream before the next generate()")
+        raise LocalLLMError("another reply on this model began, or its QDEC or KV cache setting changed, before this "
+                            "stream ended (the KV cache it read is gone): finish or close() a stream before the next "
+                            "generate(), set_qdec() or set_kv_bits()")
 
 
 def _check_length(ids: list[int], limit: int) -> None:
@@ -311,7 +312,7 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
     and the part of its reply that was run; messages whose text begins with those tokens' keep them, so an earlier
     reply is its own tokens, not its text tokenized anew): a chat's next turn then reads only the new messages
     (`localllm chat` does this). The cache's entries round differently from one pass over the prompt, and QDEC's
-    channel selection can turn that into other tokens.
+    channel selection, or an 8- or 4-bit cache's rounding, can turn that into other tokens.
     The same seed gives the same text (with reuse_cache, after the same earlier calls)."""
     params = SamplingParams(temperature, top_p, top_k, repetition_penalty, min_p)
     params.check()
@@ -323,7 +324,10 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
         ids = encode_prompt(lm, prompt)  # the prompt's refusals too come before the model changes
         if not ids:
             raise LocalLLMError("the prompt is empty (no tokens): give some text")
-        _check_length(ids, lm.model.cfg.max_position_embeddings)
+        limit = lm.model.cfg.max_position_embeddings
+        _check_length(ids, limit)
+        if reuse_cache:  # the ids sent where the cache stays: an earlier reply as its own tokens (can be longer)
+            _check_length(_splice(lm.tokenizer, prompt, ids, lm.cached_tokens()), limit)
         if qdec is not None:
             lm.set_qdec(qdec)
         if kv_bits is not None:

@@ -65,11 +65,13 @@ class LocalModel:
 
     def set_kv_bits(self, bits: int) -> None:
         """KV cache width for the next decoder: 16, 8 or 4 (per token and head, kvquant). A 4- or 8-bit cache of a
-        model without SmoothAttention factors works, with larger key errors: a note says so."""
+        model without SmoothAttention factors works, with larger key errors: a note says so. Waits for a reply's
+        step (as set_qdec); an open stream stops at its next piece."""
         bits = kvquant.check_bits(bits)
-        if bits == self.kv_bits:
-            return
-        self.kv_bits, self._decoder = bits, None
+        with self.lock:
+            if bits == self.kv_bits:
+                return
+            self.kv_bits, self._decoder, self.reply = bits, None, None
         if bits < 16 and not self.smooth_attention and not self._smooth_noted:
             self._smooth_noted = True  # once a model
             if self.manifest is None:
@@ -151,7 +153,12 @@ class LocalModel:
         here were made on another GPU or model. On the CPU, "on" is DEFAULT_K_CHUNK. Sets qdec_source (one line
         saying where the setting comes from) and qdec_overhead (the profile's measured slowdown, else None).
         A refused value changes nothing; the setting already in force, asked for again, keeps the KV cache (and a
-        GPU's captured graphs)."""
+        GPU's captured graphs). Waits for a reply's step (the lock): a reply does not go on under a new setting; an
+        open stream stops at its next piece (the cache it read is gone)."""
+        with self.lock:
+            self._set_qdec_locked(qdec, budget)
+
+    def _set_qdec_locked(self, qdec, budget) -> None:
         _check_budget(budget)
         off = qdec_off(qdec)
         if not (off or qdec_on(qdec) or is_whole(qdec) or isinstance(qdec, dict)):
@@ -174,7 +181,7 @@ class LocalModel:
         except LocalLLMError:
             self.budget, self._tuned = before
             raise
-        self._decoder = None  # a captured graph holds the old settings
+        self._decoder, self.reply = None, None  # a captured graph holds the old settings
         self._asked = (repr(qdec), budget, self._qdec_state())
 
     def _qdec_state(self) -> tuple:

@@ -19,6 +19,9 @@ def probabilities(logits, seen, params):
     return p
 
 
+LATER = "another reply on this model began, or its QDEC or KV cache setting changed, before this stream ended"
+
+
 @pytest.fixture(scope="module")
 def lm(tiny_quant):
     return load(tiny_quant)
@@ -236,6 +239,11 @@ def test_a_stop_string_that_is_a_special_token_ends_the_reply_at_it(lm, monkeypa
     forced(lm, monkeypatch, user, 4)  # the prompt's output and three steps as before, then <|user|>
     s = generate(lm, "Hello", max_new_tokens=12, temperature=0, stop=["<|user|>"], stream=True)
     assert "".join(s) == want and s.stats.finish_reason == "stop" and s.stats.new_tokens == 4
+    lm.eos_ids = [user]  # the model's end token too (the demo's <|im_end|>): the stop the caller named is said
+    forced(lm, monkeypatch, user, 4)
+    s = generate(lm, "Hello", max_new_tokens=12, temperature=0, stop=["<|user|>"], stream=True)
+    assert "".join(s) == want and s.stats.finish_reason == "stop"
+    lm.eos_ids = []
 
 
 def test_a_cpu_reply_runs_no_step_past_its_end(lm, monkeypatch):
@@ -396,14 +404,14 @@ def test_a_later_reply_stops_an_open_stream_and_threads_take_turns(lm):
     second = generate(lm, "The river ran", seed=2, stream=True, **kw)
     it = iter(second)
     text = next(it)
-    with pytest.raises(LocalLLMError, match="another reply on this model began before this stream ended"):
+    with pytest.raises(LocalLLMError, match=LATER):
         next(first)
     assert text + "".join(it) == alone["The river ran"]
     assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled(), "no stale mode restored"
     # a stream not read yet when another reply is asked for raises too (it would run with that call's settings)
     unread = generate(lm, "Once upon a time", seed=2, stream=True, **kw)
     generate(lm, "The river ran", max_new_tokens=1)
-    with pytest.raises(LocalLLMError, match="another reply on this model began before this stream ended"):
+    with pytest.raises(LocalLLMError, match=LATER):
         unread.text()
     assert unread.stats.finish_reason == "cancelled"
     out = {}
@@ -417,6 +425,41 @@ def test_a_later_reply_stops_an_open_stream_and_threads_take_turns(lm):
     for t in threads:
         t.join()
     assert out == {p: [want] * 3 for p, want in alone.items()}
+    # a setting changed while a stream is open ends it too (its cache is gone); the same setting again does not
+    for change in (lambda: lm.set_kv_bits(8 if lm.kv_bits == 16 else 16), lambda: lm.set_qdec("off")):
+        open_ = iter(generate(lm, "Once upon a time", seed=2, stream=True, **kw))
+        next(open_)
+        change()
+        with pytest.raises(LocalLLMError, match=LATER):
+            next(open_)
+    open_ = iter(generate(lm, "Once upon a time", seed=2, stream=True, **kw))
+    next(open_)
+    lm.set_qdec("off")  # already so
+    assert "".join(open_)
+    # from another thread, a setting waits for a reply's step: a reply runs whole under one setting
+    lm.set_kv_bits(16)
+    lm.set_qdec("on")
+    on = generate(lm, "Once upon a time", seed=2, **{**kw, "max_new_tokens": 48})
+    lm.set_qdec("off")
+    off = generate(lm, "Once upon a time", seed=2, **{**kw, "max_new_tokens": 48})
+    lm.set_qdec("on")
+    started, got = threading.Event(), []
+
+    def reply():
+        s = generate(lm, "Once upon a time", seed=2, stream=True, **{**kw, "max_new_tokens": 48})
+        with lm.lock:  # (the reply holds the lock at each step: the setting can only come between them)
+            started.set()
+            got.append(next(iter(s)))
+        try:
+            got.extend(s)
+        except LocalLLMError:
+            got.append(None)
+    t = threading.Thread(target=reply)
+    t.start()
+    started.wait()
+    lm.set_qdec("off")
+    t.join()
+    assert got[-1] is None or "".join(got) in (on, off), "never a reply that changed setting halfway"
 
 
 def test_closing_a_stream_stops_it_and_the_model_goes_on(lm):

@@ -205,6 +205,8 @@ async def test_a_conversation_longer_than_the_context_leaves_out_its_oldest_exch
             await until(pilot, lambda: len(replies) > i, "the reply to start")
             sent.append(await done(pilot, replies[-1]))
         assert all(r.error is None for r in sent) and len(session.turns) == 12  # every exchange kept and shown
+        # measured as sent (earlier replies as the model's own tokens): every reply had its room, none hit the end
+        assert all(r.stats.prompt_tokens + 16 <= limit and r.stats.finish_reason != "context" for r in sent)
         last = sent[-1]
         outs = [r.left_out for r in sent]
         assert outs[0] == 0 and outs[-1] >= 1 and outs == sorted(outs)  # what went once stays out

@@ -124,16 +124,20 @@ def fit_context(lm: LocalModel, prompt: list[dict], room: int, at_least: int = 0
     room = min(room, limit // 2)
     first = 1 if prompt and prompt[0]["role"] == "system" else 0
     without = lambda n: prompt[:first] + prompt[first + 2 * n:]  # noqa: E731 - the n oldest exchanges left out
+    cached = lm.cached_tokens()
+    # measured as generate(reuse_cache=True) sends them: earlier replies as the model's own tokens, which can be more
+    # than their text tokenized anew
+    length = lambda n: len(encode_prompt(lm, without(n), cached))  # noqa: E731
     most = max(0, (len(prompt) - first - 1) // 2)
     lo = min(at_least, most)
-    if len(encode_prompt(lm, without(lo))) + room <= limit:
+    if length(lo) + room <= limit:
         return without(lo), lo
-    if (need := len(encode_prompt(lm, without(most)))) >= limit:  # the new message (and system prompt) alone
+    if (need := length(most)) >= limit:  # the new message (and system prompt) alone
         what = "your message and the system prompt (F2) take" if first else "your message takes"
         raise LocalLLMError(f"{what} {need} tokens, and this model's context is {limit}: shorten "
                             f"{'them' if first else 'it'}")
     slack = limit // 4
-    fits = lambda n: len(encode_prompt(lm, without(n))) + room + slack <= limit  # noqa: E731
+    fits = lambda n: length(n) + room + slack <= limit  # noqa: E731
     if not fits(most):  # (with less than `room` left, the reply ends when the context is full)
         return without(most), most
     # the fewest more to leave out: the length only shrinks as more go, so bisect (a long chat re-encodes a few times)
