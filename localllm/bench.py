@@ -13,8 +13,11 @@ import torch
 from .decode import Decoder, captured_decoder
 from .errors import LocalLLMError
 from .graphs import L2_FLUSH_BYTES, replay_time, time_graph
+from .synthetic import LLAMA3_8B_CONFIG, random_local_model, random_lut, random_model, random_quant
 
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
@@ -32,33 +35,6 @@ def read_bandwidth(nbytes: int = 1 << 30) -> float:
 
 def _copies(one_bytes: int) -> int:
     return max(2, -(-L2_FLUSH_BYTES // one_bytes))
-
-
-def random_codes(N: int, K: int, bits: int, dev) -> torch.Tensor:
-    """Uniform random codes, packed: random words (quant.pack_codes writes each bit of a word once, so every word is
-    some codes), without the unpacked int64 codes an 8 GB GPU has no room for beside an 8B model."""
-    return torch.randint(-2**31, 2**31 - 1, (N // 16, K * bits // 2), dtype=torch.int32, device=dev)
-
-
-def random_quant(N: int, K: int, bits: int, group_size: int, dev):
-    """Random codes with scales that keep W x at about unit scale for unit x."""
-    from .quant import QuantWeight
-    G = -(-K // group_size)
-    q = random_codes(N, K, bits, dev)
-    scales = (torch.rand(N, G, device=dev) * 2 / (2**bits * K**0.5)).half()
-    zeros = torch.full((N, G), 2 ** (bits - 1), device=dev, dtype=torch.uint8)
-    return QuantWeight(q, scales, zeros, bits, group_size, K)
-
-
-def random_lut(N: int, K: int, bits: int, dev):
-    """A random table (SqueezeLLM-format, grouped as `quantize --method squeezellm` makes them) weight: random codes,
-    each row's 2^bits entries sorted uniform draws in the groups' unit, group scales as random_quant's."""
-    from .quant import TABLE_GROUP, QuantLUT
-    G = -(-K // TABLE_GROUP)
-    scales = (torch.rand(N, G, device=dev) * 2 / (2**bits * K**0.5)).half()
-    return QuantLUT(random_codes(N, K, bits, dev),
-                    (torch.rand(N, 2**bits, device=dev).sort(1).values * (2**bits - 1)).half(), bits, K,
-                    scales, (-scales.float() * 2 ** (bits - 1)).half(), TABLE_GROUP)
 
 
 def random_packed(N: int, K: int, bits: int, group_size: int):
@@ -221,40 +197,6 @@ def bench_qdec(bits: int = 3, group_size: int = 128) -> list[dict]:
         print(f"{name:8}      {mine[0]['base_us']:6.2f} " + " ".join(
             f"{100 * (b['us'][k] / b['base_us'] - 1):+6.0f}% ({b['n_tb']:>2})" for k, b in best.items()))
     return rows
-
-
-LLAMA3_8B_CONFIG = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                        num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
-
-
-def random_model(cfg, bits: int | None, group_size: int = 128, head_bits: int = 16, table: bool = False):
-    """A decoder of cfg's shapes with random weights made on the GPU: packed `bits`-bit (table: SqueezeLLM-format
-    tables, else group-wise uniform), or dense fp16 (None); the output head fp16 (head_bits 16) or 8-bit
-    (quant.HEAD_BITS, as `localllm quantize` writes it)."""
-    from .model import KINDS, QdecSettings, RMSNorm, Transformer, build_block
-    from .modelfile import linear_shape
-    from .quant import HEAD_GROUP
-    dev, D = torch.device("cuda"), cfg.hidden_size
-    settings = QdecSettings()
-    blocks = []
-    for i in range(cfg.num_layers):
-        t = {"attn_norm": torch.ones(D, device=dev), "mlp_norm": torch.ones(D, device=dev)}
-        for kind in KINDS:
-            N, K = linear_shape(cfg, kind)
-            if bits is None:
-                t[kind] = {"weight": torch.randn(N, K, device=dev, dtype=torch.float16) * K ** -0.5}
-            else:
-                q = random_lut(N, K, bits, dev) if table else random_quant(N, K, bits, group_size, dev)
-                t[kind] = {"quant": q}
-        blk = build_block(cfg, i, t, settings)
-        for lin in (blk.qkv, blk.o, blk.gate_up, blk.down):
-            lin.place(dev, torch.float16)
-        blocks.append(blk)
-    embed = torch.randn(cfg.vocab_size, D, device=dev, dtype=torch.float16)
-    lm_head = torch.randn(cfg.vocab_size, D, device=dev, dtype=torch.float16) * D ** -0.5 if head_bits == 16 else \
-        random_quant(cfg.vocab_size, D, head_bits, HEAD_GROUP, dev)
-    return Transformer(cfg, embed, blocks, RMSNorm(torch.ones(D, device=dev), cfg.rms_norm_eps), lm_head,
-                       settings).place(dev).eval()
 
 
 def if_it_fits(what: str, f):
@@ -426,46 +368,6 @@ def bench_breakdown(bits: int = 4, kv_bits: int = 16) -> None:
     print(f"{'kernel':60} {'calls':>5} {'us':>9} {'share':>6}")
     for name, us, n in rows[:20]:
         print(f"{name[:60]:60} {n:5d} {us:9.1f} {100 * us / total:5.1f}%")
-
-
-def random_qdec(model, copies: int = 1, kmax: int = 256) -> None:
-    """Give every linear of a random_model random 4-bit residuals, pinned (`copies` distinct ones per kind, cycled
-    over the layers: pinning one per layer of an 8B shape would take minutes), and calibration-like statistics
-    (ActStats over random inputs with 2% outliers at 8x, as real activations have)."""
-    from .kernels import qdec
-    from .model import KINDS
-    from .modelfile import linear_shape
-    from .qdec import ActStats
-    from .quant import QuantResidual
-    cfg = model.cfg
-    res, host, stats = {}, {}, {}
-    for kind in KINDS:
-        N, K = linear_shape(cfg, kind)
-        res[kind] = [QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N // 8), dtype=torch.int32),
-                                   (torch.rand(N) * 0.01).half()) for _ in range(copies)]
-        host[kind] = [qdec.HostResidual.pin(r) for r in res[kind]]
-        res[kind] = [QuantResidual(h.codes, h.scales) for h in host[kind]]  # one copy, pinned (qdec.pin)
-        stats[kind] = ActStats(K, kmax)
-        x = torch.randn(64, K)
-        stats[kind].update(x * torch.where(torch.rand(64, K) < 0.02, 8.0, 1.0))
-    for i, blk in enumerate(model.blocks):
-        for kind in KINDS:
-            lin = getattr(blk, kind)
-            lin.residual, lin.host_residual, lin.stats = res[kind][i % copies], host[kind][i % copies], stats[kind]
-
-
-def random_local_model(cfg, bits: int, copies: int = 4, table: bool = False):
-    """A random_model with random_qdec, as a runtime.LocalModel (no tokenizer): what `bench tune` tunes."""
-    import tempfile
-
-    from .runtime import LocalModel
-    m = random_model(cfg, bits, table=table)
-    random_qdec(m, copies)
-    manifest = {"model_id": f"random-{cfg.num_layers}x{cfg.hidden_size}-w{bits}", "quant": {"bits": bits},
-                "calibration": {"kmax": 256}}
-    lm = LocalModel(m, None, manifest, tempfile.mkdtemp(prefix="localllm-random-"), [])
-    lm.set_qdec("off")
-    return lm
 
 
 def bench_e2e_qdec(bits: int = 3, k_chunk: int = 8, kv_bits: int = 16) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from localllm import bench, graphs, ops
+from localllm import bench, graphs, ops, synthetic
 from localllm.config import ModelConfig
 from localllm.kernels import cuda
 from localllm.kernels.gemv import dequantize, gemv
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
             sys.exit(f"{b}: no gemv.cu there; pass folders holding a copy of kernels/*.cu and *.cuh")
     rounds = int(argv[1])
     rows = (argv[2] if len(argv) > 2 else ROWS).split(",")
-    cfg = ModelConfig(**bench.LLAMA3_8B_CONFIG)
+    cfg = ModelConfig(**synthetic.LLAMA3_8B_CONFIG)
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     res: dict[tuple[str, str], list[str]] = {}
@@ -47,10 +47,10 @@ def main(argv: list[str]) -> None:
             if name in ("decode3", "decode4", "qdec3"):
                 if name not in models:
                     if name == "qdec3":
-                        models[name] = bench.random_local_model(cfg, 3, copies=1)
+                        models[name] = synthetic.random_local_model(cfg, 3, copies=1)
                         models[name].set_qdec(8)
                     else:
-                        models[name] = bench.random_model(cfg, int(name[-1]), head_bits=8)
+                        models[name] = synthetic.random_model(cfg, int(name[-1]), head_bits=8)
                 model = getattr(models[name], "model", models[name])
                 for b in builds:
                     use(b)

@@ -62,7 +62,7 @@ def test_quantized_decode_attention_matches_float64_reference(heads, kv_heads, D
 def test_decode_with_a_quantized_cache_matches_the_prompt_path(bits):
     # head_dim 64 with grouped queries: decode steps take the fused kernels, the prompt the torch path (SDPA over the
     # dequantized cache); both read the same quantized cache, so they compute the same function
-    from localllm.bench import random_model
+    from localllm.synthetic import random_model
     from localllm.config import ModelConfig
     from localllm.model import KVCache
     cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,

@@ -220,7 +220,7 @@ def test_attend_combine_merges_more_runs_than_it_prefetches(heads, kv_heads, D):
 
 def test_decode_with_fused_attention_matches_full_forward():
     # head_dim 64 with grouped queries: decode steps take the fused attention kernels, the full forward SDPA
-    from localllm.bench import random_model
+    from localllm.synthetic import random_model
     from localllm.config import ModelConfig
     cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=64)

@@ -37,9 +37,8 @@ def test_gemv_oracle_times_are_sane():
     faster than the base GEMV (beyond noise), more channels not cheaper than fewer by much. Each time is the best of
     two: a stray slow median (the base of down once measured 29 us against its usual 14 without PDL) is noise, not
     the oracle."""
-    from localllm.bench import random_local_model
     from localllm.config import ModelConfig
-    from localllm.bench import LLAMA3_8B_CONFIG
+    from localllm.synthetic import LLAMA3_8B_CONFIG, random_local_model
     from localllm.tuner.timing import GemvTimer, problem_of
     lm = random_local_model(ModelConfig(**{**LLAMA3_8B_CONFIG, "num_layers": 2}), 3, copies=2)
     p = problem_of(lm)
