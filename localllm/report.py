@@ -12,15 +12,15 @@ plots (localllm.report_render). The sections:
 
 The GPU sections run when a CUDA GPU (with CuPy) is usable, else the report says why they were skipped and how to
 add them later: `--sections kernel,pareto --update` measures only those and keeps the other sections of the report
-already in --out (each section records the machine and command that measured it).
+already in -o (each section records the machine and command that measured it).
 
-Long runs keep their work: report.unfinished.json in --out is rewritten (atomically) after every measurement, with
+Long runs keep their work: report.unfinished.json in -o is rewritten (atomically) after every measurement, with
 the run's identity (model digest, options, sections, evaluation text, a digest of localllm's code, torch version) and
 what it measured so far under "in_progress"; a finished report.json there stays as it was meanwhile. Rerunning the
 same command resumes: what is saved is not measured again; another command (or changed code) is refused rather than
 mixed in. Once every section is measured, report.md and the plots are moved in (each file atomically), the plots of
 sections the report no longer has are removed, report.json is written and the unfinished file removed. Nothing else
-in --out (the user's notes, data, dotfiles) is touched, with --force or --update too.
+in -o (the user's notes, data, dotfiles) is touched, with --force or --update too.
 """
 from __future__ import annotations
 
@@ -79,8 +79,8 @@ class Options:
     seed: int = 0
     text: str | None = None  # None: the evaluation text shipped with localllm
     gguf_file: str | None = None
-    force: bool = False  # replace --out
-    update: bool = False  # replace --out, keeping its sections that this run does not measure
+    force: bool = False  # replace -o
+    update: bool = False  # replace -o, keeping its sections that this run does not measure
     shapes_8b: bool = True  # the kernel section also times Llama-3-8B shapes (random weights)
     checks: str = "auto"  # the all-channels check (an evaluation of its own): on, off, or auto (on for small models)
     argv: list = field(default_factory=list)  # how the command was called, for the report
@@ -512,7 +512,7 @@ def _steps(o: Options, sections, full: bool) -> int:
 
 def make_report(o: Options) -> Path:
     """Measure what the options ask for and write the report folder (atomically); returns its path. Measurements
-    are saved in --out/report.unfinished.json as they are made (UNFINISHED; report.json at the end); an unfinished
+    are saved in -o/report.unfinished.json as they are made (UNFINISHED; report.json at the end); an unfinished
     run of the same command is resumed."""
     from .demo import demo_gguf
     from .evaluate import read_text
@@ -610,7 +610,7 @@ def _now() -> str:
 
 
 def _check_out(o: Options, out: Path) -> dict | None:
-    """Refuse an --out this run may not write (--force and --update apply to a report's folder only); the report
+    """Refuse an -o this run may not write (--force and --update apply to a report's folder only); the report
     to go on with: an unfinished one, else the finished report.json, if any."""
     if not out.exists():
         if o.update:  # (a mistyped folder would start a whole new report: hours on a real model)
@@ -654,7 +654,7 @@ def _read_report(path: Path) -> dict | None:
 def _start(o: Options, out: Path, prior: dict | None, key: dict, sha: str, name: str, ckpt,
            sections) -> tuple[dict, int, dict]:
     """(the report to grow, the index of this run in its runs, the in-progress state): an unfinished run of the same
-    command in --out resumes; an unfinished run of another command is refused (--force starts over); a finished
+    command in -o resumes; an unfinished run of another command is refused (--force starts over); a finished
     report (make_report refused it without --force or --update) is extended with --update, else replaced."""
     state = (prior or {}).get("in_progress")
     if state is not None:
