@@ -22,13 +22,13 @@ from localllm.errors import LocalLLMError
 HERE = Path(__file__).parent
 
 
-def unusable() -> str | None:
-    """Why the CUDA kernels cannot run here (one line), or None when they can. (Without a GPU, no fix: what asks
-    this, tune or a report's GPU sections, has no CPU form.)"""
-    if not switched_off() and not torch.cuda.is_available():
-        return "no CUDA GPU is visible (an NVIDIA GPU with CuPy is needed)"
+def unusable(kernels: bool = True) -> str | None:
+    """Why the CUDA kernels (kernels=False: torch's CUDA) cannot run here (one line), or None when they can. (Without
+    a GPU, no fix: what asks this, tune, bench or a report's GPU sections, has no CPU form.)"""
+    if not (kernels and switched_off()) and not torch.cuda.is_available():
+        return "no CUDA GPU is visible" + (" (an NVIDIA GPU with CuPy is needed)" if kernels else "")
     try:
-        require()
+        require(kernels)
     except LocalLLMError as e:
         return str(e)
     return None

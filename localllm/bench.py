@@ -731,9 +731,7 @@ def main(parts: list[str] | None = None, kv_bits: int = 16) -> None:
     gpu = [p for p in parts if p not in CPU_PARTS]
     if gpu:  # said before the first measurement (quantize times torch's CUDA; the others the kernels, and CuPy)
         from .kernels import cuda
-        why = cuda.unusable() if set(gpu) - {"quantize"} else \
-            None if torch.cuda.is_available() else "no CUDA GPU is visible"
-        if why:
+        if why := cuda.unusable(kernels=bool(set(gpu) - {"quantize"})):
             raise LocalLLMError(f"`localllm bench {' '.join(gpu)}` measures the GPU, and cannot here: {why}; of the "
                                 f"benchmarks only {', '.join(CPU_PARTS)} runs on the CPU")
     print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")

@@ -444,7 +444,8 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
             what = str(e).split("; ")[0]  # its own fix (re-run quantize) is not the demo's
             raise LocalLLMError(f"the cached demo model is damaged ({what}); delete {path} and run again: it is made "
                                 "anew from the demo GGUF") from None
-        lm = LocalModel(model, tokenizer_of(path, model.cfg.vocab_size), manifest, str(path), manifest.get("eos_token_ids", []))
+        lm = LocalModel(model, tokenizer_of(path, model.cfg.vocab_size), manifest, str(path),
+                        manifest.get("eos_token_ids", []))
     else:
         ckpt = open_checkpoint(src, gguf_file)
         lm = LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids, source_files=ckpt.files)
