@@ -324,16 +324,18 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
         ids = encode_prompt(lm, prompt)  # the prompt's refusals too come before the model changes
         if not ids:
             raise LocalLLMError("the prompt is empty (no tokens): give some text")
-        limit = lm.model.cfg.max_position_embeddings
-        _check_length(ids, limit)
-        if reuse_cache:  # the ids sent where the cache stays: an earlier reply as its own tokens (can be longer)
-            _check_length(_splice(lm.tokenizer, prompt, ids, lm.cached_tokens()), limit)
+        # where the cache stays, an earlier reply goes as its own tokens (which can be more); where a setting below
+        # drops the cache, the prompt as encoded: both must fit, checked before anything changes
+        cached = lm.cached_tokens() if reuse_cache else []
+        spliced = _splice(lm.tokenizer, prompt, ids, cached)
+        for sent in (ids, spliced):
+            _check_length(sent, lm.model.cfg.max_position_embeddings)
         if qdec is not None:
             lm.set_qdec(qdec)
         if kv_bits is not None:
             lm.set_kv_bits(kv_bits)
-        if reuse_cache:
-            ids = _splice(lm.tokenizer, prompt, ids, lm.cached_tokens())
+        if lm.cached_tokens() == cached:  # (a changed setting empties the cache: nothing to splice onto)
+            ids = spliced
         seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)  # (numpy's as Python's)
         s = Stream(iter(()))
         me = lm.reply = object()  # a stream opened before, or this one read after a later call, raises when read
