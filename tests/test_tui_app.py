@@ -235,7 +235,12 @@ async def test_settings_apply_to_the_next_reply(tiny_quant, replies):
         await pilot.press("f2")
         for field, text in [("top_p", "x"), ("temperature", "0"), ("max_new_tokens", "5"), ("top_k", "3"),
                             ("repetition_penalty", "1.5")]:
-            await pilot.click(f"#{field}")
+            for _ in range(50):  # (a click while the panel still lays out lands elsewhere: click again)
+                await pilot.click(f"#{field}")
+                await pilot.pause()
+                if app.focused is app.query_one(f"#{field}"):
+                    break
+            assert app.focused is app.query_one(f"#{field}"), f"{field} never took the focus"
             await pilot.press("end", "ctrl+u", *text)
         await pilot.pause()
         # named while the field shows it, though valid fields were edited after it; 0.9 stays
