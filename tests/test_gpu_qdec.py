@@ -88,16 +88,22 @@ def test_qdec_gemv_selects_by_the_bucket_rule_and_compensates(N, K, bits, k_chun
     assert ((moved - corr).norm() / corr.norm()).item() < 0.05
 
 
-def test_qdec_gemv_same_bits_for_every_n_tb_eager_and_graph():
+@pytest.mark.parametrize("N,K,k_chunk", [(6144, 4096, 16), (4096, 14336, 2), (1040, 4608, 5)])
+def test_qdec_gemv_same_bits_for_every_n_tb_eager_and_graph(N, K, k_chunk):
+    """Every n_tb: one chunk per block, a chunk's outputs split over blocks, or several chunks per block selected
+    at once (K = 4608: a last chunk of 512 channels, a last segment of 16 outputs)."""
     from localllm.kernels import qdec
     from localllm.kernels.gemv import gemv
-    N, K = 6144, 4096
-    q, r, w, x, comp = setup(N, K, 3, 16)
+    q, r, w, x, comp = setup(N, K, 3, k_chunk)
     xg = x.cuda()
     first = gemv(xg, w, comp=comp).clone()
+    chosen = comp.sel_out.clone()
+    check_selection(x, comp, K, k_chunk)
     for n_tb in qdec.viable_n_tb(K, N, comp.grid):
         comp.n_tb = n_tb
+        comp.sel_out.fill_(7)
         assert torch.equal(gemv(xg, w, comp=comp), first), f"n_tb={n_tb}"
+        assert torch.equal(comp.sel_out, chosen), f"n_tb={n_tb}: other channels"
         assert torch.equal(gemv(xg, w, comp=comp, held=True), first), f"n_tb={n_tb}, x staged first"
     # graph replay: one capture, new inputs each replay, the same bits as eager calls
     xin, out = xg.clone(), torch.empty(N, device="cuda", dtype=torch.float16)
