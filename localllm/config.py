@@ -29,6 +29,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict = field(default_factory=dict)  # {"rope_type": "llama3"|"linear", ...} or {}
     max_position_embeddings: int = 4096
+    sliding_window: int = 0  # the attention window where it set max_position_embeddings (0: it did not)
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
     model_type: str = "llama"
@@ -89,10 +90,10 @@ class ModelConfig:
                 raise LocalLLMError(f"config.json's num_attention_heads ({heads}) is not a multiple of "
                                     f"num_key_value_heads ({kv_heads}): the checkpoint's config is damaged; "
                                     "re-download it")
-            max_pos = cfg["max_position_embeddings"]
-            if _slides(mt, cfg):  # sliding-window attention only differs past the window: we cap the context there
-                max_pos = min(max_pos, cfg["sliding_window"])
-            max_pos = min(max_pos, cap or max_pos)
+            max_pos = min(cfg["max_position_embeddings"], cap or cfg["max_position_embeddings"])
+            # sliding-window attention only differs past the window: the context ends there
+            window = cfg["sliding_window"] if _slides(mt, cfg) and cfg["sliding_window"] < max_pos else 0
+            max_pos = window or max_pos
             return cls(
                 vocab_size=cfg["vocab_size"],
                 hidden_size=hidden,
@@ -105,6 +106,7 @@ class ModelConfig:
                 rope_theta=float(theta),
                 rope_scaling=rope,
                 max_position_embeddings=max_pos,
+                sliding_window=window,
                 qkv_bias=SUPPORTED[mt],
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 model_type=mt,
@@ -112,6 +114,12 @@ class ModelConfig:
         except KeyError as e:
             raise LocalLLMError(f"config.json is missing '{e.args[0]}': the checkpoint is incomplete or not a "
                                 "Llama-family model; re-download it") from None
+
+    @property
+    def context(self) -> str:
+        """The context for messages: its length, and why where the attention window set it."""
+        why = " (its sliding-window attention's window: localllm does not attend past it)" if self.sliding_window else ""
+        return f"{self.max_position_embeddings}{why}"
 
     def to_dict(self) -> dict:
         return asdict(self)

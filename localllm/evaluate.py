@@ -168,7 +168,8 @@ def losses(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: 
     CPU) for paired_change."""
     limit = lm.model.cfg.max_position_embeddings
     if not 2 <= ctx <= limit:
-        raise LocalLLMError(f"--ctx must be within 2..{limit} (the model's context); got {ctx}")
+        raise LocalLLMError(f"--ctx must be within 2..{limit}, got {ctx}: the model's context is "
+                            f"{lm.model.cfg.context}")
     model, dev = lm.model, lm.model.device
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed)  # random mode's picks
     stepwise = dev.type == "cuda" and lm.settings.mode != "off"

@@ -174,7 +174,7 @@ def _run(lm: LocalModel, me: object, ids: list[int], max_new_tokens: int, params
     model, tok = lm.model, lm.tokenizer
     dev = model.device
     limit = lm.model.cfg.max_position_embeddings
-    _check_length(ids, limit)
+    _check_length(ids, lm.model.cfg)
     full = limit - len(ids) < max_new_tokens  # the context ends the reply first
     max_new_tokens = min(max_new_tokens, limit - len(ids))
     eos, stop_ids = set(lm.eos_ids), special_stops(tok, stops)
@@ -255,9 +255,9 @@ def _check_latest(lm: LocalModel, me: object, stats: Stats) -> None:
                             "generate(), set_qdec() or set_kv_bits()")
 
 
-def _check_length(ids: list[int], limit: int) -> None:
-    if len(ids) >= limit:
-        raise LocalLLMError(f"the prompt has {len(ids)} tokens; this model's context is {limit}: shorten it")
+def _check_length(ids: list[int], cfg) -> None:
+    if len(ids) >= cfg.max_position_embeddings:
+        raise LocalLLMError(f"the prompt has {len(ids)} tokens; this model's context is {cfg.context}: shorten it")
 
 
 def _check_call(model, prompt, max_new_tokens, stop, seed, stream, cancel, reuse_cache) -> list[str]:
@@ -329,7 +329,7 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
         cached = lm.cached_tokens() if reuse_cache else []
         spliced = _splice(lm.tokenizer, prompt, ids, cached)
         for sent in (ids, spliced):
-            _check_length(sent, lm.model.cfg.max_position_embeddings)
+            _check_length(sent, lm.model.cfg)
         if qdec is not None:
             lm.set_qdec(qdec)
         if kv_bits is not None:

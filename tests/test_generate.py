@@ -614,6 +614,14 @@ def test_a_full_context_ends_the_reply_and_says_so(lm):
     s = generate(lm, text, stream=True, max_new_tokens=limit - prompt, seed=1)
     s.text()
     assert s.stats.finish_reason == "length"  # max_new_tokens reached as the context fills: the user's limit
+    with pytest.raises(LocalLLMError, match=f"tokens; this model's context is {limit}: shorten it"):
+        generate(lm, text * 2, max_new_tokens=1)
+    lm.model.cfg.sliding_window = limit  # a Mistral-style window that set the context: the message says so
+    try:
+        with pytest.raises(LocalLLMError, match=f"context is {limit} \\(its sliding-window attention's window"):
+            generate(lm, text * 2, max_new_tokens=1)
+    finally:
+        lm.model.cfg.sliding_window = 0
 
 
 def test_decoder_is_kept_and_grows_geometrically(lm, monkeypatch):

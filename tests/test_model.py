@@ -125,6 +125,7 @@ def test_config_keys_left_out_take_transformers_defaults_and_other_activations_a
     assert qwen2.num_kv_heads == 32  # Qwen2Config's own default, not one kv head per head
     mistral = ModelConfig.from_hf({**base, "model_type": "mistral"})  # slides at 4096 with 8 kv heads
     assert (mistral.max_position_embeddings, mistral.num_kv_heads) == (4096, 8)
+    assert mistral.context.startswith("4096 (its sliding-window attention's window") and llama.context == "2048"
     assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": None}).max_position_embeddings \
         == 131072
     assert ModelConfig.from_hf({**base, "model_type": "llama", "hidden_act": "swish"}).num_layers == 2
@@ -135,8 +136,11 @@ def test_config_keys_left_out_take_transformers_defaults_and_other_activations_a
             "sliding_window": 16}
     assert ModelConfig.from_hf(qwen).max_position_embeddings == 512  # use_sliding_window false: full attention
     slide = {**qwen, "use_sliding_window": True, "max_window_layers": 1}  # layer 1 slides
-    assert ModelConfig.from_hf(slide).max_position_embeddings == 16
-    assert ModelConfig.from_hf({**slide, "max_window_layers": 2}).max_position_embeddings == 512  # none slides
+    assert (ModelConfig.from_hf(slide).max_position_embeddings, ModelConfig.from_hf(slide).sliding_window) == (16, 16)
+    full = ModelConfig.from_hf({**slide, "max_window_layers": 2})  # none slides
+    assert (full.max_position_embeddings, full.sliding_window, full.context) == (512, 0, "512")
+    wide = ModelConfig.from_hf({**slide, "sliding_window": 1024})  # a window past the context changes nothing
+    assert (wide.max_position_embeddings, wide.sliding_window) == (512, 0)
 
 
 def test_unsupported_architecture_is_refused(tmp_path):

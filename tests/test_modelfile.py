@@ -181,7 +181,7 @@ def test_a_damaged_manifest_is_refused_in_one_line(broken):
     damage = {"a list": lambda m: [1, 2], "no config": lambda m: {k: v for k, v in m.items() if k != "config"},
               "a file without its size": lambda m: {**m, "files": {n: {"sha256": "0"} for n in m["files"]}},
               "quant not a record": lambda m: {**m, "quant": "x"},
-              "a config key from elsewhere": lambda m: {**m, "config": {**m["config"], "sliding_window": 5}},
+              "a config key from elsewhere": lambda m: {**m, "config": {**m["config"], "attention_dropout": 0.1}},
               "group size 0": lambda m: {**m, "quant": {**m["quant"], "group_size": 0}},
               "group size text": lambda m: {**m, "quant": {**m["quant"], "group_size": "64"}},
               "head a number": lambda m: {**m, "quant": {**m["quant"], "head": 8}},

@@ -134,7 +134,7 @@ def fit_context(lm: LocalModel, prompt: list[dict], room: int, at_least: int = 0
         return without(lo), lo
     if (need := length(most)) >= limit:  # the new message (and system prompt) alone
         what = "your message and the system prompt (F2) take" if first else "your message takes"
-        raise LocalLLMError(f"{what} {need} tokens, and this model's context is {limit}: shorten "
+        raise LocalLLMError(f"{what} {need} tokens, and this model's context is {lm.model.cfg.context}: shorten "
                             f"{'them' if first else 'it'}")
     slack = limit // 4
     fits = lambda n: length(n) + room + slack <= limit  # noqa: E731
