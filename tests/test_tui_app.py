@@ -159,8 +159,9 @@ async def test_a_long_fast_reply_is_shown_in_few_updates(tiny_quant, monkeypatch
         seconds = time.monotonic() - t0
         view = app.query(ReplyMessage).last()
         assert view.markdown.source == "".join(words)
-        # several updates while the pieces came, but not one re-render per piece
-        assert 3 <= view.updates <= seconds * ReplyMessage.UPDATES_PER_SECOND + 2, (view.updates, seconds)
+        # updates while the pieces came (at least one before the last: a render's cost stretches the throttle, and
+        # a loaded 2-core CI machine managed only 2 in 2 s), but not one re-render per piece
+        assert 2 <= view.updates <= seconds * ReplyMessage.UPDATES_PER_SECOND + 2, (view.updates, seconds)
 
 
 @pytest.mark.parametrize("key", ["escape", "ctrl+c"])
