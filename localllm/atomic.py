@@ -14,9 +14,13 @@ from .errors import LocalLLMError
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` via a temp file + rename in the same folder (replaces an older version whole)."""
+    """Write `data` to `path` via a temp file + rename in the same folder (replaces an older version whole, keeping
+    its permissions: a transcript the user made private stays private)."""
     with _temp_file(path, data) as tmp:
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
         os.replace(tmp, path)
+    _sync_folder(Path(path).parent)
 
 
 def write_new(path: str | os.PathLike, data: bytes) -> None:
@@ -30,6 +34,22 @@ def write_new(path: str | os.PathLike, data: bytes) -> None:
         except OSError:  # no hard links on this file system (FAT, some network shares): claim the name, then fill it
             open(path, "xb").close()
             os.replace(tmp, path)
+    _sync_folder(Path(path).parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Put a rename in `folder` on disk too (POSIX: a power cut could otherwise lose the new name); not where a
+    folder cannot be opened for it (Windows), which orders its renames itself."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a folder
+        pass
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -152,7 +172,9 @@ def new_folder(path: str | os.PathLike):
                 os.chmod(f, _usual_mode(0o666))  # as open() makes files (safetensors writes 0600: private)
         if path.exists():
             raise LocalLLMError(f"{path} appeared while writing; the new copy was discarded, nothing was replaced")
+        _sync_folder(tmp)
         os.rename(tmp, path)
+        _sync_folder(path.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

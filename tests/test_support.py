@@ -122,6 +122,11 @@ def test_written_files_and_folders_get_the_usual_permissions(tmp_path):
     mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
     assert mode(tmp_path / "m") == 0o755
     assert [mode(tmp_path / "m" / f) for f in ("w.safetensors", "localllm.json", "profile.json")] == [0o644] * 3
+    # a file the user made private (or executable) keeps its permissions when replaced
+    os.chmod(tmp_path / "m" / "localllm.json", 0o600)
+    atomic.write_bytes(tmp_path / "m" / "localllm.json", b'{"a": 1}')
+    assert mode(tmp_path / "m" / "localllm.json") == 0o600
+    assert (tmp_path / "m" / "localllm.json").read_bytes() == b'{"a": 1}'
 
 
 def test_kernel_source_changes_with_its_headers(tmp_path, monkeypatch):
