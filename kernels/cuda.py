@@ -34,6 +34,13 @@ def unusable(kernels: bool = True) -> str | None:
     return None
 
 
+def require_for(what: str) -> None:
+    """Refuse, in one line, work that only runs on the GPU (timing its kernels: no CPU form, so no fix but a GPU):
+    "`what` and needs one: why"."""
+    if why := unusable():
+        raise LocalLLMError(f"{what} and needs one: {why}")
+
+
 def available() -> bool:
     """Whether the CUDA kernels can run here: a GPU, CuPy, and not switched off."""
     return unusable() is None

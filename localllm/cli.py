@@ -301,8 +301,7 @@ def cmd_tune(a) -> None:
         check_source(a.model)
         if (path := Path(a.model).expanduser()).exists():
             read_manifest(path)  # (a checkpoint, not a quantized model: the fix in one line)
-    if why := cuda.unusable():
-        raise LocalLLMError(f"localllm tune times the QDEC kernels on the GPU and needs one: {why}")
+    cuda.require_for("localllm tune times the QDEC kernels on the GPU")
     from .runtime import load
     from .tuner.tune import table, tune
     lm = load(a.model, qdec="off", device="cuda")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from localllm.errors import LocalLLMError, script_main
+from localllm.errors import script_main
 from localllm.evaluate import Reference, load_source, losses, read_text, tokenize
 from localllm.kernels import cuda
 from localllm.model import KINDS
@@ -25,8 +25,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="2.5,5,10,20", help="percent, comma-separated")
     ap.add_argument("--tokens", type=int, default=4096)
     a = ap.parse_args()
-    if why := cuda.unusable():  # (load's advice, --device cpu, is not this script's)
-        raise LocalLLMError(f"this script times the GPU kernels and needs a GPU: {why}")
+    cuda.require_for("this script times the kernels on the GPU")  # (load's advice, --device cpu, is not this script's)
     budgets = [float(b) / 100 for b in a.budgets.split(",")]
     lm = load(a.model, device="cuda", qdec="off")
     calib = lm.manifest["calibration"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from localllm.errors import LocalLLMError, script_main
+from localllm.errors import script_main
 from localllm.evaluate import Reference, load_source, losses, paired_change, read_text, tokenize
 from localllm.kernels import cuda
 from localllm.runtime import load
@@ -27,8 +27,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--k-chunks", default="8", help="k_chunk on every layer, comma-separated")
     a = ap.parse_args()
-    if why := cuda.unusable():  # (load's advice, --device cpu, is not this script's)
-        raise LocalLLMError(f"this script times the GPU kernels and needs a GPU: {why}")
+    cuda.require_for("this script times the kernels on the GPU")  # (load's advice, --device cpu, is not this script's)
     ids = ref = None
     nlls = {}
     for d in a.models:
