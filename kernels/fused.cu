@@ -47,11 +47,13 @@ __global__ void embed_rows(const long long* __restrict__ tok, const uint4* __res
     for (int i = threadIdx.x; i < D8; i += blockDim.x) out[(size_t)blockIdx.x * D8 + i] = table[t * D8 + i];
 }
 
-// out[r, i] = silu(gu[r, i]) * gu[r, I + i] for gu [rows, 2I].
-__global__ void silu_mul(const __half* __restrict__ gu, __half* __restrict__ out, int I, int n) {
-    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+// out[r, i] = silu(gu[r, i]) * gu[r, I + i] for gu [rows, 2I]. 64-bit indices: a 70B model's 75k-token prompt has
+// over 2^31 of them.
+__global__ void silu_mul(const __half* __restrict__ gu, __half* __restrict__ out, int I, long long n) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n) return;
-    const int r = idx / I, i = idx % I;
-    const float g = __half2float(gu[(size_t)r * 2 * I + i]), u = __half2float(gu[(size_t)r * 2 * I + I + i]);
+    const long long r = idx / I;
+    const int i = (int)(idx - r * I);
+    const float g = __half2float(gu[r * 2 * I + i]), u = __half2float(gu[r * 2 * I + I + i]);
     out[idx] = __float2half_rn(__fdividef(g, 1.0f + __expf(-g)) * u);  // as the GEMV's fused staging
 }

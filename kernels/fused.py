@@ -45,6 +45,6 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     I = gu.shape[-1] // 2
     out = torch.empty(*gu.shape[:-1], I, dtype=gu.dtype, device=gu.device)
     n = out.numel()
-    _k("silu_mul")((-(-n // 256),), (256,), (cuda.ptr(gu), cuda.ptr(out), np.int32(I), np.int32(n)),
+    _k("silu_mul")((-(-n // 256),), (256,), (cuda.ptr(gu), cuda.ptr(out), np.int32(I), np.int64(n)),
                    stream=cuda.stream())
     return out

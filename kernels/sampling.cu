@@ -157,14 +157,17 @@ __device__ __forceinline__ void add_to(u32* count, u32* lo, u32* hi, int b, int 
 __device__ __forceinline__ u64 joined(u32 lo, u32 hi) { return ((u64)hi << 20) + lo; }
 
 // All blocks meet: writes before it are seen by every block after it (reads of other blocks' data use __ldcg, past
-// the SM's L1).
+// the SM's L1). A block that never comes (not all resident: SMs held by another process's kernels) traps after
+// ~10 s instead of hanging the GPU, as qdec.cuh's flag_wait.
 __device__ void grid_sync(Work* w, u32& target) {
     target += gridDim.x;
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
         atomicAdd(&w->barrier, 1u);
+        long long spins = 0;
         while (*(volatile u32*)&w->barrier < target) {
+            if (++spins > 20000000LL) __trap();  // ~0.5 us an L2 round trip
         }
         __threadfence();
     }
