@@ -23,9 +23,12 @@ def _qdec_arg(s: str):
     if s in ("on", "off"):
         return s
     try:
-        return int(s)
+        k = int(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--qdec takes on, off or a k_chunk integer, not {s!r}") from None
+    if k < 0:  # (the model's own upper bound, its calibration's, is checked once it loads)
+        raise argparse.ArgumentTypeError(f"--qdec {k}: a k_chunk is channels per 1024, 0 (off) or more")
+    return k
 
 
 def _whole_arg(name: str, lo: int, hi: int | None = None):
@@ -366,6 +369,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localllm", description="Low-bit LLM inference with QDEC error compensation.")
     p.add_argument("--version", action="version", version=f"localllm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    p.commands = sub.choices  # name -> its parser (main: an unknown option is the command's error)
 
     g = sub.add_parser("generate", help="generate text (streams to stdout)", usage="localllm generate [MODEL] PROMPT "
                        "[options]", description="localllm generate [MODEL] PROMPT: with no MODEL, the demo model; "
@@ -531,7 +535,12 @@ def _interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
+    p = parser()
+    a, rest = p.parse_known_args(argv)
+    if rest and a.command == "generate" and all(r == "-" or not r.startswith("-") for r in rest):
+        a.args += rest  # an option between MODEL and PROMPT splits the positionals; they are still MODEL PROMPT
+    elif rest:  # with the command's usage (its options), not the top level's
+        p.commands[a.command].error(f"unrecognized arguments: {' '.join(rest)}")
     a.argv = sys.argv[1:] if argv is None else list(argv)  # how it was called (the report records it)
     for stream in (sys.stdout, sys.stderr):  # a terminal that is not UTF-8 shows what it cannot as ?, not a crash
         if hasattr(stream, "reconfigure"):

@@ -30,6 +30,23 @@ def test_generate_streams_text(tiny_quant):
     assert m and (int(m[1]) == 8) == (m[2] == "length"), r.stderr
 
 
+def test_options_anywhere_and_an_unknown_one_shows_its_commands_usage(tiny_quant, capsys):
+    """An option between MODEL and PROMPT (argparse splits the positionals there) changes nothing; a mistyped
+    option is refused with the command's own usage, which lists its options, not the top level's."""
+    args = ["--max-new-tokens", "2", "--raw", "--temperature", "0"]
+    assert main(["generate", str(tiny_quant), *args, "hi"]) == 0
+    between = capsys.readouterr().out
+    assert main(["generate", str(tiny_quant), "hi", *args]) == 0
+    assert capsys.readouterr().out == between
+    for argv, msg in ((["eval", "--tokens", "5"], "unrecognized arguments: --tokens"),
+                      (["generate", str(tiny_quant), "hi", "--max-tokens", "1"], "unrecognized arguments: --max-tokens"),
+                      (["generate", str(tiny_quant), "hi", "--qdec", "-5"], "a k_chunk is channels per 1024")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"usage: localllm {argv[0]}" in err and msg in err, err
+
+
 def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):
     assert main(["info", str(tiny_quant), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
