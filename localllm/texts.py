@@ -15,7 +15,7 @@ def read(path: str | Path, what: str, option: str) -> str:
     """A UTF-8 text file's text (a byte-order mark dropped: it is not text), refused in one line where it is missing,
     not UTF-8 or only whitespace. what: what the text is for ("calibration text"); option: the flag that names it."""
     p = Path(path).expanduser()
-    if not p.is_file():
+    if p.is_dir() or not p.exists():  # (a pipe, e.g. <(...) or /dev/stdin, is read like a file)
         why = "is a folder, not a text file" if p.is_dir() else "does not exist (no text file at that path)"
         raise LocalLLMError(f"{what} {p} {why}: give {option} a UTF-8 text file")
     try:

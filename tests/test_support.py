@@ -391,3 +391,21 @@ def test_a_demo_model_another_run_made_meanwhile_is_used(tiny_quant, tmp_path, m
     monkeypatch.setattr(localllm.quantize, "quantize", failed)
     with pytest.raises(LocalLLMError, match="disk is full"):
         demo.demo_model()
+
+
+def test_a_named_text_may_be_a_pipe_and_a_missing_one_is_refused(tmp_path):
+    """--text <(...) or /dev/stdin: a pipe is read like a file; a folder or a missing path is refused in one line."""
+    import os
+
+    from localllm import texts
+    from localllm.errors import LocalLLMError
+    r, w = os.pipe()
+    os.write(w, "piped words".encode())
+    os.close(w)
+    try:
+        assert texts.read(f"/dev/fd/{r}", "evaluation text", "--text") == "piped words"
+    finally:
+        os.close(r)
+    for p, why in ((tmp_path, "is a folder, not a text file"), (tmp_path / "none.txt", "does not exist")):
+        with pytest.raises(LocalLLMError, match=why):
+            texts.read(p, "evaluation text", "--text")
