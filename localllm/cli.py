@@ -56,8 +56,6 @@ def cmd_generate(a) -> None:
     SamplingParams(a.temperature, a.top_p, a.top_k, a.repetition_penalty, a.min_p).check()
     if a.max_new_tokens < 1:
         raise LocalLLMError(f"--max-new-tokens must be at least 1, got {a.max_new_tokens}")
-    if sys.stdout is None:
-        raise LocalLLMError("standard output is closed: the reply is written there (redirect it to a file)")
     if prompt == "-" and sys.stdin is None:
         raise LocalLLMError("standard input is closed: pipe the prompt in, or give it as an argument")
     if prompt == "-":  # the prompt from standard input: `cat notes.txt | localllm generate MODEL -`
@@ -530,8 +528,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Signalled(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, unwound as Ctrl+C is; the exit status says which (128 + its number, as the shell's)."""
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise _Signalled(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -558,8 +563,16 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
+# what a command's result is, for those whose result only goes to standard output
+_PRINTED = {"generate": "the reply", "info": "the model's description", "eval": "the perplexity table",
+            "bench": "the benchmark tables"}
+
+
 def _run(a) -> int:
     try:
+        if sys.stdout is None and a.command in _PRINTED:  # (print() would drop it without a word)
+            raise LocalLLMError(f"standard output is closed: {_PRINTED[a.command]} is written there (redirect it to "
+                                "a file)")
         a.func(a)
     except LocalLLMError as e:
         print(f"localllm: error: {e}", file=sys.stderr)
@@ -569,9 +582,9 @@ def _run(a) -> int:
         print(f"localllm: error: out of GPU memory ({first}); a shorter prompt, fewer new tokens, --kv-bits 8 or 4, "
               "or a smaller model needs less", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("\nlocalllm: interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", signal.SIGINT)
     except BrokenPipeError:  # the reader of a pipe left (`localllm info M | head -1`): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush does not fail too
         return 0

@@ -94,19 +94,23 @@ def require_matplotlib() -> None:
                             "pip install 'localllm[report]'") from None
 
 
+def _listed(values) -> str:
+    return ",".join(map(str, values)) or "none"
+
+
 def _check(o: Options) -> None:
     from .quant import BASE_BITS, GROUP_SIZES, RESIDUAL_BITS, RESIDUAL_WIDTHS
     if not o.bits or any(b not in BASE_BITS for b in o.bits):
-        raise LocalLLMError(f"--bits takes base widths from {', '.join(map(str, BASE_BITS))}; got {o.bits}")
+        raise LocalLLMError(f"--bits takes base widths from {', '.join(map(str, BASE_BITS))}; got {_listed(o.bits)}")
     if o.compare_bits not in BASE_BITS:
         raise LocalLLMError(f"--compare-bits must be one of {', '.join(map(str, BASE_BITS))}; got {o.compare_bits}")
     if not o.k_chunks or any(not 1 <= k <= ALL_CHANNELS for k in o.k_chunks):
-        raise LocalLLMError(f"--k-chunk takes channels per 1024 within 1..{ALL_CHANNELS}; got {o.k_chunks}")
+        raise LocalLLMError(f"--k-chunk takes channels per 1024 within 1..{ALL_CHANNELS}; got {_listed(o.k_chunks)}")
     if o.group_size not in GROUP_SIZES:
         raise LocalLLMError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}; got {o.group_size}")
     if any(b not in RESIDUAL_WIDTHS or b == RESIDUAL_BITS for b in o.residual_bits):
         raise LocalLLMError(f"--residual-bits takes widths from {', '.join(str(b) for b in RESIDUAL_WIDTHS if b != 4)}"
-                            f" (4 is always there); got {o.residual_bits}")
+                            f" (4 is always there); got {_listed(o.residual_bits)}")
     if o.tokens < 2:
         raise LocalLLMError(f"--tokens must be at least 2; got {o.tokens}")
     bad = [s for s in (o.sections or ()) if s not in SECTIONS]
@@ -543,7 +547,8 @@ def make_report(o: Options) -> Path:
     limit = ckpt.config.max_position_embeddings
     o = replace(o, ctx=min(512, limit) if o.ctx is None else o.ctx)
     if not 2 <= o.ctx <= limit:  # (the windows the report states are the ones it runs)
-        raise LocalLLMError(f"--ctx must be within 2..{limit} (the model's context); got {o.ctx}")
+        raise LocalLLMError(f"--ctx must be within 2..{limit}, got {o.ctx}: the model's context is "
+                            f"{ckpt.config.context}")
     name = model_name(src, ckpt)
     out = Path(o.out or f"report-{_slug(name)}").expanduser()
     prior = _check_out(o, out)  # before hashing the model

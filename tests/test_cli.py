@@ -47,6 +47,16 @@ def test_options_anywhere_and_an_unknown_one_shows_its_commands_usage(tiny_quant
         assert e.value.code == 2 and f"usage: localllm {argv[0]}" in err and msg in err, err
 
 
+def test_a_closed_standard_output_is_refused_where_the_result_goes_there(tiny_quant, capsys, monkeypatch):
+    """`localllm info M >&-`: print() would drop the result without a word and exit 0."""
+    monkeypatch.setattr("sys.stdout", None)
+    for argv, what in ((["info", str(tiny_quant)], "the model's description"),
+                       (["generate", str(tiny_quant), "hi"], "the reply")):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"localllm: error: standard output is closed: {what} is written there " \
+            "(redirect it to a file)\n"
+
+
 def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):
     assert main(["info", str(tiny_quant), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -202,14 +212,14 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_ckpt, tmp_path, capsys,
 
 
 def test_sigterm_while_writing_leaves_nothing(tiny_ckpt, tmp_path, capsys, monkeypatch):
-    """SIGTERM (`timeout`, kill) unwinds like Ctrl+C: the half-written folder is removed, the exit status is 130,
-    and the handlers are put back afterwards."""
+    """SIGTERM (`timeout`, kill) unwinds like Ctrl+C: the half-written folder is removed, the exit status is 143
+    (128 + 15, as a shell reports a process SIGTERM ended), and the handlers are put back afterwards."""
     import os
     import signal
     import localllm.modelfile as modelfile
     before = signal.getsignal(signal.SIGTERM)
     monkeypatch.setattr(modelfile, "save_file", lambda *a, **kw: os.kill(os.getpid(), signal.SIGTERM))
-    assert main(["quantize", str(tiny_ckpt), "-o", str(tmp_path / "q"), "--calib-tokens", "64"]) == 130
+    assert main(["quantize", str(tiny_ckpt), "-o", str(tmp_path / "q"), "--calib-tokens", "64"]) == 143
     assert "interrupted" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) == before
 

@@ -433,6 +433,8 @@ def test_resume_refuses_a_file_too_large_to_be_a_chat_without_reading_it(tmp_pat
     monkeypatch.setattr(type(f), "read_text", lambda *a, **k: pytest.fail("read whole"))
     with pytest.raises(LocalLLMError, match="is not a saved chat \\(0 MB, over 0 MB\\)"):
         history.load(f)
+    with pytest.raises(LocalLLMError, match=f"^{tmp_path} is a folder, not a saved chat; pass a chat"):
+        history.load(tmp_path)
 
 
 def test_a_saved_replys_left_out_that_makes_no_sense_is_dropped(tmp_path):

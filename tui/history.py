@@ -62,6 +62,8 @@ def load(path: str | Path) -> dict:
         d = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise LocalLLMError(f"no such file: {path}; {fix}") from None
+    except IsADirectoryError:
+        raise LocalLLMError(f"{path} is a folder, not a saved chat; {fix}") from None
     except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, not JSON, a number past its limits
         raise LocalLLMError(f"{path} is not a saved chat ({type(e).__name__}: {str(e)[:120]}); {fix}") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
