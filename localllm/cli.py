@@ -109,7 +109,7 @@ def _reply_done(lm, s) -> None:
     sys.stdout.write("\n")
     sys.stdout.flush()
     st = s.stats
-    print(f"[{st.new_tokens} tokens, {st.tokens_per_second:.1f} tok/s, first token {st.time_to_first_token:.2f} s, "
+    print(f"[{st.counts()}, first token {st.time_to_first_token:.2f} s, "
           f"finished by {st.finish_reason}; "
           + lm.qdec_summary()
           + f"; KV cache {lm.kv_bits}-bit]",
@@ -132,9 +132,9 @@ def cmd_chat(a) -> None:
     if not save_dir.is_dir():
         raise LocalLLMError(f"--save-dir {a.save_dir} is not a folder: create it or pass an existing one")
     atomic.check_writable(save_dir / "chat.json", "pass a --save-dir you can write (Ctrl+S saves the chat there)")
-    if a.model is not None:  # a mistyped path: one line here; what goes wrong while loading shows in the app
-        from .loader import check_source
-        check_source(a.model)
+    if a.model is not None:  # a mistyped path, or one of no model: one line here; what goes wrong while loading
+        from .loader import check_source  # shows in the app
+        check_source(a.model, kind=True)
     from .tui.app import ChatApp
     app = ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, budget=a.budget, settings=settings,
                   save_dir=a.save_dir, kv_bits=a.kv_bits, prefill_int8=a.prefill_int8, tune=not a.no_tune,
@@ -262,12 +262,15 @@ def cmd_eval(a) -> None:
     short = False
     for r in rows:
         line = f"{r.mode:8} {r.k_chunk:7d} {r.perplexity:11.4f}"
-        if base:
+        if base is r:  # the row the others are compared with
+            line += f" {'':>16}"
+        elif base:
             change, half = paired_change(r.losses, base.losses)
             line += f" {change:+7.2f}% {'±' + ('-' if half is None else f'{half:.2f}'):>7}"  # -: under 2 blocks
             short = short or half is None
         if reference:
-            line += f" {r.kl:8.4f}" + (f" {100 * (r.kl / base.kl - 1):+7.1f}%" if base and base.kl > 0 else "")
+            line += f" {r.kl:8.4f}" + (f" {100 * (r.kl / base.kl - 1):+7.1f}%" if base and base is not r and
+                                       base.kl > 0 else "")
         print(line)
     if short:
         print(f"(±-: no interval under {2 * PAIR_BLOCK} predicted tokens, as it comes from blocks of {PAIR_BLOCK})")
@@ -341,11 +344,11 @@ def cmd_report(a) -> None:
 def _model_options(p: argparse.ArgumentParser) -> None:
     """How `generate` and `chat` load their model: QDEC setting, tuning budget, GGUF file, device."""
     p.add_argument("--qdec", type=_qdec_arg, default="on",
-                   help="on (the tuned setting for this GPU, else k_chunk 8), off, or k_chunk per 1024 channels")
+                   help="on (default: the tuned setting for this GPU, else k_chunk 8), off, or k_chunk per 1024 channels")
     p.add_argument("--budget", type=_budget_arg, default=None,
                    help="slowdown budget whose tuning profile --qdec on uses, in percent (default 5; `localllm tune`)")
     p.add_argument("--gguf-file", help="which GGUF file of a folder to load")
-    p.add_argument("--device", default="auto", help="auto (GPU when usable), cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto (default: the GPU when usable), cpu or cuda")
     p.add_argument("--prefill-int8", action="store_true",
                    help="prompts with 8-bit activations on the int8 tensor cores (off by default; docs/gpu.md)")
     _kv_bits_option(p)
@@ -373,9 +376,10 @@ def parser() -> argparse.ArgumentParser:
                        "[options]", description="localllm generate [MODEL] PROMPT: with no MODEL, the demo model; "
                        "PROMPT - reads it from standard input.")
     g.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="(default 256)")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens of the reply (default 256)")
     g.add_argument("--temperature", type=float, default=S.temperature, help=f"0 = greedy (default {S.temperature})")
-    g.add_argument("--top-p", type=float, default=S.top_p, help=f"(default {S.top_p})")
+    g.add_argument("--top-p", type=float, default=S.top_p,
+                   help=f"sample from the most likely tokens up to this probability mass; 1 = off (default {S.top_p})")
     g.add_argument("--top-k", type=int, default=S.top_k, help="0 = off (default)")
     g.add_argument("--min-p", type=float, default=S.min_p,
                    help="drop tokens less likely than this times the most likely one (0 = off; 0.05-0.1 is typical)")
@@ -392,12 +396,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("model", nargs="?", help="model folder, checkpoint or .gguf file (default: the demo model)")
     c.add_argument("--system", help="system prompt")
     c.add_argument("--temperature", type=float, default=S.temperature, help=f"0 = greedy (default {S.temperature})")
-    c.add_argument("--top-p", type=float, default=S.top_p, help=f"(default {S.top_p})")
+    c.add_argument("--top-p", type=float, default=S.top_p, help=f"as generate's --top-p (default {S.top_p})")
     c.add_argument("--min-p", type=float, default=S.min_p, help="as generate's --min-p (0 = off)")
     c.add_argument("--top-k", type=int, default=S.top_k, help="0 = off (default)")
     c.add_argument("--repetition-penalty", type=float, default=S.repetition_penalty, help="1 = off (default)")
     c.add_argument("--max-new-tokens", type=int, default=ReplySettings.max_new_tokens,
-                   help=f"(default {ReplySettings.max_new_tokens})")
+                   help=f"most tokens of a reply (default {ReplySettings.max_new_tokens}: a chat's replies run "
+                        "longer than one-off generations)")
     c.add_argument("--seed", type=_seed, help="the same seed for every reply (default: a new one each)")
     _model_options(c)
     c.add_argument("--resume", metavar="FILE",
@@ -410,7 +415,7 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     i = sub.add_parser("info", help="sizes, bits, calibration and tuning profiles of a model")
-    i.add_argument("model", nargs="?", help="model folder (default: the demo model)")
+    i.add_argument("model", nargs="?", help="model folder, checkpoint or .gguf file (default: the demo model)")
     i.add_argument("--json", action="store_true", help="print the facts as JSON")
     i.add_argument("--gguf-file", help="which GGUF file of a folder to describe")
     i.set_defaults(func=cmd_info)
@@ -420,13 +425,14 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("-o", "--output", required=True, help="new model folder (must not exist)")
     from .quantize import METHODS, MIXED_BITS
     q.add_argument("--bits", default="4", choices=[f"{b:g}" for b in sorted((*BASE_BITS, *MIXED_BITS))],
-                   help="bits per weight; 2.5 / 3.5: half the blocks one bit lower, chosen by KL sensitivity")
+                   help="bits per weight (default 4); 2.5 / 3.5: half the blocks one bit lower, chosen by KL "
+                        "sensitivity")
     q.add_argument("--method", default="rtn", choices=METHODS,
-                   help="base quantizer: rtn (round to nearest), awq (activation-aware scaling and clipping, then "
+                   help="base quantizer: rtn (round to nearest; the default), awq (activation-aware scaling and clipping, then "
                         "rtn), squeezellm (non-uniform per-channel tables by sensitivity-weighted k-means, over "
                         "weights normalized per group of 128)")
     q.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES,
-                   help="input channels per scale: rtn and awq; squeezellm takes 128 only")
+                   help="input channels per scale (default 128): rtn and awq; squeezellm takes 128 only")
     q.add_argument("--no-residuals", action="store_true", help="skip QDEC residuals")
     q.add_argument("--head-bits", type=int, default=HEAD_BITS, choices=HEAD_WIDTHS,
                    help="output head: 8-bit (default; half its bytes per token, no measurable loss) or 16 (fp16)")
@@ -447,11 +453,14 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--text", help="UTF-8 text file (default: the evaluation text shipped with localllm)")
     e.add_argument("--qdec", help="comma-separated QDEC modes: off, exact, approx, static, random (default "
                                   f"{DEFAULT_EVAL_QDEC}; off alone for a model without residuals)")
-    e.add_argument("--k-chunk", default="8", help="comma-separated channels per 1024 for the modes other than off")
+    e.add_argument("--k-chunk", default="8",
+                   help="comma-separated channels per 1024 for the modes other than off (default 8)")
     e.add_argument("--ctx", type=int, help="tokens per window (default 512, or the model's context where shorter)")
-    e.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
+    e.add_argument("--max-tokens", type=int,
+                   help="evaluate only the first N tokens of the text (N - 1 predicted; default: all of it)")
     e.add_argument("--seed", type=_seed, default=0,
-                   help="seed of random mode's picks (approx's boundary order is a hash of the input, not random)")
+                   help="seed of random mode's picks (default 0; approx's boundary order is a hash of the input, "
+                        "not random)")
     e.add_argument("--reference", nargs="?", const="source", metavar="MODEL",
                    help="also report KL(MODEL || model) per token; with no MODEL, the source checkpoint the model was "
                         "quantized from (its path is recorded in the model folder; give the evaluated model first: "

@@ -32,6 +32,11 @@ class Stats:
     def tokens_per_second(self) -> float:
         return (self.new_tokens - 1) / self.decode_seconds if self.new_tokens > 1 and self.decode_seconds else 0.0
 
+    def counts(self, none: str = "-", sep: str = ", ") -> str:
+        """'N tokens, R tok/s' for people; R is `none` where the reply had no decode step to time (one token)."""
+        rate = f"{self.tokens_per_second:.1f}" if self.tokens_per_second else none
+        return f"{self.new_tokens} token{'' if self.new_tokens == 1 else 's'}{sep}{rate} tok/s"
+
 
 @dataclass
 class Stream:

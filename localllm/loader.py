@@ -145,8 +145,7 @@ def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Che
     check_path_text(src)
     path = Path(src).expanduser()
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise LocalLLMError(f"{path} is a file but not a .gguf; pass a .gguf file or a checkpoint folder")
+        _check_kind(path)
         if gguf_file and gguf_file != path.name:
             raise LocalLLMError(f"--gguf-file {gguf_file} names another file than {path}: pass the file, or its "
                                 "folder with --gguf-file")
@@ -168,11 +167,31 @@ def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Che
     return _open_safetensors(local, {"format": "safetensors", "path": str(local), "hub_id": str(src)})
 
 
-def check_source(src: str | os.PathLike) -> None:
+def check_source(src: str | os.PathLike, kind: bool = False) -> None:
     """Raise the user's error now if `src` is neither a path here nor a hub id (so that a command taking two models
-    fails before loading the first)."""
-    if not Path(src).expanduser().exists() and not _looks_like_hub_id(str(src)):
+    fails before loading the first); kind: nor a path of a kind a model is (a .gguf file, a folder with a config,
+    GGUF files or a localllm manifest), as the chat checks before its app starts."""
+    path = Path(src).expanduser()
+    if not path.exists() and not _looks_like_hub_id(str(src)):
         raise _no_source(src)
+    if kind and path.exists():
+        _check_kind(path)
+
+
+def _check_kind(path: Path) -> None:
+    """Refuse a file that is not a .gguf, or a folder that holds no model, in one line."""
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise LocalLLMError(f"{path} is a file but not a .gguf; pass a .gguf file or a checkpoint folder")
+    if path.is_dir() and not any((path / n).exists() for n in (MANIFEST, "config.json")) and \
+            not any(path.glob("*.gguf")):
+        raise _no_config(path)
+
+
+def _no_config(path: Path) -> LocalLLMError:
+    if (path / "residuals.safetensors").exists() or (path / "calibration.safetensors").exists():
+        return LocalLLMError(f"{path} looks like a localllm model whose {MANIFEST} is gone; re-run `localllm "
+                             "quantize` on its source (the manifest holds its configuration and file digests)")
+    return LocalLLMError(f"{path} has no config.json; pass a Hugging Face checkpoint folder or a .gguf file")
 
 
 def check_path_text(path) -> None:
@@ -261,10 +280,7 @@ def _open_safetensors(path: Path, source: dict) -> Checkpoint:
     from safetensors import SafetensorError, safe_open
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-        if (path / "residuals.safetensors").exists() or (path / "calibration.safetensors").exists():
-            raise LocalLLMError(f"{path} looks like a localllm model whose {MANIFEST} is gone; re-run `localllm "
-                                "quantize` on its source (the manifest holds its configuration and file digests)")
-        raise LocalLLMError(f"{path} has no config.json; pass a Hugging Face checkpoint folder or a .gguf file")
+        raise _no_config(path)
     raw = _read_json(cfg_file)
     key = next((k for k in ("quantization_config", "quantization") if raw.get(k)), None)  # (MLX's: "quantization")
     if key:  # its weights are codes with scales beside them, which these layers would read as plain numbers

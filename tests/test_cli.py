@@ -26,8 +26,8 @@ def test_generate_streams_text(tiny_quant):
             "--temperature", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout == generate(load(tiny_quant), "Once upon a time", max_new_tokens=8, temperature=0, seed=1) + "\n"
-    m = re.search(r"\[(\d+) tokens, [\d.]+ tok/s, .* finished by (\w+)", r.stderr)
-    assert m and (int(m[1]) == 8) == (m[2] == "length"), r.stderr
+    m = re.search(r"\[(\d+) tokens?, ([\d.]+|-) tok/s, .* finished by (\w+)", r.stderr)
+    assert m and (int(m[1]) == 8) == (m[3] == "length") and (m[2] == "-") == (int(m[1]) < 2), r.stderr
 
 
 def test_options_anywhere_and_an_unknown_one_shows_its_commands_usage(tiny_quant, capsys):
@@ -55,6 +55,17 @@ def test_a_closed_standard_output_is_refused_where_the_result_goes_there(tiny_qu
         assert main(argv) == 2
         assert capsys.readouterr().err == f"localllm: error: standard output is closed: {what} is written there " \
             "(redirect it to a file)\n"
+
+
+def test_chat_refuses_a_path_of_no_model_before_its_app_starts(tmp_path, capsys, monkeypatch):
+    """A text file or an empty folder: the loader's one-line error in the terminal, not inside a chat UI."""
+    monkeypatch.setattr("localllm.tui.app.ChatApp.run", lambda self: pytest.fail("the app started"))
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for path, why in (("notes.txt", "is a file but not a .gguf"), ("empty", "has no config.json")):
+        assert main(["chat", str(tmp_path / path)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):

@@ -708,3 +708,10 @@ def test_arguments_of_the_wrong_kind_for_load_warm_up_and_model_are_refused_in_o
         with pytest.raises(LocalLLMError, match=match) as e:
             call()
         assert "\n" not in str(e.value)
+
+
+def test_stats_counts_say_no_rate_for_a_one_token_reply():
+    """One token has no decode step to time: no "0.0 tok/s" (nor "1 tokens")."""
+    from localllm.generate import Stats
+    assert Stats(new_tokens=1, decode_seconds=0.0).counts() == "1 token, - tok/s"
+    assert Stats(new_tokens=5, decode_seconds=2.0).counts("—", " · ") == "5 tokens · 2.0 tok/s"

@@ -6,6 +6,7 @@ import time
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Label, Markdown, Static
 
+from .facts import NONE
 from .loading import amount
 from .session import Reply
 
@@ -127,7 +128,7 @@ class ReplyMessage(Vertical):
         meta = self.query_one(".meta", Static)
         st = reply.stats
         read = st.prompt_tokens - st.cached_tokens
-        numbers = f"{st.new_tokens} tokens · {st.tokens_per_second:.1f} tok/s · first token " \
+        numbers = f"{st.counts(NONE, ' · ')} · first token " \
                   f"{st.time_to_first_token:.2f} s" + (f" ({read} new prompt tokens read, {st.cached_tokens} kept)"
                                                        if st.cached_tokens else f" ({read} prompt tokens read)")
         n, left_out = reply.left_out, ""
