@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 
 try:  # (torch's import takes seconds)
     from .errors import LocalLLMError
-    from .generate import generate
+    from .generate import Stats, Stream, generate
     from .runtime import LocalModel, load
 except KeyboardInterrupt:  # Ctrl+C while the `localllm` command starts: its usual line, not an import traceback
     if _sys.argv and _os.path.basename(_sys.argv[0]) == "localllm":
@@ -14,4 +14,4 @@ except KeyboardInterrupt:  # Ctrl+C while the `localllm` command starts: its usu
         raise SystemExit(130) from None
     raise
 
-__all__ = ["LocalLLMError", "LocalModel", "generate", "load", "__version__"]
+__all__ = ["LocalLLMError", "LocalModel", "Stats", "Stream", "generate", "load", "__version__"]

@@ -124,16 +124,20 @@ class Decoder:
 
     def advance(self) -> None:
         """Run the last chosen token through the model and choose the next (read() gives it)."""
-        self._fits(self._at)
-        pos, self._at = self._at, self._at + 1
+        pos = self._at
+        self._fits(pos)
+        # _at moves past the token only once its keys and values are written (or queued, on a GPU): a step cut short
+        # (Ctrl+C) leaves the token out of cached(), so a reused cache runs it again
         if not self.use_graph:
             self._choose(self.model(self.tok, pos, self.cache)[0, -1])
             self.pos += 1
+            self._at = pos + 1
             return
         span = self.span(pos)
         if (self.greedy, span) not in self._advance_graphs:
             self.capture(self.greedy)
         self._advance_graphs[self.greedy, span].replay()
+        self._at = pos + 1
 
     def _fits(self, pos: int) -> None:
         # (a graph would write the next kv head's rows, or past the buffer: the CPU's append refuses it as well)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -40,22 +42,39 @@ class Stats:
 
 @dataclass
 class Stream:
-    """Iterate for the text pieces as they decode; `stats` is filled when done."""
+    """Iterate for the text pieces as they decode; `stats` is filled when done (Stats: new_tokens, prompt_tokens,
+    cached_tokens, time_to_first_token, tokens_per_second, finish_reason)."""
     pieces: Iterator[str]
     stats: Stats = field(default_factory=Stats)
+    closed: threading.Event = field(default_factory=threading.Event, repr=False)  # close() was called
 
     def __iter__(self):
         return self.pieces
 
     def text(self) -> str:
+        """The rest of the reply: what iterating has not given yet, joined (all of it on a fresh stream)."""
         return "".join(self.pieces)
 
     def close(self) -> None:
         """Stop decoding now (the user cancelled): nothing more is generated, `stats` count what was, and the model
-        is ready for the next generate()."""
-        self.pieces.close()  # GeneratorExit at the yield: the decoder is between tokens
+        is ready for the next generate(). From any thread: where another thread is inside the stream's next step,
+        that step is its last."""
+        self.closed.set()
+        try:
+            self.pieces.close()  # GeneratorExit at the yield: the decoder is between tokens
+        except ValueError:  # "generator already executing": another thread's next(); it sees `closed` and ends
+            pass
         if not self.stats.finish_reason:
             self.stats.finish_reason = "cancelled"
+
+
+class _AnyOf:
+    """A cancel flag (threading.Event's is_set) set where any of the given ones is."""
+    def __init__(self, *events):
+        self.events = [e for e in events if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
 
 
 def encode_prompt(lm: LocalModel, prompt: str | list[dict], cached: list[int] | None = None) -> list[int]:
@@ -235,6 +254,8 @@ def _run(lm: LocalModel, me: object, ids: list[int], max_new_tokens: int, params
             emitted = end
     else:
         stats.finish_reason = "context" if full else "length"
+    if stats.finish_reason in ("length", "context"):  # cut inside a multi-byte character: its bytes never came
+        text = text.rstrip("\ufffd")
     if (stats.finish_reason in ("eos", "length", "context") or as_token) and len(text) > emitted:
         yield text[emitted:]  # what _ready held back: no stop string came in the text (as decode gives it)
 
@@ -272,10 +293,12 @@ def _check_call(model, prompt, max_new_tokens, stop, seed, stream, cancel, reuse
                             f"got {type(model).__name__}")
     if isinstance(prompt, list) and prompt:
         for i, m in enumerate(prompt):
-            if not (isinstance(m, dict) and isinstance(m.get("content"), str)):
+            if not (isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)):
                 got = f"a {type(m).__name__}" if not isinstance(m, dict) else \
-                    f"content {type(m.get('content')).__name__}" if "content" in m else "no 'content'"
-                raise LocalLLMError(f"chat message {i} must be a dict with 'role' and 'content' (a string), got {got}")
+                    f"content {type(m.get('content')).__name__}" if not isinstance(m.get("content"), str) and \
+                    "content" in m else "no 'content'" if "content" not in m else \
+                    f"role {type(m.get('role')).__name__}" if "role" in m else "no 'role'"
+                raise LocalLLMError(f"chat message {i} must be a dict with 'role' and 'content' (strings), got {got}")
     elif not isinstance(prompt, str):
         raise LocalLLMError(f"the prompt must be a string or a non-empty list of chat messages ({{'role': ..., "
                             f"'content': str}}), got {type(prompt).__name__}{' (empty)' if prompt == [] else ''}")
@@ -294,22 +317,25 @@ def _check_call(model, prompt, max_new_tokens, stop, seed, stream, cancel, reuse
     return [x for x in stops if x]  # an empty one would match at once
 
 
-def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_tokens: int = 256,
+def generate(model: LocalModel | str | os.PathLike | None, prompt: str | list[dict], max_new_tokens: int = 256,
              temperature: float = SamplingParams.temperature, top_p: float = SamplingParams.top_p,
              top_k: int = SamplingParams.top_k, repetition_penalty: float = SamplingParams.repetition_penalty,
              stop: str | list[str] | None = None, seed: int | None = None, stream: bool = False,
              qdec: str | int | dict | None = None, kv_bits: int | None = None, min_p: float = SamplingParams.min_p,
              cancel=None, reuse_cache: bool = False) -> str | Stream:
     """Generate a reply to `prompt` (a string, or chat messages [{"role": ..., "content": ...}] which get the
-    model's chat template). `model` is a LocalModel, a model path, or None for the demo model.
+    model's chat template). `model` is a LocalModel, a model path, or None for the demo model (a path or None loads
+    the model on the CPU for this call alone: load() once and pass the LocalModel to keep it).
     Sampling as transformers' processors, in this order: repetition penalty, temperature (0, or under 1e-4: greedy),
     top-k (0 = off), top-p, min-p (0 = off: else tokens less likely than min_p times the most likely one are dropped).
     One reply at a time per model (they share its KV cache): a call from another thread waits while a reply without
     stream runs, and a stream still open when the next reply begins raises LocalLLMError at its next piece.
 
-    stream=True returns a Stream that yields text pieces as they decode; otherwise the whole text.
-    qdec: None keeps the model's setting; "on" / "off" / a k_chunk / a dict (see LocalModel.set_qdec).
-    kv_bits: None keeps the model's KV cache width; 16, 8 or 4 (see LocalModel.set_kv_bits).
+    stream=True returns a Stream that yields text pieces as they decode (stats: Stats, close() from any thread);
+    otherwise the whole text. A stop string ends the reply and is left out of it.
+    qdec: None keeps the model's setting; "on" / "off" / a k_chunk / a dict sets it, for this call and the later ones
+    (LocalModel.set_qdec). kv_bits: likewise the KV cache width, 16, 8 or 4 (LocalModel.set_kv_bits).
+    seed: None draws a new one each call.
     cancel: a threading.Event another thread may set to stop the reply before its next token (stats.finish_reason
     "cancelled"); on the CPU also between layers while the prompt is read (a GPU queues the prompt's kernels at once,
     and they finish first).
@@ -341,10 +367,12 @@ def generate(model: LocalModel | str | None, prompt: str | list[dict], max_new_t
             lm.set_kv_bits(kv_bits)
         if lm.cached_tokens() == cached:  # (a changed setting empties the cache: nothing to splice onto)
             ids = spliced
-        seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)  # (numpy's as Python's)
+        # (a new seed from the OS, not torch's generator: the caller's torch.manual_seed neither moves nor fixes it)
+        seed = secrets.randbelow(MAX_SEED + 1) if seed is None else int(seed)  # (numpy's as Python's)
         s = Stream(iter(()))
         me = lm.reply = object()  # a stream opened before, or this one read after a later call, raises when read
-        s.pieces = _run(lm, me, ids, int(max_new_tokens), params, stops, seed, s.stats, cancel, reuse_cache)
+        s.pieces = _run(lm, me, ids, int(max_new_tokens), params, stops, seed, s.stats, _AnyOf(cancel, s.closed),
+                        reuse_cache)
         if stream:
             return s
         return s.text()  # the whole reply under the lock: a reply another thread asks for meanwhile waits for it

@@ -284,6 +284,9 @@ class LocalModel:
                                     f"layer kinds {', '.join(KINDS)} to whole numbers")
         ks = {kind: k for kind in KINDS} if is_whole(k) else {kind: int(k.get(kind, 0)) for kind in KINDS}
         n = len(self.model.blocks)
+        if not isinstance(blocks, (dict, type(None))):
+            raise LocalLLMError(f"QDEC blocks {blocks!r} is not understood: give a dict of the layer kinds "
+                                f"{', '.join(KINDS)} to lists of block indices within 0..{n - 1}")
         bad = [kind for kind, b in (blocks or {}).items() if kind not in KINDS or not isinstance(b, (list, tuple, set,
                frozenset)) or not all(is_whole(i) and 0 <= i < n for i in b)]
         if bad:

@@ -704,7 +704,11 @@ def test_arguments_of_the_wrong_kind_for_load_warm_up_and_model_are_refused_in_o
                         (lambda: lm.warm_up(-5), "warm_up takes"), (lambda: lm.warm_up("10"), "warm_up takes"),
                         (lambda: generate(lm, ["Hi"]), "chat message 0 must be a dict"),
                         (lambda: generate(lm, [{"role": "user", "content": "a"}, {"role": "user"}]),
-                         "chat message 1 must be a dict with 'role' and 'content' \\(a string\\), got no 'content'")):
+                         "chat message 1 must be a dict with 'role' and 'content' \\(strings\\), got no 'content'"),
+                        (lambda: generate(lm, [{"role": 5, "content": "a"}]), "chat message 0 .* got role int"),
+                        (lambda: generate(lm, [{"content": "a"}]), "chat message 0 .* got no 'role'"),
+                        (lambda: lm.set_qdec({"k_chunk": 4, "blocks": [1, 2]}), "QDEC blocks \\[1, 2\\] is not "
+                                                                               "understood: give a dict")):
         with pytest.raises(LocalLLMError, match=match) as e:
             call()
         assert "\n" not in str(e.value)
@@ -715,3 +719,56 @@ def test_stats_counts_say_no_rate_for_a_one_token_reply():
     from localllm.generate import Stats
     assert Stats(new_tokens=1, decode_seconds=0.0).counts() == "1 token, - tok/s"
     assert Stats(new_tokens=5, decode_seconds=2.0).counts("—", " · ") == "5 tokens · 2.0 tok/s"
+
+
+def test_a_reply_cut_short_by_ctrl_c_leaves_a_cache_that_the_next_prompt_can_reuse(lm, monkeypatch):
+    """Ctrl+C inside a decode step: the token it was running is not counted as cached, so a prompt reusing the
+    cache runs it again (it was counted, its keys and values unwritten, and the next reply read garbage)."""
+    s = generate(lm, "The river ran", stream=True, max_new_tokens=30, temperature=0, reuse_cache=True)
+    pieces = iter(s)
+    next(pieces), next(pieces)
+    dec = lm.decoder(1)  # the one the stream runs (large enough: kept)
+    with monkeypatch.context() as mp:
+        mp.setattr(dec, "model", lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            for _ in pieces:
+                pass
+    ids = lm.cached_tokens() + [7]
+    with torch.inference_mode():
+        reused = dec.prefill(ids, reuse=True)
+        assert dec.reused > 0
+        fresh = dec.prefill(ids)
+    torch.testing.assert_close(reused, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_close_from_another_thread_ends_the_reply_at_its_next_step(lm, monkeypatch):
+    """A UI thread closing a stream another thread reads (inside its next step): no 'generator already executing';
+    the reader's stream ends after that step, cancelled, and the model serves the next reply."""
+    import threading
+    import time
+    s = generate(lm, "The river ran", stream=True, max_new_tokens=40, temperature=0)
+    from localllm.decode import Decoder
+    got, inside = [], threading.Event()
+    real = Decoder.advance
+
+    def slow(self):  # each step takes a while, so that close() lands while the reader is inside one
+        inside.set()
+        time.sleep(0.02)
+        return real(self)
+    monkeypatch.setattr(Decoder, "advance", slow)
+    reader = threading.Thread(target=lambda: got.extend(s))
+    reader.start()
+    assert inside.wait(10)
+    s.close()
+    reader.join(10)
+    assert not reader.is_alive() and s.stats.finish_reason == "cancelled" and s.stats.new_tokens < 40
+    monkeypatch.undo()
+    assert generate(lm, "The river ran", max_new_tokens=3, temperature=0)
+
+
+def test_no_seed_leaves_torchs_random_state_alone(lm):
+    torch.manual_seed(5)
+    want = torch.rand(3)
+    torch.manual_seed(5)
+    generate(lm, "The river ran", max_new_tokens=2)
+    assert torch.equal(torch.rand(3), want)
