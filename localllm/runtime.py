@@ -115,6 +115,20 @@ class LocalModel:
                 self._decoder.restore(*kept)
         return self._decoder
 
+    @property
+    def context_length(self) -> int:
+        """The most tokens a prompt and its reply can take together (ModelConfig.context says why where a
+        sliding-window attention's window set it)."""
+        return self.model.cfg.max_position_embeddings
+
+    def encode(self, prompt: str | list[dict]) -> list[int]:
+        """The token ids generate() reads for `prompt` (a string as it is, chat messages through the model's chat
+        template), e.g. to count them against context_length before a call; refused in one line as generate()
+        refuses it."""
+        from .generate import _check_call, encode_prompt
+        _check_call(self, prompt, 1, None, None, False, None, False)
+        return encode_prompt(self, prompt)
+
     def cached_tokens(self) -> list[int]:
         """The tokens whose keys and values the KV cache holds from position 0 (Decoder.cached; none before a reply)."""
         return self._decoder.cached() if self._decoder is not None else []

@@ -772,3 +772,16 @@ def test_no_seed_leaves_torchs_random_state_alone(lm):
     torch.manual_seed(5)
     generate(lm, "The river ran", max_new_tokens=2)
     assert torch.equal(torch.rand(3), want)
+
+
+def test_encode_counts_what_generate_reads(lm):
+    """LocalModel.encode: the ids a reply's prompt has (its stats say how many), refused as generate() refuses."""
+    chat = [{"role": "user", "content": "The river ran"}]
+    for prompt in (chat, "The river ran"):
+        s = generate(lm, prompt, stream=True, max_new_tokens=2, temperature=0)
+        s.text()
+        assert len(lm.encode(prompt)) == s.stats.prompt_tokens > 0
+    assert lm.encode(chat) != lm.encode("The river ran")  # the chat template's tokens
+    assert lm.context_length == lm.model.cfg.max_position_embeddings
+    with pytest.raises(LocalLLMError, match="chat message 0 must be a dict"):
+        lm.encode([{"content": "x"}])
