@@ -29,6 +29,11 @@ def _describe_k(ks: dict, blocks: dict | None = None) -> str:
 
 @dataclass
 class LocalModel:
+    """A loaded model (what localllm.load() returns) for localllm.generate(). Public: encode(prompt) and
+    context_length; set_qdec(qdec, budget) and set_kv_bits(bits) (QDEC and the KV cache width, for later replies);
+    autotune() (a tuning profile for this GPU); warm_up(n); cached_tokens(); sizes(); qdec_summary(); the attributes
+    path, manifest (None: a dense checkpoint), kv_bits, budget, qdec_source, qdec_overhead, has_residuals; model
+    (the Transformer) and tokenizer. runtime.describe(lm) gives what `localllm info` prints."""
     model: Transformer
     tokenizer: object
     manifest: dict | None  # None: a dense source checkpoint, not quantized
