@@ -154,7 +154,8 @@ def test_repetition_penalty_over_the_prompt_matches_transformers(tiny_ckpt):
             want = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, repetition_penalty=5.0,
                                 pad_token_id=0)[0, len(ids):].tolist()
             got = generate(lm, prompt, max_new_tokens=8, temperature=0, repetition_penalty=5.0)
-            assert got == lm.tokenizer.decode(want, skip_special_tokens=True), prompt
+            # (a reply cut by its length inside a multi-byte character leaves out that character's first bytes)
+            assert got == lm.tokenizer.decode(want, skip_special_tokens=True).rstrip("\ufffd"), prompt
             tried += 1
     assert tried >= 2, tried
 
