@@ -786,3 +786,13 @@ def test_encode_counts_what_generate_reads(lm):
     assert lm.context_length == lm.model.cfg.max_position_embeddings
     with pytest.raises(LocalLLMError, match="chat message 0 must be a dict"):
         lm.encode([{"content": "x"}])
+
+
+def test_a_reply_cut_inside_a_multi_byte_character_leaves_it_out(lm, monkeypatch):
+    """A byte-level token that only begins a character (U+FFFD alone) as the reply's last: not shown as U+FFFD."""
+    lm.eos_ids = []
+    partial = next(t for t in range(lm.model.cfg.vocab_size) if lm.tokenizer.decode([t]) == "\ufffd")
+    want = generate(lm, "Hello", max_new_tokens=3, temperature=0)
+    forced(lm, monkeypatch, partial, 3)  # the prompt's output and two steps as before, then the partial token
+    s = generate(lm, "Hello", max_new_tokens=4, temperature=0, stream=True)
+    assert s.text() == want.rstrip("\ufffd") and s.stats.finish_reason == "length" and s.stats.new_tokens == 4
