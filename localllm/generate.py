@@ -254,8 +254,8 @@ def _run(lm: LocalModel, me: object, ids: list[int], max_new_tokens: int, params
             emitted = end
     else:
         stats.finish_reason = "context" if full else "length"
-    if stats.finish_reason in ("length", "context"):  # cut inside a multi-byte character: its bytes never came
-        text = text.rstrip("\ufffd")
+    if stats.finish_reason in ("length", "context") and text.endswith("\ufffd"):
+        text = text[:-1]  # cut inside a multi-byte character (one U+FFFD stands for its bytes so far): never came
     if (stats.finish_reason in ("eos", "length", "context") or as_token) and len(text) > emitted:
         yield text[emitted:]  # what _ready held back: no stop string came in the text (as decode gives it)
 
