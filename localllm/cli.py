@@ -143,6 +143,8 @@ def cmd_chat(a) -> None:
     if app.working:  # the exit waits for them: say why the terminal is not back yet
         print("localllm: stopping: the model's work ends at its next step (a layer of a long prompt on the CPU, or a "
               "step of loading)", file=sys.stderr)
+    if app.load_error:  # shown in the app; here too, and in the exit status, for whoever ran it
+        raise LocalLLMError(f"could not load {a.model or 'the demo model'}: {app.load_error}")
 
 
 def cmd_info(a) -> None:

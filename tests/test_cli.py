@@ -460,7 +460,7 @@ def test_chat_resume_takes_the_saved_system_prompt(tiny_quant, tmp_path, monkeyp
     seen = {}
 
     class Fake:  # what cmd_chat hands the app
-        working = False
+        working, load_error = False, None
 
         def __init__(self, *a, **kw):
             seen.clear()

@@ -164,6 +164,27 @@ async def test_a_long_fast_reply_is_shown_in_few_updates(tiny_quant, monkeypatch
         assert 2 <= view.updates <= seconds * ReplyMessage.UPDATES_PER_SECOND + 2, (view.updates, seconds)
 
 
+@scenario
+async def test_quitting_while_a_first_reply_streams_asks_twice(tiny_quant, monkeypatch, replies):
+    """A reply still coming counts as unsaved (one Ctrl+Q dropped it without a word); the second press quits."""
+    gate = Gate(monkeypatch, after=2)
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=60, seed=9))
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await loaded(pilot)
+            await send(pilot, replies, "Tell me a story")
+            await until(pilot, gate.paused.is_set, "two pieces")
+            await pilot.press("ctrl+q")
+            await pilot.pause()
+            assert app.is_running
+            assert any("A reply is still coming: press Ctrl+Q again to quit" in n.message for n in app._notifications)
+            await pilot.press("ctrl+q")
+            await pilot.pause()
+            assert not app.is_running
+    finally:
+        gate.release()
+
+
 @pytest.mark.parametrize("key", ["escape", "ctrl+c"])
 @scenario
 async def test_cancel_mid_reply_then_the_next_message_works(tiny_quant, monkeypatch, replies, key):
@@ -307,6 +328,7 @@ async def test_a_load_error_is_shown_in_the_app(tmp_path):
         assert text.startswith("no such file or folder") or "no-such-model" in text
         await pilot.press(*"hello", "enter", "ctrl+n", "ctrl+s", "escape")
         assert app.is_running and app.session is None and app.query_one(PromptInput).disabled
+        assert app.load_error == text  # (`localllm chat` then exits with an error, not 0)
 
 
 @scenario

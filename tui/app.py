@@ -114,7 +114,7 @@ class ChatApp(App):
     ENABLE_COMMAND_PALETTE = False
     CSS = """
     #chat { width: 1fr; }
-    #prompt { margin: 0 1; height: auto; max-height: 40%; }
+    #prompt { margin: 0 1; height: auto; max-height: 40%; min-height: 3; }
     #status { height: auto; max-height: 2; padding: 0 1; background: $panel; color: $text-muted; }
     """
     BINDINGS = [
@@ -142,12 +142,13 @@ class ChatApp(App):
         self.save_dir = save_dir
         self.resume = resume
         self.session: ChatSession | None = None
+        self.load_error: str | None = None  # why the model did not load (the command's exit status says so too)
         self._current: tuple[Reply, ReplyMessage] | None = None  # the reply running and its view
         self._reply_worker: Worker | None = None
         self._last_stats = None  # of the last reply that did not fail: the status bar's speed
         self._printed = ""  # the library's stderr lines, until their newline
         self.working: set[int] = set()  # the worker threads doing model work now (they outlive the app by a step)
-        self._armed, self._armed_until = None, 0.0  # a discarding key pressed once: (action, turns then), until when
+        self._armed, self._armed_until = None, 0.0  # a discarding key pressed once: its action, until when
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -241,6 +242,7 @@ class ChatApp(App):
         self.refresh_bindings()
 
     def on_load_failed(self, m: LoadFailed) -> None:
+        self.load_error = m.error
         self.query_one(LoadingPanel).failed(m.error)
         self.query_one("#status", Static).update("no model loaded")
 
@@ -336,13 +338,18 @@ class ChatApp(App):
     def _discard_ok(self, action: str, key: str) -> bool:
         """Whether `action` may drop the conversation now: at once where nothing is unsaved, else at the key's
         second press within a few seconds (the first says so)."""
-        if self.session is None or not self.session.unsaved or self._armed == (action, len(self.session.turns)) \
-                and time.monotonic() < self._armed_until:
+        s = self.session
+        if s is None or not (s.unsaved or s.running is not None) or self._armed == action \
+                and time.monotonic() < self._armed_until:  # (the second press acts, though a reply ended between)
             return True
-        self._armed, self._armed_until = (action, len(self.session.turns)), time.monotonic() + DISCARD_SECONDS
+        self._armed, self._armed_until = action, time.monotonic() + DISCARD_SECONDS
         what = {"new_chat": "start a new chat", "quit": "quit"}[action]
-        self.notify(f"This chat has exchanges that are not saved: press {key} again to {what} without them, or "
-                    "Ctrl+S to save first.", severity="warning", timeout=DISCARD_SECONDS)
+        if s.unsaved:
+            self.notify(f"This chat has exchanges that are not saved: press {key} again to {what} without them, or "
+                        "Ctrl+S to save first.", severity="warning", timeout=DISCARD_SECONDS)
+        else:
+            self.notify(f"A reply is still coming: press {key} again to {what} without it.", severity="warning",
+                        timeout=DISCARD_SECONDS)
         return False
 
     async def action_quit(self) -> None:
@@ -416,6 +423,6 @@ class ChatApp(App):
         await transcript.add(Notice(f"Going on with the saved chat{when} ({exchanges} exchanges{model})."))
 
     def _show_status(self, reply: Reply | None = None) -> None:
-        if reply is not None and reply.error is None:
+        if reply is not None and reply.error is None and not reply.dropped:  # (cancelled before any text: no numbers)
             self._last_stats = reply.stats
         self.query_one("#status", Static).update(facts.status_line(self.session.lm, self._last_stats))

@@ -59,7 +59,7 @@ def budget_of(text: str) -> float | None:
 
 class SettingsPanel(VerticalScroll):
     DEFAULT_CSS = """
-    SettingsPanel { width: 40; padding: 0 1; border-left: tall $primary; background: $panel; }
+    SettingsPanel { width: 40; max-width: 50%; padding: 0 1; border-left: tall $primary; background: $panel; }
     SettingsPanel .title { text-style: bold; margin: 1 0 0 0; }
     SettingsPanel Label { margin: 1 0 0 0; }
     SettingsPanel .why { color: $error; }
