@@ -254,8 +254,8 @@ def _run(lm: LocalModel, me: object, ids: list[int], max_new_tokens: int, params
             emitted = end
     else:
         stats.finish_reason = "context" if full else "length"
-    if stats.finish_reason in ("length", "context") and text.endswith("\ufffd"):
-        text = text[:-1]  # cut inside a multi-byte character (one U+FFFD stands for its bytes so far): never came
+    if text.endswith("\ufffd"):  # ended inside a multi-byte character (one U+FFFD stands for its bytes so far):
+        text = text[:-1]  # the rest never comes
     if (stats.finish_reason in ("eos", "length", "context") or as_token) and len(text) > emitted:
         yield text[emitted:]  # what _ready held back: no stop string came in the text (as decode gives it)
 
@@ -355,11 +355,12 @@ def generate(model: LocalModel | str | os.PathLike | None, prompt: str | list[di
         ids = encode_prompt(lm, prompt)  # the prompt's refusals too come before the model changes
         if not ids:
             raise LocalLLMError("the prompt is empty (no tokens): give some text")
-        # where the cache stays, an earlier reply goes as its own tokens (which can be more); where a setting below
-        # drops the cache, the prompt as encoded: both must fit, checked before anything changes
+        # where the cache stays, an earlier reply goes as its own tokens (which can be more, or fewer); where a
+        # setting below may drop the cache, the prompt as encoded too: what may be sent must fit, checked before
+        # anything changes (the plain ids alone, checked always, jammed a chat whose replies re-encode longer)
         cached = lm.cached_tokens() if reuse_cache else []
         spliced = _splice(lm.tokenizer, prompt, ids, cached)
-        for sent in (ids, spliced):
+        for sent in (ids, spliced) if qdec is not None or kv_bits is not None else (spliced,):
             _check_length(sent, lm.model.cfg)
         if qdec is not None:
             lm.set_qdec(qdec)

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -439,26 +440,32 @@ def _gguf_parsed_once():
     transformers' own names are what transformers imports at each call)."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
-    reader, name_map, hf_load = gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint
-    parsed, metadata = {}, {}
+    with _GGUF_PATCH:  # (the originals read under it too)
+        reader, name_map, hf_load = gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint
+        parsed, metadata = {}, {}
 
-    def parse(path, mode="r"):
-        key = (str(path), mode)
-        if key not in parsed:
-            parsed[key] = reader(path, mode)
-        return parsed[key]
+        def parse(path, mode="r"):
+            key = (str(path), mode)
+            if key not in parsed:
+                parsed[key] = reader(path, mode)
+            return parsed[key]
 
-    def load(path, return_tensors=False, **kw):  # the config's and the tokenizer's calls: ~1.5 s of fields each
-        if return_tensors or kw:
-            return hf_load(path, return_tensors, **kw)
-        if str(path) not in metadata:
-            metadata[str(path)] = hf_load(path, False)
-        return copy.deepcopy(metadata[str(path)])  # (callers may change what they get)
-    gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = parse, functools.cache(name_map), load
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = reader, name_map, hf_load
+        def load(path, return_tensors=False, **kw):  # the config's and the tokenizer's calls: ~1.5 s of fields each
+            if return_tensors or kw:
+                return hf_load(path, return_tensors, **kw)
+            if str(path) not in metadata:
+                metadata[str(path)] = hf_load(path, False)
+            return copy.deepcopy(metadata[str(path)])  # (callers may change what they get)
+        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = parse, functools.cache(name_map), load
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = reader, name_map, hf_load
+
+
+# one GGUF load patches at a time: a second one at once would take the first's patch for the original, and restore it
+# for good (every later GGUF's parse kept, its file mapped, ~400 MB a demo load)
+_GGUF_PATCH = threading.RLock()
 
 
 def _open_gguf(folder: Path, name: str) -> Checkpoint:

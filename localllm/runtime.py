@@ -93,13 +93,18 @@ class LocalModel:
         its captured CUDA graph is replayed, not captured again), else a new one, rounded up to 256 tokens and, where
         memory allows, at least twice the old one's length: a chat's history grows every turn, and each new Decoder
         costs a graph capture (~40 ms for the demo model on the H100). keep: a new Decoder takes over what the old
-        one's cache holds (a chat reusing it). On a GPU a cache that does not fit is refused in one line naming the
+        one's cache holds (a chat reusing it). On the CPU, where no graph is kept, a cache over twice the need is
+        made anew at the need unless keep. On a GPU a cache that does not fit is refused in one line naming the
         kv-bits setting that would fit; on the CPU one that does not fit the host's available memory."""
         from .decode import Decoder
         limit = self.model.cfg.max_position_embeddings
-        if self._decoder is None or self._decoder.max_len < min(max_len, limit):  # (never more than the context)
-            need = min(limit, -(-max_len // 256) * 256)
-            n = min(limit, max(need, 2 * self._decoder.max_len if self._decoder is not None else 0))
+        need = min(limit, -(-max_len // 256) * 256)
+        # on the CPU (no captured graphs to keep), a cache over twice what a reply that starts afresh needs is let go:
+        # one long request (a large max_new_tokens, ended early) held its memory for every later reply
+        shrink = not keep and self._decoder is not None and self.model.device.type != "cuda" and \
+            self._decoder.max_len > 2 * need
+        if self._decoder is None or shrink or self._decoder.max_len < min(max_len, limit):  # (never over the context)
+            n = need if shrink else min(limit, max(need, 2 * self._decoder.max_len if self._decoder is not None else 0))
             kept = self._decoder.kept() if keep and self._decoder is not None else None
             self._decoder = None  # free the old cache first
             dev = self.model.device

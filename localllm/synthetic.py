@@ -143,8 +143,11 @@ def random_qdec(model, copies: int = 1, kmax: int = 256) -> None:
 
 
 def random_local_model(cfg, bits: int, copies: int = 4, table: bool = False):
-    """A random_model with random_qdec, as a runtime.LocalModel (no tokenizer): what `bench tune` tunes."""
+    """A random_model with random_qdec, as a runtime.LocalModel (no tokenizer): what `bench tune` tunes. Its folder
+    (where tuning writes profiles) is a temp folder, removed when the model goes."""
+    import shutil
     import tempfile
+    import weakref
 
     from .runtime import LocalModel
     m = random_model(cfg, bits, table=table)
@@ -152,5 +155,6 @@ def random_local_model(cfg, bits: int, copies: int = 4, table: bool = False):
     manifest = {"model_id": f"random-{cfg.num_layers}x{cfg.hidden_size}-w{bits}", "quant": {"bits": bits},
                 "calibration": {"kmax": 256}}
     lm = LocalModel(m, None, manifest, tempfile.mkdtemp(prefix="localllm-random-"), [])
+    weakref.finalize(lm, shutil.rmtree, lm.path, True)
     lm.set_qdec("off")
     return lm

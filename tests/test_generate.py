@@ -136,8 +136,8 @@ def test_greedy_matches_transformers_generate(tiny_ckpt):
 
 
 def cut(text: str) -> str:
-    """What generate shows of a reply its length ended: not a last character whose bytes had not all come (decoded,
-    one U+FFFD)."""
+    """What generate shows of a reply's text: not a last character whose bytes had not all come when it ended
+    (decoded, one U+FFFD)."""
     return text[:-1] if text.endswith("\ufffd") else text
 
 
@@ -213,7 +213,7 @@ def test_eos_shows_what_was_held_back(lm, monkeypatch):
         made = lm.cached_tokens()[len(g.encode_prompt(lm, prompt)):]  # the reply's tokens run (all but the last)
         # a token new to the reply, with text before it (a random model may draw special tokens, which show none)
         k = next((i for i in range(1, len(made)) if made[i] not in made[:i]
-                  and lm.tokenizer.decode(made[:i], skip_special_tokens=True)), None)
+                  and cut(lm.tokenizer.decode(made[:i], skip_special_tokens=True))), None)
         if k is not None:
             break
     lm.eos_ids = [made[k]]
@@ -242,9 +242,12 @@ def test_a_stop_string_that_is_a_special_token_ends_the_reply_at_it(lm, monkeypa
     lm.eos_ids = []
     user = lm.tokenizer.convert_tokens_to_ids("<|user|>")
     want = generate(lm, "Hello", max_new_tokens=4, temperature=0)
+    generate(lm, "Hello", max_new_tokens=5, temperature=0)
+    natural = lm.cached_tokens()[len(encode_prompt(lm, "Hello")):]  # the reply's first 4 tokens
+    k = natural.index(user) if user in natural else 4  # (a random model may draw <|user|> itself: it ends there)
     forced(lm, monkeypatch, user, 4)  # the prompt's output and three steps as before, then <|user|>
     s = generate(lm, "Hello", max_new_tokens=12, temperature=0, stop=["<|user|>"], stream=True)
-    assert "".join(s) == want and s.stats.finish_reason == "stop" and s.stats.new_tokens == 4
+    assert "".join(s) == want and s.stats.finish_reason == "stop" and s.stats.new_tokens == k
     lm.eos_ids = [user]  # the model's end token too (the demo's <|im_end|>): the stop the caller named is said
     forced(lm, monkeypatch, user, 4)
     s = generate(lm, "Hello", max_new_tokens=12, temperature=0, stop=["<|user|>"], stream=True)
@@ -632,7 +635,8 @@ def test_a_full_context_ends_the_reply_and_says_so(lm):
 
 def test_decoder_is_kept_and_grows_geometrically(lm, monkeypatch):
     """A chat's history grows each turn: the runtime keeps its Decoder while it is long enough and, past it, at least
-    doubles it (each new one costs a CUDA-graph capture on a GPU), up to the model's context."""
+    doubles it (each new one costs a CUDA-graph capture on a GPU), up to the model's context; on the CPU one far
+    longer than a fresh reply needs is let go."""
     limit = lm.model.cfg.max_position_embeddings
     monkeypatch.setattr(lm.model.cfg, "max_position_embeddings", 4096)  # (the tiny model's is 256)
     lm._decoder = None
@@ -643,7 +647,11 @@ def test_decoder_is_kept_and_grows_geometrically(lm, monkeypatch):
     second = lm.decoder(300)  # (not keep: a reply that does not reuse the cache takes nothing from it)
     assert second is not first and second.max_len == 512
     assert second.cached() == []
-    assert lm.decoder(2000).max_len == 2048
+    big = lm.decoder(2000)
+    assert big.max_len == 2048 and lm.decoder(900) is big  # within twice the need: kept
+    small = lm.decoder(100)  # on the CPU (no graph to keep) a cache over twice the need is made anew at the need
+    assert small is not big and small.max_len == 256  # (one long request held its memory for every later reply)
+    assert lm.decoder(1500).max_len == 1536 and lm.decoder(100, keep=True).max_len == 1536  # a chat's stays
     monkeypatch.undo()
     lm._decoder = None
     full = lm.decoder(limit + 1)  # more than the context: the context, and kept (eval's windows at --ctx = context)

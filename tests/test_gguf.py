@@ -178,3 +178,33 @@ def test_incomplete_and_split_ggufs_are_refused(ckpt, tmp_path):
         open_checkpoint(tmp_path / "miss.gguf", gguf_file="other.gguf")
     with pytest.raises(LocalLLMError, match="no such file or folder: nope/x.gguf"):
         open_checkpoint("nope/x.gguf")  # a mistyped path, not a hub id
+
+
+def test_two_gguf_loads_at_once_leave_gguf_as_it_was():
+    """The one-parse patch is process-wide: a second load at once waits for the first (it took the first's patch
+    for the original and kept it for good: every later GGUF's parse, and its file's mapping, kept)."""
+    import threading
+
+    import gguf
+    from localllm.loader import _gguf_parsed_once
+    original, inside, release, entered = gguf.GGUFReader, threading.Event(), threading.Event(), []
+
+    def first():
+        with _gguf_parsed_once():
+            inside.set()
+            release.wait(10)
+
+    def second():
+        with _gguf_parsed_once():
+            entered.append(gguf.GGUFReader)
+    a = threading.Thread(target=first)
+    a.start()
+    assert inside.wait(10)
+    b = threading.Thread(target=second)
+    b.start()
+    b.join(0.3)
+    assert b.is_alive() and not entered  # waits while the first load runs
+    release.set()
+    a.join(10)
+    b.join(10)
+    assert entered and entered[0] is not original and gguf.GGUFReader is original

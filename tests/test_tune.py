@@ -728,3 +728,21 @@ def test_first_order_block_values_scale_to_the_measured_kl_per_kind(tiny_quant):
         assert first_order(lins, measured, 32) == pytest.approx({b: scale * fo["kl"][kind][b][j] for b in at})
         assert first_order(lins, measured, 3) is None
         assert first_order(lins, {k: v for k, v in measured.items() if k != "blocks"}, 8) is None
+
+
+def test_a_tuning_bench_lets_its_model_go(tiny_quant, monkeypatch):
+    """GpuBench's caches are its own: a class-level cache kept every tuned model (on a GPU its weights and pinned
+    residuals) alive for the process's life. (GemvTimer, which needs a GPU, stubbed.)"""
+    import gc
+    import weakref
+
+    from localllm.runtime import load
+    from localllm.tuner import timing
+    monkeypatch.setattr(timing, "GemvTimer", lambda lm, reps: None)
+    lm = load(tiny_quant)
+    bench = timing.GpuBench(lm, tokens=0)
+    assert bench.block_values("qkv", 1) is bench.block_values("qkv", 1)  # (cached)
+    gone = weakref.ref(lm)
+    del lm, bench
+    gc.collect()
+    assert gone() is None

@@ -165,6 +165,10 @@ class GpuBench:
         self.lm, self.ctx = lm, min(ctx, lm.model.cfg.max_position_embeddings)
         self.gemv_time = GemvTimer(lm, reps)
         self._off = None  # the decode graph without QDEC (decode_time)
+        # per bench, not per class: a class-level functools.cache kept every tuned model (its weights, pinned
+        # residuals) alive for the process's life
+        self.block_values = functools.cache(self._block_values)
+        self._kind_weight = functools.cache(self._kind_weight_of)
         self.ids, self.tokens = None, 0
         if tokens:
             from localllm.evaluate import read_text, tokenize
@@ -182,15 +186,13 @@ class GpuBench:
     def _measured(self) -> dict | None:
         return self.lm.manifest.get("calibration", {}).get("qdec_value")
 
-    @functools.cache  # noqa: B019 (one bench per tune)
-    def _kind_weight(self, kind: str) -> float | None:
+    def _kind_weight_of(self, kind: str) -> float | None:
         from .blocks import counted_rows, kind_weight
         measured = self._measured
         return None if measured is None else \
             kind_weight(compensable(self.lm, kind), measured, counted_rows(self.lm.model.cfg, kind))
 
-    @functools.cache  # noqa: B019
-    def block_values(self, kind: str, k_chunk: int) -> dict[int, float] | None:
+    def _block_values(self, kind: str, k_chunk: int) -> dict[int, float] | None:
         """Quantize's first-order values where it recorded them, else the kind's value split by the estimate."""
         from .blocks import counted_rows, first_order, values
         measured = self._measured
