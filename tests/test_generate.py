@@ -818,3 +818,17 @@ def test_a_reply_cut_inside_a_multi_byte_character_leaves_it_out(lm, monkeypatch
     s = generate(lm, "Hello", max_new_tokens=4, temperature=0, stream=True)
     assert dec([a, a, a, partial]).endswith("\ufffd")
     assert s.text() == dec([a, a, a]) and s.stats.finish_reason == "length" and s.stats.new_tokens == 4
+
+
+def test_only_what_may_be_sent_must_fit_the_context(lm, monkeypatch):
+    """A chat's earlier replies go as the model's own tokens (_splice), which can be fewer than their text encoded
+    anew: the plain encoding must fit only where a setting change may drop the cache and send it (checking it always
+    jammed a chat near its context, every later message refused)."""
+    import importlib
+    g = importlib.import_module("localllm.generate")
+    limit = lm.model.cfg.max_position_embeddings
+    prompt = "one two " * limit  # past the context encoded anew
+    monkeypatch.setattr(g, "_splice", lambda tok, p, ids, cached: ids if cached is None else ids[:8])  # (cache)
+    assert g.generate(lm, prompt, max_new_tokens=2, temperature=0, reuse_cache=True) is not None
+    with pytest.raises(LocalLLMError, match="this model's context is"):
+        g.generate(lm, prompt, max_new_tokens=2, temperature=0, reuse_cache=True, qdec="off")
