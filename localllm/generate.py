@@ -293,12 +293,15 @@ def _check_call(model, prompt, max_new_tokens, stop, seed, stream, cancel, reuse
                             f"got {type(model).__name__}")
     if isinstance(prompt, list) and prompt:
         for i, m in enumerate(prompt):
-            if not (isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)):
-                got = f"a {type(m).__name__}" if not isinstance(m, dict) else \
-                    f"content {type(m.get('content')).__name__}" if not isinstance(m.get("content"), str) and \
-                    "content" in m else "no 'content'" if "content" not in m else \
-                    f"role {type(m.get('role')).__name__}" if "role" in m else "no 'role'"
-                raise LocalLLMError(f"chat message {i} must be a dict with 'role' and 'content' (strings), got {got}")
+            if not isinstance(m, dict):
+                got = f"a {type(m).__name__}"
+            elif not isinstance(m.get("content"), str):
+                got = f"content {type(m['content']).__name__}" if "content" in m else "no 'content'"
+            elif not isinstance(m.get("role"), str):
+                got = f"role {type(m['role']).__name__}" if "role" in m else "no 'role'"
+            else:
+                continue
+            raise LocalLLMError(f"chat message {i} must be a dict with 'role' and 'content' (strings), got {got}")
     elif not isinstance(prompt, str):
         raise LocalLLMError(f"the prompt must be a string or a non-empty list of chat messages ({{'role': ..., "
                             f"'content': str}}), got {type(prompt).__name__}{' (empty)' if prompt == [] else ''}")
