@@ -267,7 +267,13 @@ async def test_settings_apply_to_the_next_reply(tiny_quant, replies):
         await pilot.pause()
         # named while the field shows it, though valid fields were edited after it; 0.9 stays
         assert str(app.query_one(".why", Static).render()) == \
-            "Top-p must be a number > 0 and ≤ 1; the last valid values apply"
+            "Top-p must be a number > 0 and ≤ 1: 0.9 still applies"
+        await pilot.click("#temperature")
+        await pilot.press("end", "ctrl+u", *"1e40")  # "1e4" was valid on the way: that is what applies, and says so
+        await pilot.pause()
+        assert "10000.0 still applies" in str(app.query_one(".why", Static).render())
+        await pilot.press("end", "ctrl+u", "0")
+        await pilot.pause()
         await pilot.click("#qdec")
         assert app.query_one("#qdec", Switch).value is False
         await until(pilot, lambda: session.lm.settings.mode == "off", "QDEC to turn off")

@@ -106,11 +106,18 @@ class SettingsPanel(VerticalScroll):
 
     def on_input_changed(self, event: Input.Changed) -> None:
         event.stop()
-        # every field still invalid stays named (not only the one just edited): its last valid value is in force
-        problems = [d for i in self.query(Input) if not i.disabled
-                    for d in getattr(i.validate(i.value), "failure_descriptions", [])]
-        self.query_one(".why", Static).update(
-            "; ".join(problems) + ("; the last valid values apply" if problems else ""))
+        # every field still invalid stays named (not only the one just edited), with the value in force: its last
+        # valid one, which may be a prefix of what was typed ("1e4" of "1e40")
+        problems = []
+        for i in self.query(Input):
+            failures = [] if i.disabled else getattr(i.validate(i.value), "failure_descriptions", [])
+            if failures:
+                kept = getattr(self.settings, i.id) if i.id in FIELDS and i.id != "system" else "the last valid one"
+                problems.append(f"{'; '.join(failures)}: {kept} still applies")
+        why = self.query_one(".why", Static)
+        why.update("; ".join(problems))
+        if problems:
+            why.scroll_visible()  # (below a short screen it went unseen)
         if event.validation_result is not None and not event.validation_result.is_valid:
             return
         if event.input.id == "budget":
