@@ -346,7 +346,8 @@ def cmd_report(a) -> None:
 def _model_options(p: argparse.ArgumentParser) -> None:
     """How `generate` and `chat` load their model: QDEC setting, tuning budget, GGUF file, device."""
     p.add_argument("--qdec", type=_qdec_arg, default="on",
-                   help="on (default: the tuned setting for this GPU, else k_chunk 8), off, or k_chunk per 1024 channels")
+                   help="on (default: the tuned setting for this GPU, else k_chunk 8), off, or k_chunk per 1024 "
+                        "channels")
     p.add_argument("--budget", type=_budget_arg, default=None,
                    help="slowdown budget whose tuning profile --qdec on uses, in percent (default 5; `localllm tune`)")
     p.add_argument("--gguf-file", help="which GGUF file of a folder to load")
@@ -430,8 +431,8 @@ def parser() -> argparse.ArgumentParser:
                    help="bits per weight (default 4); 2.5 / 3.5: half the blocks one bit lower, chosen by KL "
                         "sensitivity")
     q.add_argument("--method", default="rtn", choices=METHODS,
-                   help="base quantizer: rtn (round to nearest; the default), awq (activation-aware scaling and clipping, then "
-                        "rtn), squeezellm (non-uniform per-channel tables by sensitivity-weighted k-means, over "
+                   help="base quantizer: rtn (round to nearest; the default), awq (activation-aware scaling and "
+                        "clipping, then rtn), squeezellm (non-uniform per-channel tables by sensitivity-weighted k-means, over "
                         "weights normalized per group of 128)")
     q.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES,
                    help="input channels per scale (default 128): rtn and awq; squeezellm takes 128 only")

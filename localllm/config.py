@@ -118,7 +118,8 @@ class ModelConfig:
     @property
     def context(self) -> str:
         """The context for messages: its length, and why where the attention window set it."""
-        why = " (its sliding-window attention's window: localllm does not attend past it)" if self.sliding_window else ""
+        why = " (its sliding-window attention's window: localllm does not attend past it)" \
+            if self.sliding_window else ""
         return f"{self.max_position_embeddings}{why}"
 
     def to_dict(self) -> dict:

@@ -162,14 +162,18 @@ def score(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: s
     return losses(lm, ids, ctx, seed, desc, reference)[:2]
 
 
+def check_ctx(ctx: int, cfg) -> None:
+    """Refuse, in one line, a window (--ctx) the model's context (a config.ModelConfig) cannot hold."""
+    if not 2 <= ctx <= cfg.max_position_embeddings:
+        raise LocalLLMError(f"--ctx must be within 2..{cfg.max_position_embeddings}, got {ctx}: the model's context "
+                            f"is {cfg.context}")
+
+
 def losses(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: str = "evaluating",
            reference: Reference | None = None) -> tuple[float, float | None, torch.Tensor]:
     """score's (perplexity, KL), and the per-token losses (negative log-likelihoods, float64 [len(ids) - 1], on the
     CPU) for paired_change."""
-    limit = lm.model.cfg.max_position_embeddings
-    if not 2 <= ctx <= limit:
-        raise LocalLLMError(f"--ctx must be within 2..{limit}, got {ctx}: the model's context is "
-                            f"{lm.model.cfg.context}")
+    check_ctx(ctx, lm.model.cfg)
     model, dev = lm.model, lm.model.device
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed)  # random mode's picks
     stepwise = dev.type == "cuda" and lm.settings.mode != "off"

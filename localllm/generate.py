@@ -286,11 +286,8 @@ def _check_length(ids: list[int], cfg) -> None:
         raise LocalLLMError(f"the prompt has {len(ids)} tokens; this model's context is {cfg.context}: shorten it")
 
 
-def _check_call(model, prompt, max_new_tokens, stop, seed, stream, cancel, reuse_cache) -> list[str]:
-    """Refuse, in one line, arguments of the wrong kind (before anything about the model changes); the stop strings."""
-    if not (model is None or isinstance(model, (LocalModel, str, os.PathLike))):
-        raise LocalLLMError(f"model must be what localllm.load() returns, a model path, or None (the demo model), "
-                            f"got {type(model).__name__}")
+def _check_prompt(prompt) -> None:
+    """Refuse, in one line, a prompt that is neither a string nor chat messages of string role and content."""
     if isinstance(prompt, list) and prompt:
         for i, m in enumerate(prompt):
             if not isinstance(m, dict):
@@ -305,6 +302,14 @@ def _check_call(model, prompt, max_new_tokens, stop, seed, stream, cancel, reuse
     elif not isinstance(prompt, str):
         raise LocalLLMError(f"the prompt must be a string or a non-empty list of chat messages ({{'role': ..., "
                             f"'content': str}}), got {type(prompt).__name__}{' (empty)' if prompt == [] else ''}")
+
+
+def _check_call(model, prompt, max_new_tokens, stop, seed, stream, cancel, reuse_cache) -> list[str]:
+    """Refuse, in one line, arguments of the wrong kind (before anything about the model changes); the stop strings."""
+    if not (model is None or isinstance(model, (LocalModel, str, os.PathLike))):
+        raise LocalLLMError(f"model must be what localllm.load() returns, a model path, or None (the demo model), "
+                            f"got {type(model).__name__}")
+    _check_prompt(prompt)
     for name, v in (("stream", stream), ("reuse_cache", reuse_cache)):
         if not isinstance(v, bool):  # ("no" would be true)
             raise LocalLLMError(f"{name}={v!r}: give True or False")

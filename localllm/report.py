@@ -519,7 +519,7 @@ def make_report(o: Options) -> Path:
     are saved in -o/report.unfinished.json as they are made (UNFINISHED; report.json at the end); an unfinished
     run of the same command is resumed."""
     from .demo import demo_gguf
-    from .evaluate import read_text
+    from .evaluate import check_ctx, read_text
     from .loader import MANIFEST, open_checkpoint
     from .progress import progress
     from .report_render import render
@@ -546,9 +546,7 @@ def make_report(o: Options) -> Path:
     ckpt = open_checkpoint(src, o.gguf_file)
     limit = ckpt.config.max_position_embeddings
     o = replace(o, ctx=min(512, limit) if o.ctx is None else o.ctx)
-    if not 2 <= o.ctx <= limit:  # (the windows the report states are the ones it runs)
-        raise LocalLLMError(f"--ctx must be within 2..{limit}, got {o.ctx}: the model's context is "
-                            f"{ckpt.config.context}")
+    check_ctx(o.ctx, ckpt.config)  # (the windows the report states are the ones it runs)
     name = model_name(src, ckpt)
     out = Path(o.out or f"report-{_slug(name)}").expanduser()
     prior = _check_out(o, out)  # before hashing the model

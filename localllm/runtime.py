@@ -135,8 +135,8 @@ class LocalModel:
         """The token ids generate() reads for `prompt` (a string as it is, chat messages through the model's chat
         template), e.g. to count them against context_length before a call; refused in one line as generate()
         refuses it."""
-        from .generate import _check_call, encode_prompt
-        _check_call(self, prompt, 1, None, None, False, None, False)
+        from .generate import _check_prompt, encode_prompt
+        _check_prompt(prompt)
         return encode_prompt(self, prompt)
 
     def cached_tokens(self) -> list[int]:

@@ -39,7 +39,8 @@ def test_options_anywhere_and_an_unknown_one_shows_its_commands_usage(tiny_quant
     assert main(["generate", str(tiny_quant), "hi", *args]) == 0
     assert capsys.readouterr().out == between
     for argv, msg in ((["eval", "--tokens", "5"], "unrecognized arguments: --tokens"),
-                      (["generate", str(tiny_quant), "hi", "--max-tokens", "1"], "unrecognized arguments: --max-tokens"),
+                      (["generate", str(tiny_quant), "hi", "--max-tokens", "1"],
+                       "unrecognized arguments: --max-tokens"),
                       (["generate", str(tiny_quant), "hi", "--qdec", "-5"], "a k_chunk is channels per 1024")):
         with pytest.raises(SystemExit) as e:
             main(argv)
@@ -189,37 +190,28 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tiny_ckpt, tmp_path, capsys,
     naming the file and the fix, and no folder, finished or not, is left."""
     import errno
     from safetensors import SafetensorError
+    from transformers import PreTrainedTokenizerBase
     import localllm.modelfile as modelfile
 
-    def full(*a, **kw):
-        raise SafetensorError("Error while serializing: IoError(Os { code: 27, kind: FileTooLarge })")
+    def refused(owner, name: str, error: Exception) -> str:
+        """quantize's stderr where owner.name raises `error`: one line, and nothing left in tmp_path."""
+        def fail(*a, **kw):
+            raise error
+        monkeypatch.setattr(owner, name, fail)
+        assert main(["quantize", str(tiny_ckpt), "-o", str(tmp_path / "q"), "--calib-tokens", "64"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
+        return err
 
-    monkeypatch.setattr(modelfile, "save_file", full)
-    assert main(["quantize", str(tiny_ckpt), "-o", str(tmp_path / "q"), "--calib-tokens", "64"]) == 2
-    err = capsys.readouterr().err
+    err = refused(modelfile, "save_file",
+                  SafetensorError("Error while serializing: IoError(Os { code: 27, kind: FileTooLarge })"))
     assert "FileTooLarge" in err and "q/model.safetensors" in err and "check the disk" in err
-    assert len(err.strip().splitlines()) == 1
-    assert list(tmp_path.iterdir()) == []
-
-    def no_space(*a, **kw):
-        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
-
-    monkeypatch.setattr(modelfile, "save_file", no_space)
-    assert main(["quantize", str(tiny_ckpt), "-o", str(tmp_path / "q"), "--calib-tokens", "64"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("localllm: error: No space left on device: ") and len(err.strip().splitlines()) == 1
-    assert list(tmp_path.iterdir()) == []
+    err = refused(modelfile, "save_file", OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x")))
+    assert err.startswith("localllm: error: No space left on device: ")
     # the tokenizer's writer (the tokenizers library) raises a plain Exception for a full disk
     monkeypatch.undo()
-    from transformers import PreTrainedTokenizerBase
-
-    def tokenizer_full(*a, **kw):
-        raise Exception("No space left on device (os error 28)")
-    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", tokenizer_full)
-    assert main(["quantize", str(tiny_ckpt), "-o", str(tmp_path / "q"), "--calib-tokens", "64"]) == 2
-    err = capsys.readouterr().err
+    err = refused(PreTrainedTokenizerBase, "save_pretrained", Exception("No space left on device (os error 28)"))
     assert "cannot write the tokenizer into" in err and "No space left" in err and "check the disk" in err
-    assert len(err.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
 
 
 def test_sigterm_while_writing_leaves_nothing(tiny_ckpt, tmp_path, capsys, monkeypatch):
