@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from .decode import Decoder, captured_decoder
@@ -19,18 +20,42 @@ LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    """Device memory copy bandwidth in bytes/s, counting bytes read plus written: the faster of a cudaMemcpy (torch's
+    copy_) and an elementwise kernel (torch.add(src, 0, out=dst)). In a CUDA graph a 1 GiB cudaMemcpy is not the
+    memory's bound: on the H200 it moved 2.76 TB/s where the elementwise kernel moved 4.27 (a 256 MiB cudaMemcpy,
+    4.18); until 2026-11-30 the benchmarks divided by the cudaMemcpy alone (H100: 2.43 TB/s, where the shared
+    note's copy measured 2.97), so their percentages before then are 1.2x (H100) to 1.55x (H200) too high."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    return 2 * nbytes / time_graph([lambda: dst.copy_(src)] * 4)
+    return max(2 * nbytes / time_graph([call] * 4)
+               for call in (lambda: dst.copy_(src), lambda: torch.add(src, 0, out=dst)))
 
 
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device memory read bandwidth in bytes/s: an fp16 sum over 1 GiB, which reads it once and writes nothing;
-    what a weight stream can reach at most. H100: 3.02 TB/s, within 2% of a plain grid-stride kernel of 16-byte
-    loads (3.08-3.09), against 2.43 for copy_bandwidth's read + write (an int32 sum widens to int64: 0.58)."""
-    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
-    return nbytes / time_graph([lambda: src.sum()] * 4)
+    """Device memory read bandwidth in bytes/s: a plain read of 1 GiB (plain_read), what a weight stream can reach at
+    most. H200: 4.5 TB/s, where torch's fp16 sum, which the benchmarks divided by until 2026-11-30, reads 4.16."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    return nbytes / plain_read([buf])[0]
+
+
+def plain_read(bufs: list[torch.Tensor], mode: int = 0) -> tuple[float, str]:
+    """Seconds per read of one of bufs (equal byte sizes, read in turn inside a CUDA graph, so that several defeat L2)
+    by kernels/bandwidth.cu's read_stream launched as `mode` says (0 plain; 1, 2 early: see there), at the fastest of
+    its grids, and that grid (blocks per SM x threads)."""
+    from .kernels import cuda
+    func = cuda.kernel("bandwidth", "read_stream")
+    n16 = -(-bufs[0].numel() * bufs[0].element_size() // 16)
+    out = torch.empty(8 * 1024, dtype=torch.int32, device="cuda")
+    dev = torch.cuda.current_device()
+    sm = cuda.sm_count(dev)
+    best = (float("inf"), "")
+    for threads in (256, 512, 1024):
+        for per_sm in sorted({1, cuda.resident_blocks(dev, threads, func.num_regs, 1024)}):
+            t = time_graph([lambda b=b: cuda.launch(
+                func, (per_sm * sm,), (threads,), (cuda.ptr(b), np.uint64(n16), cuda.ptr(out), np.int32(mode)),
+                early=mode > 0) for b in bufs])
+            best = min(best, (t, f"{per_sm}x{threads}"))
+    return best
 
 
 def _copies(one_bytes: int) -> int:

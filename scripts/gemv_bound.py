@@ -14,7 +14,6 @@ On the device machine, install the package first. The loads-only outputs are mea
 """
 import sys
 
-import numpy as np
 import torch
 
 from localllm import bench, graphs
@@ -22,59 +21,23 @@ from localllm.kernels import cuda
 from localllm.kernels import gemv as gemv_mod
 
 DEPTHS = (2, 3, 4, 5, 6)
-READ_UNROLL = 8  # 16-byte loads a thread keeps in flight (47 registers)
-READ = """
-// a plain read of n16 16-byte words; mode 0: plain launch, 1: early, waits for the previous kernel before its write,
-// 2: early, waits before its reads. Writes only if the words' XOR hits a constant (so that the loads stay).
-extern "C" __global__ void __launch_bounds__(1024, 1) read_stream(const uint4* __restrict__ p, unsigned long long n16,
-                                                                  unsigned* out, int mode) {
-    if (mode) start_next();
-    if (mode == 2) wait_previous();
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    unsigned acc = 0;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16;
-         i += READ_UNROLL * stride) {
-        uint4 v[READ_UNROLL];
-#pragma unroll
-        for (int u = 0; u < READ_UNROLL; u++)  // past the end: the last word again (no branch between the loads)
-            v[u] = __ldcs(p + min(i + u * stride, n16 - 1));
-#pragma unroll
-        for (int u = 0; u < READ_UNROLL; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-    }
-    if (mode == 1) wait_previous();
-    if (acc == 0x9E3779B9u) out[blockIdx.x] = acc;
-}
-"""
-READ_THREADS = (256, 512, 1024)  # per block; the grid: one block per SM, or as many as fit at once
-MODES = ("plain", "early, wait to write", "early, wait to read")
+MODES = ("plain", "early, wait to write", "early, wait to read")  # kernels/bandwidth.cu read_stream's modes
 
 
 def build(loads_only: bool) -> None:
-    """gemv.cu from now on: the plain read beside the GEMV (any ring depth instantiates by name), with or without
-    the math."""
-    cuda.BUILD["gemv"] = (("-DGEMV_LOADS_ONLY",) if loads_only else (), f"#define READ_UNROLL {READ_UNROLL}\n" + READ)
+    """gemv.cu from now on: with or without the math (any ring depth instantiates by name)."""
+    cuda.BUILD["gemv"] = (("-DGEMV_LOADS_ONLY",) if loads_only else (), "")
 
 
 def read_percent(nbytes: int, bw: float) -> dict[str, tuple[float, str]]:
-    """Per launch mode: the plain read's best % of copy bandwidth over its grids, and that grid (blocks per SM x
-    threads)."""
-    build(False)
-    func = cuda.kernel("gemv", "read_stream")
-    n16 = -(-nbytes // 16)
-    bufs = [torch.empty(n16 * 16, dtype=torch.uint8, device="cuda").random_() for _ in range(bench._copies(nbytes))]
-    out = torch.empty(8 * 1024, dtype=torch.int32, device="cuda")
-    dev = torch.cuda.current_device()
-    sm = cuda.sm_count(dev)
+    """Per launch mode: a plain read's best % of copy bandwidth over its grids (bench.plain_read), and that grid
+    (blocks per SM x threads)."""
+    bufs = [torch.empty(-(-nbytes // 16) * 16, dtype=torch.uint8, device="cuda").random_()
+            for _ in range(bench._copies(nbytes))]
     best = {}
     for mode, label in enumerate(MODES):
-        for threads in READ_THREADS:
-            for per_sm in sorted({1, cuda.resident_blocks(dev, threads, func.num_regs, 1024)}):
-                t = graphs.time_graph([lambda b=b: cuda.launch(
-                    func, (per_sm * sm,), (threads,), (cuda.ptr(b), np.uint64(n16), cuda.ptr(out), np.int32(mode)),
-                    early=mode > 0) for b in bufs])
-                pct = 100 * nbytes / t / bw
-                if pct > best.get(label, (0.0, ""))[0]:
-                    best[label] = (pct, f"{per_sm}x{threads}")
+        t, grid = bench.plain_read(bufs, mode)
+        best[label] = (100 * nbytes / t / bw, grid)
     return best
 
 
