@@ -159,15 +159,31 @@ def test_the_tuning_budget_goes_to_set_qdec(tiny_quant):
 def test_status_facts_on_the_cpu(lm):
     line = facts.status_line(lm, None)
     kib = lm.sizes()["pinned_host_bytes"] / 1024
-    assert line == f"CPU │ — tok/s │ TTFT — │ GPU mem — │ residuals {kib:.0f} KiB in RAM │ QDEC overhead not measured"
+    # no GPU fields: no GPU memory, and QDEC's mode (nothing is tuned on the CPU) rather than its overhead
+    assert line == f"CPU │ — tok/s │ TTFT — │ residuals {kib:.0f} KiB in RAM │ QDEC {lm.settings.mode}"
+    assert lm.settings.mode != "off"
     s = generate(lm, "Hi", max_new_tokens=5, stream=True)
     s.text()
     assert f"{s.stats.tokens_per_second:.1f} tok/s │ TTFT {s.stats.time_to_first_token:.2f} s" in \
         facts.status_line(lm, s.stats)
-    lm.qdec_overhead = 0.048  # what a tuning profile measured
-    assert facts.status_line(lm, None).endswith("QDEC overhead +4.8%")
     lm.set_qdec("off")
     assert facts.status_line(lm, None).endswith("QDEC off")
+
+
+def test_status_facts_on_a_gpu(monkeypatch):
+    """On a GPU the bar shows its memory and QDEC's overhead as tuning measured it (or that nothing measured it)."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(facts, "device_name", lambda lm: "NVIDIA H200")
+    monkeypatch.setattr(facts, "gpu_memory", lambda lm: "4.2 GiB")
+    monkeypatch.setattr(facts, "residual_memory", lambda lm: "2.0 GiB pinned")
+    lm = SimpleNamespace(model=SimpleNamespace(device=torch.device("cuda", 0)), settings=SimpleNamespace(mode="approx"),
+                         qdec_overhead=None)
+    assert facts.status_line(lm, None) == \
+        "NVIDIA H200 │ — tok/s │ TTFT — │ GPU mem 4.2 GiB │ residuals 2.0 GiB pinned │ QDEC overhead not measured"
+    lm.qdec_overhead = 0.048  # what a tuning profile measured
+    assert facts.status_line(lm, None).endswith("QDEC overhead +4.8%")
+    lm.settings.mode = "off"
+    assert facts.status_line(lm, None).endswith("residuals 2.0 GiB pinned │ QDEC off")
 
 
 def test_settings_are_checked_by_generates_rules():

@@ -69,6 +69,18 @@ async def send(pilot, replies: list, text: str):
     return replies[-1]
 
 
+async def click_into(pilot, field: str) -> None:
+    """Click the settings field #field until it has the focus (a click while the panel still lays out lands
+    elsewhere)."""
+    app = pilot.app
+    for _ in range(50):
+        await pilot.click(f"#{field}")
+        await pilot.pause()
+        if app.focused is app.query_one(f"#{field}"):
+            return
+    raise AssertionError(f"{field} never took the focus")
+
+
 async def done(pilot, reply):
     app = pilot.app
     await until(pilot, lambda: app.session.running is None and app._current is None, "the reply to end")
@@ -257,17 +269,11 @@ async def test_settings_apply_to_the_next_reply(tiny_quant, replies):
         await pilot.press("f2")
         for field, text in [("top_p", "x"), ("temperature", "0"), ("max_new_tokens", "5"), ("top_k", "3"),
                             ("repetition_penalty", "1.5")]:
-            for _ in range(50):  # (a click while the panel still lays out lands elsewhere: click again)
-                await pilot.click(f"#{field}")
-                await pilot.pause()
-                if app.focused is app.query_one(f"#{field}"):
-                    break
-            assert app.focused is app.query_one(f"#{field}"), f"{field} never took the focus"
+            await click_into(pilot, field)
             await pilot.press("end", "ctrl+u", *text)
         await pilot.pause()
-        # named while the field shows it, though valid fields were edited after it; 0.9 stays
-        assert str(app.query_one(".why", Static).render()) == \
-            "Top-p must be a number > 0 and ≤ 1: 0.9 still applies"
+        # top-p's "x", left for the next field, shows the value in force again: 0.9, and nothing is named
+        assert app.query_one("#top_p", Input).value == "0.9" and str(app.query_one(".why", Static).render()) == ""
         await pilot.click("#temperature")
         await pilot.press("end", "ctrl+u", *"1e40")  # "1e4" was valid on the way: that is what applies, and says so
         await pilot.pause()
@@ -491,6 +497,44 @@ REPLY = ["Tides come from the **Moon's** pull", " on the oceans:\n\n", "1. the s
 def normalized(svg: str) -> str:
     """The screenshot without what varies between equal screens: Rich's id of the SVG (a hash of its content)."""
     return re.sub(r"terminal-\d+", "terminal", svg)
+
+
+@scenario
+async def test_a_field_left_invalid_shows_the_value_in_force_and_escape_closes_the_settings(tiny_quant, monkeypatch,
+                                                                                           replies):
+    gate = Gate(monkeypatch, after=2)
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=30, seed=2))
+    async with app.run_test(size=SIZE) as pilot:
+        session = await loaded(pilot)
+        why = lambda: str(app.query_one(".why", Static).render())  # noqa: E731
+        panel = app.query_one(SettingsPanel)
+        await pilot.press("f2")
+        await click_into(pilot, "temperature")
+        await pilot.press("end", "ctrl+u", *"1e40")  # "1e4" was valid on the way: it applies
+        await pilot.pause()
+        assert "10000.0 still applies" in why()
+        await pilot.press("tab")  # leaving the field shows what applies, and the complaint goes
+        await pilot.pause()
+        assert app.query_one("#temperature", Input).value == "10000.0" and why() == ""
+        assert session.settings.temperature == 10000.0
+        await click_into(pilot, "top_k")
+        await pilot.press("end", "ctrl+u", "-")
+        await pilot.pause()
+        assert why() == "Top-k (0 = off) must be a whole number ≥ 0: 0 still applies"
+        await pilot.press("escape")  # no reply runs: Esc closes the settings, and the field shows what applies
+        await pilot.pause()
+        assert not panel.display and app.focused is app.query_one(PromptInput)
+        assert app.query_one("#top_k", Input).value == "0" and why() == ""
+        reply = await send(pilot, replies, "Hi")
+        await until(pilot, gate.paused.is_set, "two pieces")
+        await pilot.press("f2", "escape")  # while a reply runs, Esc cancels it and the settings stay open
+        gate.release()
+        await done(pilot, reply)
+        assert reply.cancelled and panel.display
+        await pilot.press("escape")  # and then closes them
+        await pilot.pause()
+        assert not panel.display
+        assert session.settings.temperature == 10000.0 and session.settings.top_k == 0
 
 
 @scenario

@@ -119,6 +119,7 @@ class ChatApp(App):
     """
     BINDINGS = [
         Binding("escape", "cancel", "Cancel reply"),
+        Binding("escape", "close_settings", "Close settings"),  # (when no reply runs: check_action)
         Binding("ctrl+c", "cancel", "Cancel reply", show=False, priority=True),  # only while a reply runs
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+y", "copy_reply", "Copy reply", priority=True),  # before the message box's redo
@@ -296,8 +297,11 @@ class ChatApp(App):
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """None: shown disabled in the footer, and the key goes on to the focused widget (ctrl+c copies)."""
-        if action == "cancel":
-            return True if self.session is not None and self.session.running is not None else None
+        running = self.session is not None and self.session.running is not None
+        if action == "cancel":  # (hidden while Esc closes the settings instead)
+            return True if running else False if self._settings_open() else None
+        if action == "close_settings":
+            return not running and self._settings_open()
         if action in ("new_chat", "copy_reply", "save"):
             return True if self.session is not None else None
         return True
@@ -386,6 +390,12 @@ class ChatApp(App):
             return
         self.session.saved = len(self.session.turns)
         self.notify(f"Saved the chat to {path}", title="Saved", timeout=10, markup=False)
+
+    def _settings_open(self) -> bool:
+        return bool(self.query(SettingsPanel)) and self.query_one(SettingsPanel).display
+
+    def action_close_settings(self) -> None:
+        self.action_toggle_settings()
 
     def action_toggle_settings(self) -> None:
         panel = self.query_one(SettingsPanel)

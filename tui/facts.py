@@ -33,8 +33,7 @@ def device_name(lm: LocalModel) -> str:
 
 
 def gpu_memory(lm: LocalModel) -> str:
-    dev = lm.model.device
-    return size(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else NONE
+    return size(torch.cuda.memory_allocated(lm.model.device))
 
 
 def residual_memory(lm: LocalModel) -> str:
@@ -61,9 +60,12 @@ def qdec_overhead(lm: LocalModel) -> str:
 
 
 def status_line(lm: LocalModel, last: Stats | None) -> str:
-    """The status bar: device, speed and time to first token of the last reply, memory, QDEC overhead."""
+    """The status bar: device, speed and time to first token of the last reply, memory, QDEC (on a GPU its overhead,
+    as tuning measured it; on the CPU, where nothing is tuned, its mode)."""
     speed = f"{last.tokens_per_second:.1f} tok/s" if last and last.tokens_per_second else f"{NONE} tok/s"
     ttft = f"{last.time_to_first_token:.2f} s" if last and last.time_to_first_token else NONE
-    return " │ ".join([device_name(lm), speed, f"TTFT {ttft}", f"GPU mem {gpu_memory(lm)}",
-                       f"residuals {residual_memory(lm)}",
-                       "QDEC off" if lm.settings.mode == "off" else f"QDEC overhead {qdec_overhead(lm)}"])
+    gpu = lm.model.device.type == "cuda"
+    qdec = "QDEC off" if lm.settings.mode == "off" else \
+        f"QDEC overhead {qdec_overhead(lm)}" if gpu else f"QDEC {lm.settings.mode}"
+    return " │ ".join([device_name(lm), speed, f"TTFT {ttft}"] + ([f"GPU mem {gpu_memory(lm)}"] if gpu else [])
+                      + [f"residuals {residual_memory(lm)}", qdec])

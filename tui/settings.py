@@ -86,6 +86,7 @@ class SettingsPanel(VerticalScroll):
     def __init__(self, settings: ReplySettings, **kw):
         super().__init__(**kw)
         self.settings = settings
+        self._budget_text = ""  # the budget in force, as show_qdec last showed it
 
     def compose(self):
         yield Label("Settings", classes="title")
@@ -106,8 +107,18 @@ class SettingsPanel(VerticalScroll):
 
     def on_input_changed(self, event: Input.Changed) -> None:
         event.stop()
-        # every field still invalid stays named (not only the one just edited), with the value in force: its last
-        # valid one, which may be a prefix of what was typed ("1e4" of "1e40")
+        self._show_problems()
+        if event.validation_result is not None and not event.validation_result.is_valid:
+            return
+        if event.input.id == "budget":
+            self._qdec_changed()
+            return
+        self.settings = self.settings.updated(event.input.id, event.value)
+        self.post_message(self.Changed(self.settings))
+
+    def _show_problems(self) -> None:
+        """Every field still invalid stays named (not only the one just edited), with the value in force: its last
+        valid one, which may be a prefix of what was typed ("1e4" of "1e40")."""
         problems = []
         for i in self.query(Input):
             failures = [] if i.disabled else getattr(i.validate(i.value), "failure_descriptions", [])
@@ -118,13 +129,16 @@ class SettingsPanel(VerticalScroll):
         why.update("; ".join(problems))
         if problems:
             why.scroll_visible()  # (below a short screen it went unseen)
-        if event.validation_result is not None and not event.validation_result.is_valid:
+
+    def on_input_blurred(self, event: Input.Blurred) -> None:
+        """A field left holding what is not valid shows the value in force again (its last valid one, or the budget
+        in force), so that what the panel shows is what the next reply uses."""
+        i = event.input
+        if i.disabled or i.validate(i.value).is_valid:
             return
-        if event.input.id == "budget":
-            self._qdec_changed()
-            return
-        self.settings = self.settings.updated(event.input.id, event.value)
-        self.post_message(self.Changed(self.settings))
+        with i.prevent(Input.Changed):  # (the value in force: nothing changes)
+            i.value = self._budget_text if i.id == "budget" else str(getattr(self.settings, i.id))
+        self._show_problems()
 
     def on_switch_changed(self, event: Switch.Changed) -> None:
         event.stop()
@@ -138,10 +152,11 @@ class SettingsPanel(VerticalScroll):
         """Show the QDEC setting in force, or (busy) the one asked for while it is being applied."""
         lm = session.lm
         switch, budget = self.query_one(Switch), self.query_one("#budget", Input)
+        self._budget_text = percent(session.want_budget)
         with switch.prevent(Switch.Changed), budget.prevent(Input.Changed):
             switch.value = session.want_qdec
             if not budget.has_focus:  # (not while the user is typing one)
-                budget.value = percent(session.want_budget)
+                budget.value = self._budget_text
         switch.disabled, budget.disabled = not lm.has_residuals, not session.tunable
         if not lm.has_residuals:
             text = "This model has no QDEC residuals."
