@@ -259,6 +259,9 @@ def weight_bytes(model) -> int:
     return model.head.nbytes + sum(lin.nbytes for lin in model.linears())
 
 
+MEM_CTX = 256  # the context of the decode whose GPU memory bench_e2e reports
+
+
 def decode_time(model, prompt: int = 16, ctx: int = 256, reps: int = 200, kv_bits: int = 16) -> float:
     """Seconds per decode step: the captured graph replayed back to back (no sampling, no host sync)."""
     return replay_time(captured_decoder(model, prompt, ctx, kv_bits).graph, reps)
@@ -317,6 +320,7 @@ def hf_generate_tps(cfg, new_tokens: int = 64) -> float:
 
 def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
     from .config import ModelConfig
+    from .kvquant import bytes_per_token
     from .sampling import SamplingParams
     cfg = ModelConfig(**LLAMA3_8B_CONFIG)
     bw, rd = copy_bandwidth(), read_bandwidth()
@@ -332,9 +336,12 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
 
         def row(bits=bits, head=head, table=table) -> dict:
             m = random_model(cfg, bits, head_bits=head, table=table)
-            used = torch.cuda.memory_allocated() - base
             nbytes = weight_bytes(m)
-            t = decode_time(m, kv_bits=kv_bits)
+            torch.cuda.reset_peak_memory_stats()
+            t = decode_time(m, ctx=MEM_CTX, kv_bits=kv_bits)
+            # the GPU memory a decode takes at its peak (weights, the decoder's buffers and graph, the prompt's
+            # dequantized layer, workspaces), less its KV cache: against the packed bytes that must be on the GPU
+            used = torch.cuda.max_memory_allocated() - base - bytes_per_token(cfg, kv_bits) * MEM_CTX
             return {"bits": bits, "head": head, "weights": "table" if table else "uniform", "ms": t * 1e3,
                     "ms_1k": decode_time(m, prompt=1000, ctx=1024, kv_bits=kv_bits) * 1e3,
                     "prefill512_ms": prefill_time(m) * 1e3, "tok/s": 1 / t,
@@ -343,7 +350,7 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
                     "of_roofline": nbytes / bw / t, "of_read_roofline": nbytes / rd / t,
                     "vs_fp16_graph": t16 / t if t16 else None, "bytes_ratio": fp16_bytes / nbytes,
                     "vs_hf": (1 / t) / hf_tps if hf_tps else None, "gpu_mem_GB": used / 1e9,
-                    "packed_GB": (nbytes + m.embed.numel() * 2) / 1e9}
+                    "packed_GB": nbytes / 1e9, "gpu_overhead": used / nbytes - 1}
         r = if_it_fits(f"{bits}-bit {'table' if table else 'uniform'} weights, {head}-bit head", row)
         if r:
             rows.append(r)
@@ -352,19 +359,23 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
           f"roofline: weight bytes at the copy bandwidth ({bw / 1e9:.0f} GB/s), also at the read-only bandwidth "
           f"({rd / 1e9:.0f} GB/s)")
     tps = lambda t: "-" if t is None else f"{t:.1f}"  # noqa: E731 - left out where it did not fit
-    print(f"fp16 (same decoder, CUDA graph): {tps(t16 and 1 / t16)} tok/s; transformers fp16 generate: {tps(hf_tps)} "
-          "tok/s; sampled: generate()'s token loop at its default sampling (temperature 0.7, top-p 0.9), tokenizer "
-          "aside; head: the output head fp16 (16) or 8-bit (8, what `localllm quantize` writes); weights: group-wise uniform "
-          "(rtn, awq) or tables grouped by 128 (squeezellm)")
+    fp16_roof = "" if t16 is None else f" ({100 * fp16_bytes / bw / t16:.1f}% of its roofline)"
+    print(f"fp16 (same decoder, CUDA graph): {tps(t16 and 1 / t16)} tok/s{fp16_roof}; transformers fp16 generate: "
+          f"{tps(hf_tps)} tok/s; sampled: generate()'s token loop at its default sampling (temperature 0.7, "
+          "top-p 0.9), tokenizer aside; head: the output head fp16 (16) or 8-bit (8, what `localllm quantize` writes); weights: "
+          "group-wise uniform (rtn, awq) or tables grouped by 128 (squeezellm); GPU GB: the decode's peak GPU memory "
+          f"(context {MEM_CTX}) less its KV cache, against the packed GB that must be on the GPU (projections and "
+          "head; the embeddings stay in host memory)")
     print(f"{'bits':>4} {'head':>4} {'weights':>7} {'ms/tok':>7} {'ms@1k':>6} {'tok/s':>7} {'roofline':>8} "
-          f"{'% roof':>7} {'% read':>7} {'vs fp16':>8} {'bytes x':>8} {'vs HF':>6} {'GPU GB':>7} {'model GB':>9} "
-          f"{'prefill 512 ms':>14} {'sampled tok/s':>13}")
+          f"{'% roof':>7} {'% read':>7} {'vs fp16':>8} {'bytes x':>8} {'vs HF':>6} {'GPU GB':>7} {'packed GB':>9} "
+          f"{'over':>6} {'prefill 512 ms':>14} {'sampled tok/s':>13}")
     x = lambda v, w, d: f"{'-':>{w + 1}}" if v is None else f"{v:{w}.{d}f}x"  # noqa: E731
     for r in rows:
         print(f"{r['bits']:>4} {r['head']:>4} {r['weights']:>7} {r['ms']:7.2f} {r['ms_1k']:6.2f} {r['tok/s']:7.1f} "
               f"{r['roofline_tok/s']:8.1f} {100 * r['of_roofline']:6.1f}% {100 * r['of_read_roofline']:6.1f}% "
               f"{x(r['vs_fp16_graph'], 7, 2)} {r['bytes_ratio']:7.2f}x "
-              f"{x(r['vs_hf'], 5, 1)} {r['gpu_mem_GB']:7.2f} {r['packed_GB']:9.2f} {r['prefill512_ms']:14.1f} "
+              f"{x(r['vs_hf'], 5, 1)} {r['gpu_mem_GB']:7.2f} {r['packed_GB']:9.2f} {100 * r['gpu_overhead']:+5.1f}% "
+              f"{r['prefill512_ms']:14.1f} "
               f"{r['sampled_tok/s']:13.1f}")
     return rows
 
@@ -406,7 +417,7 @@ def bench_e2e_qdec(bits: int = 3, k_chunk: int = 8, kv_bits: int = 16) -> None:
         lm.set_qdec(k_chunk)
         t_on = decode_time(lm.model, kv_bits=kv_bits)
         m = lm.model
-        print(f"\nDecode with QDEC, Llama-3-8B shapes W{bits} {'table' if table else 'uniform'} weights, "
+        print(f"\nDecode with QDEC, Llama-3-8B shapes W{bits} {'table' if table else 'uniform'} weights, 8-bit head, "
               f"k_chunk={k_chunk} on every layer (default n_tb): {1 / t_on:.1f} tok/s vs {1 / t_off:.1f} without "
               f"({100 * (t_on / t_off - 1):+.1f}% per token); GPU memory for QDEC: "
               f"{next(m.linears()).comp.part.numel() * 4 / 1e6:.2f} MB partials + "
@@ -627,8 +638,8 @@ def bench_kv(bits: int = 4, contexts=KV_CONTEXTS) -> list[dict]:
             del dec
         rows.append(row)
     del m
-    print(f"\nDecode with a quantized KV cache, Llama-3-8B shapes W{bits}, random weights, position at the end of "
-          f"the context, CUDA graph replay (copy bandwidth {bw / 1e9:.0f} GB/s); tok/s (% of the roofline of "
+    print(f"\nDecode with a quantized KV cache, Llama-3-8B shapes W{bits}, 8-bit head, random weights, position at "
+          f"the end of the context, CUDA graph replay (copy bandwidth {bw / 1e9:.0f} GB/s); tok/s (% of the roofline of "
           "weight + cache bytes)")
     print(f"{'kv bits':>7} {'bytes/token':>11} " + " ".join(f"{f'ctx {c}':>16}" for c in contexts))
     for r in rows:

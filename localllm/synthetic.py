@@ -86,13 +86,15 @@ LLAMA3_8B_CONFIG = dict(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
 
 
-def random_model(cfg, bits: int | None, group_size: int = 128, head_bits: int = 16, table: bool = False):
+def random_model(cfg, bits: int | None, group_size: int = 128, head_bits: int | None = None, table: bool = False):
     """A decoder of cfg's shapes with random weights made on the GPU: packed `bits`-bit (table: SqueezeLLM-format
     tables, else group-wise uniform), or dense fp16 (None); the output head fp16 (head_bits 16) or 8-bit
-    (quant.HEAD_BITS, as `localllm quantize` writes it)."""
+    (quant.HEAD_BITS), by default as `localllm quantize` writes a model of those bits (8-bit; a dense one: fp16)."""
     from .model import KINDS, QdecSettings, RMSNorm, Transformer, build_block
     from .modelfile import linear_shape
-    from .quant import HEAD_GROUP
+    from .quant import HEAD_BITS, HEAD_GROUP
+    if head_bits is None:
+        head_bits = 16 if bits is None else HEAD_BITS
     dev, D = torch.device("cuda"), cfg.hidden_size
     settings = QdecSettings()
     blocks = []
