@@ -14,7 +14,7 @@ from localllm.errors import LocalLLMError
 from localllm.model import KINDS
 from localllm.tuner import profile as P
 from localllm.tuner.search import Memo, least
-from localllm.tuner.tune import profile_of, run, table
+from localllm.tuner.tune import NEAR, profile_of, run, table
 
 from test_tune_search import knee, problem
 
@@ -177,6 +177,22 @@ def test_one_slow_timing_does_not_cost_a_budget_its_setting():
     rows = run(p, bench, BUDGETS, evaluate=False).rows
     assert [r.choice.key for r in rows] == [r.choice.key for r in clean]
     assert rows[0].slowdown == pytest.approx(s0 + 0.75 * (b - s0)) and rows[0].tries == 1
+
+
+def test_a_setting_first_timed_just_under_its_budget_is_timed_again():
+    """Within NEAR of the budget a pair is noise-sized from it on either side: timed again and judged by the mean, as
+    a setting first timed over it is (were only those timed again, noise could only help a setting in)."""
+    p = problem()
+    values = concentrated(p)
+    clean = run(p, FakeBench(p, values=values), BUDGETS, evaluate=False).rows
+    s0, b = clean[0].slowdown, clean[0].budget
+    first = s0 - NEAR / 2  # the first pair, under the budget by less than NEAR
+    assert 0 < b - first < NEAR
+    bench = SpikyBench(p, spike=(first - s0) * p.step_time, values=values)
+    rows = run(p, bench, BUDGETS, evaluate=False).rows
+    assert [r.choice.key for r in rows] == [r.choice.key for r in clean]
+    assert rows[0].slowdown == pytest.approx((first + s0) / 2)
+    assert sum(c is not None and c.key == rows[0].choice.key for c in bench.decodes) == 2
 
 
 def test_a_valued_budget_measures_its_single_best_call_before_settling_on_nothing():
