@@ -267,7 +267,7 @@ def cmd_eval(a) -> None:
         if base is r:  # the row the others are compared with
             line += f" {'':>16}"
         elif base:
-            change, half = paired_change(r.losses, base.losses)
+            change, half = paired_change(r.losses, base.losses, window=ctx)
             line += f" {change:+7.2f}% {'±' + ('-' if half is None else f'{half:.2f}'):>7}"  # -: under 2 blocks
             short = short or half is None
         if reference:

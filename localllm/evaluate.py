@@ -6,18 +6,19 @@ where the tokenizer adds a BOS token (Llama's does; SmolLM's and Qwen's do not) 
 it. On the CPU a window runs as one forward pass (every position selects its own salient channels when QDEC is on,
 by the rule decoding uses for that token: the same picks up to the rounding of the input, whose last bits the
 approximate selection's boundary order hashes). On a GPU
-with QDEC on it runs token by token through the decode step's CUDA graph, because there the compensation lives
-in the decode GEMV (prompts run uncompensated); with QDEC off a window is one prompt-style forward pass. With an 8-
+it runs token by token through the decode step's CUDA graph, QDEC on or off: there the compensation lives in the
+decode GEMV (prompts run uncompensated), and settings compared with each other must differ in nothing else (a
+prompt-style pass rounds in another order). With an 8-
 or 4-bit KV cache (LocalModel.kv_bits) a window's forward pass fills such a cache and attends over it, as a decode
 of the same tokens would.
 
 With a reference model (`--reference`, usually the source checkpoint the model was quantized from), each setting
 also gets the mean per-token KL divergence KL(reference || model) of the next-token distributions on the same
-windows: how far quantization (and what QDEC recovers of it) moves the model from its source. On a few hundred
-tokens perplexity differences of a few percent are noise in either direction; the KL divergence measures the
-distance itself, token by token, and ranks settings reliably on short texts. How much of a perplexity change is
-noise is measured too (paired_change): settings scored on the same tokens are compared token by token, with a 95%
-interval from the spread of the differences over blocks of tokens.
+windows: how far quantization (and what QDEC recovers of it) moves the model from its source, token by token. It is
+steadier than perplexity between settings far apart; between close ones it is about as noisy (README). How much of
+a perplexity change is noise is measured too (paired_change): settings scored on the same tokens are compared token
+by token, with a 95% interval from the spread of the differences over blocks of tokens (or over windows, where that
+is wider).
 """
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ REFERENCE_CACHE_BYTES = 2 << 30  # reference log-probabilities kept between sett
 # less (Qwen2.5-Coder-1.5B, AWQ vs RTN at 4 bits, 12012 tokens: standard error 0.40% token by token, 0.42-0.45% with
 # blocks of 16-256; few blocks make the estimate itself noisy: 0.36% from the 23 windows of 512)
 PAIR_BLOCK = 64
+# a window starts fresh and its tokens may share a topic, so errors can be correlated across a whole window: given
+# at least this many, paired_change takes the larger of the two standard errors (on 40k tokens of code, W3 against
+# W4, the windows' was 1.5x the blocks'; on the shipped prose 1.25x)
+PAIR_WINDOWS = 10
 
 
 @dataclass
@@ -53,20 +58,30 @@ class EvalResult:
     losses: torch.Tensor | None = field(default=None, repr=False)  # per predicted token, float64 (paired_change)
 
 
-def paired_change(a: torch.Tensor, b: torch.Tensor, block: int = PAIR_BLOCK) -> tuple[float, float | None]:
+def paired_change(a: torch.Tensor, b: torch.Tensor, block: int = PAIR_BLOCK,
+                  window: int | None = None) -> tuple[float, float | None]:
     """How much higher perplexity is with the per-token losses a than with b, scored on the same tokens, in percent,
     and the half-width of its 95% interval in percentage points (None: fewer than two blocks): its longer side, as
     the interval, symmetric in the mean loss, is not in percent, so that "c ± h" holds it whole. The difference of
     the two mean losses is a mean of per-token differences; its standard error comes from their means over
-    consecutive blocks of `block` tokens (so that correlated neighbours do not count as independent)."""
+    consecutive blocks of `block` tokens (so that correlated neighbours do not count as independent), or, given the
+    evaluation's `window` (ctx) and at least PAIR_WINDOWS of them, over windows where that is larger."""
     if a.shape != b.shape:
         raise ValueError(f"paired losses need the same tokens: {tuple(a.shape)} vs {tuple(b.shape)}")
     d = (a.double() - b.double()).cpu()
     mean = d.mean().item()
-    n = len(d) // block
+
+    def stderr(size: int) -> tuple[float, int]:
+        n = len(d) // size
+        return (d[: n * size].view(n, size).mean(1).std().item() / math.sqrt(n) if n > 1 else math.nan), n
+
+    se, n = stderr(block)
     if n < 2:
         return 100 * math.expm1(mean), None
-    se = d[: n * block].view(n, block).mean(1).std().item() / math.sqrt(n)
+    if window and len(d) // window >= PAIR_WINDOWS:
+        se_w, n_w = stderr(window)
+        if se_w > se:
+            se, n = se_w, n_w
     t = t975(n - 1)  # Student's t: the standard error comes from n block means (1.96 would cover 70% at n = 2)
     c, lo, hi = math.expm1(mean), math.expm1(mean - t * se), math.expm1(mean + t * se)
     return 100 * c, 100 * max(hi - c, c - lo)
@@ -176,7 +191,7 @@ def losses(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: 
     check_ctx(ctx, lm.model.cfg)
     model, dev = lm.model, lm.model.device
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed)  # random mode's picks
-    stepwise = dev.type == "cuda" and lm.settings.mode != "off"
+    stepwise = dev.type == "cuda"  # (see the module doc)
     nll = []
     kl = torch.zeros((), dtype=torch.float64, device=dev)
     with torch.inference_mode():

@@ -192,13 +192,17 @@ def quality_md(q: dict, s: dict, folder: Path) -> list[str]:
     for bits in bits_all:
         out.append(f"| W{bits} | {_f(_ppl(q, bits=bits, mode='off'))} | "
                    + " | ".join(_f(_ppl(q, bits=bits, mode="approx", k_chunk=k, residual_bits=4)) for k in ks) + " |")
-    out += ["", f"![perplexity vs k_chunk]({fig12(q, s, folder)})", ""]
+    out += ["", f"![perplexity vs k_chunk]({fig12(q, s, folder)})", "",
+            f"No intervals in this report: on {s.get('tokens', 'these')} scored tokens, perplexities a few percent apart "
+            "can be so by noise in either direction (`localllm eval` compares settings token by token, with 95% "
+            "intervals).", ""]
     for bits in bits_all:
         off, k0 = _ppl(q, bits=bits, mode="off"), ks[0]
         first = _ppl(q, bits=bits, mode="approx", k_chunk=k0, residual_bits=4)
-        if off and first and off > src:
+        if off and first and off > src:  # in mean loss (log perplexity): in perplexity itself low widths look closer
             out.append(f"- W{bits}: k_chunk {k0} takes perplexity from {_f(off)} to {_f(first)}, "
-                       f"{_pct((off - first) / (off - src))} of the way to the source model.")
+                       f"{_pct(math.log(off / first) / math.log(off / src))} of the way to the source model in "
+                       "mean loss.")
     out.append("")
 
     out += [f"## 2. Approximate vs exact top-k (paper Fig. 15), W{b}", "",
@@ -231,11 +235,12 @@ def quality_md(q: dict, s: dict, folder: Path) -> list[str]:
         dyn = [kk for kk in ks
                if (_ppl(q, bits=b, mode="approx", k_chunk=kk, residual_bits=4) or math.inf) <= (st or 0)]
         if st and dyn and dyn[0] < k:
-            out.append(f"- static selection at k_chunk {k} ({_f(st)}) is matched by dynamic selection at k_chunk "
+            out.append(f"- static selection at k_chunk {k} ({_f(st)}): dynamic selection reads as low at k_chunk "
                        f"{dyn[0]} ({_f(_ppl(q, bits=b, mode='approx', k_chunk=dyn[0], residual_bits=4))}), "
                        f"{k // dyn[0]}x fewer channels.")
     out.append("")
-    if not any(w != 4 for w in s.get("residual_bits") or ()):  # --residual-bits "": nothing to compare
+    # --residual-bits "": nothing to compare (reports before 2026-11-23 did not record the widths: the defaults ran)
+    if "residual_bits" in s and not any(w != 4 for w in s["residual_bits"]):
         return out + [f"## 4. Residual bit width at equal PCIe bytes (paper Table 1), W{b}", "",
                       "Not measured (`--residual-bits` was empty).", ""]
 

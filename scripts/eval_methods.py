@@ -1,5 +1,5 @@
 """Perplexity table of quantized models (rtn / awq / squeezellm, 3 / 3.5 / 4 bits) without and with QDEC, on the CPU
-(or --device cuda: the GPU's fp16 path and its QDEC kernel, token by token where QDEC is on).
+(or --device cuda: the GPU's fp16 decode step and its QDEC kernel, token by token, QDEC on or off).
 
     python scripts/eval_methods.py MODEL_DIR... [--tokens 4096] [--ctx 512] [--settings off,k8,k32] [--device cuda]
         [--text FILE]
@@ -77,7 +77,7 @@ def main() -> None:
                 if name not in sm or base is None or len(sm[name]) != len(base):
                     cells.append("")
                     continue
-                change, half = paired_change(sm[name], base)
+                change, half = paired_change(sm[name], base, window=a.ctx)
                 cells.append(f"{change:+.2f}%" + (f" ± {half:.2f}" if half is not None else ""))
             print(f"| {label} | {' | '.join(cells)} |")
 

@@ -61,7 +61,7 @@ def main() -> None:
         print(f"{d}: {time.perf_counter() - t0:.0f} s", flush=True)
     for (d, b), n in nlls.items():
         if d.rstrip("/").endswith("-3") and b != "off" and (d.rstrip("/") + "5", "off") in nlls:
-            ch, ci = paired_change(n, nlls[d.rstrip("/") + "5", "off"])
+            ch, ci = paired_change(n, nlls[d.rstrip("/") + "5", "off"], window=512)
             what = b if isinstance(b, str) else f"{100 * b:g}%"
             print(f"{d} {what} against {d.rstrip('/')}5 off, token by token: {ch:+.2f}% ± {ci:.2f}")
 

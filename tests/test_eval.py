@@ -91,6 +91,19 @@ def test_paired_change_measures_a_shift_exactly_and_its_interval_covers_the_trut
         sd = 0.5 / math.sqrt(n if kind == "tokens" else n // PAIR_BLOCK)  # of the mean difference
         assert 0.88 <= covered / trials <= 0.995, (kind, covered)
         assert sum(halves) / trials == pytest.approx(100 * 1.96 * sd * math.exp(delta), rel=0.15), kind
+    # noise shared by a whole window of 512 (a window starts fresh, on one topic): blocks of 64 miss it; given the
+    # window, the interval comes from the windows' spread where that is wider, and covers the truth again
+    from localllm.evaluate import PAIR_WINDOWS
+    n, w = 16 * 512, 512
+    assert n // w >= PAIR_WINDOWS
+    for window, (lo_cover, hi_cover) in ((None, (0.0, 0.8)), (w, (0.88, 0.995))):
+        covered = 0
+        for _ in range(trials):
+            noise = (torch.randn(n // w, dtype=torch.float64) * 0.3).repeat_interleave(w) + \
+                torch.randn(n, dtype=torch.float64) * 0.5
+            change, half = paired_change(b.repeat(9)[:n] + delta + noise, b.repeat(9)[:n], window=window)
+            covered += abs(change - 100 * math.expm1(delta)) <= half
+        assert lo_cover <= covered / trials <= hi_cover, (window, covered)
     # with few blocks the interval is Student's t, not the normal's 1.96 (which covers ~80% at 3 blocks)
     hits = 0
     for _ in range(400):

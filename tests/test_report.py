@@ -369,6 +369,16 @@ def test_no_residual_widths_asked_means_no_table_1(report, tmp_path):
     assert not (tmp_path / "table1_residual_bits.png").exists()
 
 
+def test_a_report_from_before_the_widths_were_recorded_still_renders_table_1(report, tmp_path):
+    """Reports before 2026-11-23 did not record --residual-bits (the defaults ran): their section 4 is a table."""
+    from localllm.report_render import render
+    rep = json.loads(json.dumps(report[1]))
+    del rep["runs"][rep["sections"]["quality"]["run"]]["settings"]["residual_bits"]
+    render(rep, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "Not measured" not in md and "| 2-bit |" in md and (tmp_path / "table1_residual_bits.png").exists()
+
+
 def test_the_all_channels_check_is_optional(tiny_ckpt, tmp_path, cache):
     from localllm.config import ModelConfig
     from localllm.loader import open_checkpoint
