@@ -209,7 +209,8 @@ def cmd_quantize(a) -> None:
 
 
 def cmd_eval(a) -> None:
-    from .evaluate import PAIR_BLOCK, Reference, load_source, paired_change, read_text, source_path, sweep, tokenize
+    from .evaluate import (PAIR_BLOCK, Reference, load_source, paired_change, paired_kl_change, read_text,
+                           source_path, sweep, tokenize)
     from .loader import check_source
     from .model import QDEC_MODES
     from .devices import resolve_device
@@ -260,7 +261,7 @@ def cmd_eval(a) -> None:
           f"{lm.path}" + (f"; KL divergence from {reference.lm.path}" if reference else ""))
     # vs off: the change in perplexity and its 95% interval (the same tokens, compared token by token)
     print(f"{'QDEC':8} {'k_chunk':>7} {'perplexity':>11}" + (f" {'vs off (95%)':>16}" if base else "")
-          + (f" {'KL':>8}" + (f" {'vs off':>8}" if base else "") if reference else ""))
+          + (f" {'KL':>8}" + (f" {'vs off (95%)':>16}" if base else "") if reference else ""))
     short = False
     for r in rows:
         line = f"{r.mode:8} {r.k_chunk:7d} {r.perplexity:11.4f}"
@@ -271,8 +272,10 @@ def cmd_eval(a) -> None:
             line += f" {change:+7.2f}% {'±' + ('-' if half is None else f'{half:.2f}'):>7}"  # -: under 2 blocks
             short = short or half is None
         if reference:
-            line += f" {r.kl:8.4f}" + (f" {100 * (r.kl / base.kl - 1):+7.1f}%" if base and base is not r and
-                                       base.kl > 0 else "")
+            line += f" {r.kl:8.4f}"
+            if base and base is not r:
+                change, half = paired_kl_change(r.kls, base.kls, window=ctx)
+                line += f" {change:+7.1f}% {'±' + ('-' if half is None else f'{half:.1f}'):>7}"
         print(line)
     if short:
         print(f"(±-: no interval under {2 * PAIR_BLOCK} predicted tokens, as it comes from blocks of {PAIR_BLOCK})")

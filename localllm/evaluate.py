@@ -56,6 +56,30 @@ class EvalResult:
     perplexity: float
     kl: float | None = None  # mean KL(reference || model) per predicted token, nats; None without a reference
     losses: torch.Tensor | None = field(default=None, repr=False)  # per predicted token, float64 (paired_change)
+    kls: torch.Tensor | None = field(default=None, repr=False)  # per predicted token, with a reference
+
+
+def _mean_se(d: torch.Tensor, block: int, window: int | None) -> tuple[float, float, int]:
+    """The mean of per-token differences d, its standard error from their means over consecutive blocks of `block`
+    tokens (so that correlated neighbours do not count as independent) or, given the evaluation's `window` (ctx) and
+    at least PAIR_WINDOWS of them, over windows where that is larger, and the number of means it came from (< 2: no
+    standard error, nan)."""
+    def stderr(size: int) -> tuple[float, int]:
+        n = len(d) // size
+        return (d[: n * size].view(n, size).mean(1).std().item() / math.sqrt(n) if n > 1 else math.nan), n
+
+    se, n = stderr(block)
+    if n >= 2 and window and len(d) // window >= PAIR_WINDOWS:
+        se_w, n_w = stderr(window)
+        if se_w > se:
+            se, n = se_w, n_w
+    return d.mean().item(), se, n
+
+
+def _paired(a: torch.Tensor, b: torch.Tensor, what: str) -> torch.Tensor:
+    if a.shape != b.shape:
+        raise ValueError(f"paired {what} need the same tokens: {tuple(a.shape)} vs {tuple(b.shape)}")
+    return (a.double() - b.double()).cpu()
 
 
 def paired_change(a: torch.Tensor, b: torch.Tensor, block: int = PAIR_BLOCK,
@@ -63,28 +87,24 @@ def paired_change(a: torch.Tensor, b: torch.Tensor, block: int = PAIR_BLOCK,
     """How much higher perplexity is with the per-token losses a than with b, scored on the same tokens, in percent,
     and the half-width of its 95% interval in percentage points (None: fewer than two blocks): its longer side, as
     the interval, symmetric in the mean loss, is not in percent, so that "c ± h" holds it whole. The difference of
-    the two mean losses is a mean of per-token differences; its standard error comes from their means over
-    consecutive blocks of `block` tokens (so that correlated neighbours do not count as independent), or, given the
-    evaluation's `window` (ctx) and at least PAIR_WINDOWS of them, over windows where that is larger."""
-    if a.shape != b.shape:
-        raise ValueError(f"paired losses need the same tokens: {tuple(a.shape)} vs {tuple(b.shape)}")
-    d = (a.double() - b.double()).cpu()
-    mean = d.mean().item()
-
-    def stderr(size: int) -> tuple[float, int]:
-        n = len(d) // size
-        return (d[: n * size].view(n, size).mean(1).std().item() / math.sqrt(n) if n > 1 else math.nan), n
-
-    se, n = stderr(block)
+    the two mean losses is a mean of per-token differences, with _mean_se's standard error."""
+    mean, se, n = _mean_se(_paired(a, b, "losses"), block, window)
     if n < 2:
         return 100 * math.expm1(mean), None
-    if window and len(d) // window >= PAIR_WINDOWS:
-        se_w, n_w = stderr(window)
-        if se_w > se:
-            se, n = se_w, n_w
     t = t975(n - 1)  # Student's t: the standard error comes from n block means (1.96 would cover 70% at n = 2)
     c, lo, hi = math.expm1(mean), math.expm1(mean - t * se), math.expm1(mean + t * se)
     return 100 * c, 100 * max(hi - c, c - lo)
+
+
+def paired_kl_change(a: torch.Tensor, b: torch.Tensor, block: int = PAIR_BLOCK,
+                     window: int | None = None) -> tuple[float, float | None]:
+    """How much higher the mean KL divergence is with the per-token divergences a than with b (the same tokens), in
+    percent of b's, and the half-width of its 95% interval (None: fewer than two blocks), as paired_change."""
+    mean, se, n = _mean_se(_paired(a, b, "divergences"), block, window)
+    base = b.double().mean().item()
+    if base <= 0:
+        return math.nan, None
+    return 100 * mean / base, (None if n < 2 else 100 * t975(n - 1) * se / base)
 
 
 def t975(df: int) -> float:
@@ -185,15 +205,14 @@ def check_ctx(ctx: int, cfg) -> None:
 
 
 def losses(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: str = "evaluating",
-           reference: Reference | None = None) -> tuple[float, float | None, torch.Tensor]:
-    """score's (perplexity, KL), and the per-token losses (negative log-likelihoods, float64 [len(ids) - 1], on the
-    CPU) for paired_change."""
+           reference: Reference | None = None) -> tuple[float, float | None, torch.Tensor, torch.Tensor | None]:
+    """score's (perplexity, KL), the per-token losses (negative log-likelihoods, float64 [len(ids) - 1], on the CPU)
+    for paired_change, and with a reference the per-token KL divergences (likewise) for paired_kl_change."""
     check_ctx(ctx, lm.model.cfg)
     model, dev = lm.model, lm.model.device
     lm.settings.generator = torch.Generator(device=dev).manual_seed(seed)  # random mode's picks
     stepwise = dev.type == "cuda"  # (see the module doc)
-    nll = []
-    kl = torch.zeros((), dtype=torch.float64, device=dev)
+    nll, kls = [], []
     with torch.inference_mode():
         for s in progress(range(0, len(ids) - 1, ctx), desc=desc, unit="window"):
             w = torch.tensor(ids[s: s + ctx + 1], device=dev)
@@ -207,10 +226,11 @@ def losses(lm: LocalModel, ids: list[int], ctx: int = 512, seed: int = 0, desc: 
             nll.append(F.cross_entropy(logits, w[1:], reduction="none").double())
             if reference is not None:
                 ref = reference.log_probs(s, w)
-                kl += (ref.exp() * (ref - F.log_softmax(logits, dim=-1))).sum()
+                kls.append((ref.exp() * (ref - F.log_softmax(logits, dim=-1))).sum(-1).double())
     nll = torch.cat(nll).cpu()
+    kls = torch.cat(kls).cpu() if reference is not None else None
     mean = nll.mean().item()  # (past ~709 nats a token, a perplexity past what a float holds: inf)
-    return (math.inf if mean >= 709 else math.exp(mean)), (kl.item() / len(nll) if reference is not None else None), nll
+    return (math.inf if mean >= 709 else math.exp(mean)), (kls.mean().item() if kls is not None else None), nll, kls
 
 
 def _decoded_logits(lm: LocalModel, w: torch.Tensor) -> torch.Tensor:

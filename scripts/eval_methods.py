@@ -60,7 +60,7 @@ def main() -> None:
                 cells.append("")
                 continue
             lm.set_qdec(s)
-            ppl, kl, scored_m[name] = losses(lm, ids, a.ctx, desc=name, reference=ref)
+            ppl, kl, scored_m[name], _ = losses(lm, ids, a.ctx, desc=name, reference=ref)
             cells.append(f"{ppl:.2f}" + (f" / {kl:.4f}" if kl is not None else ""))
         label = quant_label(lm.manifest["quant"]) if lm.manifest else "source (dense)"
         labels.append(f"{label} ({Path(m).name})")

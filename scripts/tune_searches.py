@@ -44,7 +44,7 @@ def main() -> None:
 
     def score(qdec) -> str:
         lm.set_qdec(qdec)
-        ppl, kl, _ = losses(lm, ids, 512, reference=ref)
+        ppl, kl, _, _ = losses(lm, ids, 512, reference=ref)
         return f"perplexity {ppl:.2f} / KL {kl:.3f}"
     print(f"off: {score('off')}")
     for name, res in results.items():

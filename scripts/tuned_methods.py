@@ -41,7 +41,7 @@ def main() -> None:
 
         def score(q, lm=lm):
             lm.set_qdec(q)
-            return losses(lm, ids, 512, reference=ref)
+            return losses(lm, ids, 512, reference=ref)[:3]
         p, k, n = score("off")
         nlls[d, "off"] = n
         print(f"{d} off: {p:.2f} / {k:.3f}", flush=True)

@@ -121,6 +121,20 @@ def test_paired_change_measures_a_shift_exactly_and_its_interval_covers_the_trut
     assert change - half <= lo + 1e-9 and hi - 1e-9 <= change + half and hi - lo > 20
 
 
+def test_paired_kl_change_is_relative_to_the_base_and_its_interval_covers_the_truth():
+    from localllm.evaluate import PAIR_BLOCK, paired_kl_change
+    b = torch.rand(64 * PAIR_BLOCK, dtype=torch.float64) * 0.2
+    change, half = paired_kl_change(b * 0.9, b)  # every token's divergence 10% lower: -10%, no doubt about it
+    assert change == pytest.approx(-10, rel=1e-9) and 0 < half < 1
+    assert paired_kl_change(b[:100], b[:100])[1] is None  # one block: no interval
+    covered = 0
+    for _ in range(300):
+        noise = torch.randn(len(b), dtype=torch.float64) * 0.05
+        change, half = paired_kl_change(b + 0.01 + noise, b)
+        covered += abs(change - 100 * 0.01 / b.mean().item()) <= half
+    assert 0.88 <= covered / 300 <= 0.995, covered
+
+
 def test_t975_is_students_t():
     from localllm.evaluate import t975
     known = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 10: 2.2281, 30: 2.0423, 1000: 1.9623}
@@ -229,6 +243,8 @@ def test_kl_from_the_source_matches_a_direct_computation_and_falls_with_compensa
     from localllm.evaluate import losses
     nll = losses(lm, ids, ctx=128)[2]  # the per-token losses perplexity is made of
     assert nll.shape == (len(ids) - 1,) and math.exp(nll.mean()) == pytest.approx(ppl, rel=1e-12)
+    kls = losses(lm, ids, ctx=128, reference=ref)[3]  # and the per-token divergences KL is made of
+    assert kls.shape == nll.shape and (kls > -1e-6).all() and kls.mean().item() == pytest.approx(kl, rel=1e-9)
     want, n = 0.0, 0
     with torch.inference_mode():
         for s in range(0, len(ids) - 1, 128):  # the same windows, by torch's own kl_div
@@ -248,10 +264,12 @@ def test_eval_command_reports_kl_from_the_recorded_source(tiny_quant):
             "--reference")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert "KL divergence from" in lines[0] and lines[1].split()[-3:] == ["KL", "vs", "off"]
+    assert "KL divergence from" in lines[0] and lines[1].split()[-4:] == ["KL", "vs", "off", "(95%)"]
     rows = [ln.split() for ln in lines[2:]]
     off, full = float(rows[0][3]), float(rows[1][5])  # (off, the base, has no change columns)
     assert len(rows[0]) == 4 and 0 < full < off and -100 < float(rows[1][6].rstrip("%")) < 0
+    # the KL's change comes with its interval: 149 predicted tokens make two blocks of 64
+    assert rows[1][7].startswith("±") and float(rows[1][7][1:]) > 0
 
 
 def test_eval_reference_with_another_vocabulary_is_refused(tiny_quant, tmp_path):
