@@ -269,13 +269,12 @@ def cmd_eval(a) -> None:
             line += f" {'':>16}"
         elif base:
             change, half = paired_change(r.losses, base.losses, window=ctx)
-            line += f" {change:+7.2f}% {'±' + ('-' if half is None else f'{half:.2f}'):>7}"  # -: under 2 blocks
+            line += _change_cells(change, half, 2)
             short = short or half is None
         if reference:
             line += f" {r.kl:8.4f}"
             if base and base is not r:
-                change, half = paired_kl_change(r.kls, base.kls, window=ctx)
-                line += f" {change:+7.1f}% {'±' + ('-' if half is None else f'{half:.1f}'):>7}"
+                line += _change_cells(*paired_kl_change(r.kls, base.kls, window=ctx), 1)
         print(line)
     if short:
         print(f"(±-: no interval under {2 * PAIR_BLOCK} predicted tokens, as it comes from blocks of {PAIR_BLOCK})")
@@ -283,6 +282,11 @@ def cmd_eval(a) -> None:
         print("localllm: warning: the model's outputs hold NaN (its weights, or its source's, hold NaN or inf): "
               "check the source with `localllm eval SOURCE --qdec off`, and re-download or re-quantize it",
               file=sys.stderr)
+
+
+def _change_cells(change: float, half: float | None, digits: int) -> str:
+    """An eval row's change from off and its 95% interval's half-width (±-: none, under two blocks)."""
+    return f" {change:+7.{digits}f}% {'±' + ('-' if half is None else f'{half:.{digits}f}'):>7}"
 
 
 def cmd_bench(a) -> None:

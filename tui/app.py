@@ -392,7 +392,8 @@ class ChatApp(App):
         self.notify(f"Saved the chat to {path}", title="Saved", timeout=10, markup=False)
 
     def _settings_open(self) -> bool:
-        return bool(self.query(SettingsPanel)) and self.query_one(SettingsPanel).display
+        panels = self.query(SettingsPanel)  # (none yet while the app composes)
+        return bool(panels) and panels.first().display
 
     def action_close_settings(self) -> None:
         self.action_toggle_settings()
