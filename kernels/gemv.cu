@@ -26,6 +26,8 @@
 // looked-up bytes v are the A operand of int8 mma instructions and x is staged as three int8 planes (I8 below): per
 // pair, rows g, g + 8 += scale * C + offset * X (X: the pair's sum of x). With QDEC, whose selection reads x in fp16,
 // two more permutes pair the bytes into half2s of 1024 + v for the fp16 mma: rows += scale * (C - 1024 X) + offset * X.
+// Uniform 4-bit weights at group size 128 where a block computes many tiles (U8, gemv.py's uses_int8: gate_up of 7-8B
+// models) take the int8 path too: the nibbles masked in place are the bytes, rows += s * (C - z X).
 // Grouped tables (GSHIFT > 0, quant.QuantLUT with groups): W_hat[n, c] = o[n, g] + s[n, g] * (the entry above); a
 // tile's record is followed by one LUT_GROUP_BYTES record per group (16 fp16 scales, 16 fp16 offsets, rows 0, 8, 1,
 // 9, ...), which every pair fetches beside the tile's tables: rows += s * (the per-row sum above) + o * X.
@@ -161,7 +163,7 @@ __device__ __forceinline__ void lut_scales(const unsigned char* rec, int g, floa
 // sums). x_first:
 // x is ready when this one starts (it launched so, or without programmatic launch): stage x before requesting the
 // first weights, whose HBM misses would delay x's L2 hits (kernels.gemv.gemv says where).
-template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT, int Q>
+template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT, int Q, bool U8 = false>
 __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     gemv(const uint8_t* __restrict__ qw, const uint8_t* __restrict__ meta, const __half* __restrict__ x,
          const __half* __restrict__ res, __half* __restrict__ y, int N, int K, int G, uint32_t magic,
@@ -186,7 +188,10 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     // x is B as three int8 planes in columns 0-2: per pair of steps x = 2^-e (65536 h + 256 m + l), |x 2^e| < 2^22,
     // e from the pair's largest |x|; the int32 sums are exact (kernels/NOTES.md, session 49). Two mma per step instead
     // of four and no pairing of the bytes into half2s. x takes 3 bytes a channel (kernels.gemv.shared_bytes).
-    constexpr bool I8 = LUT && QW == 0;
+    // U8: uniform 4-bit weights on the same int8 path (gemv.py's uses_int8): w & 0x0F0F0F0F and w & 0xF0F0F0F0 are
+    // the A operand's rows g and g + 8 (the latter times 16), two LOP3 per eight weights instead of five.
+    static_assert(!U8 || (!LUT && QW == 0 && BITS == 4 && GSHIFT == 1), "int8 uniform weights: 4 bits, group 128");
+    constexpr bool I8 = (LUT && QW == 0) || U8;
     constexpr int XB = I8 ? 3 : 2;  // bytes of staged x per channel
     const int S = K / 64, P = (S + 1) / 2;  // steps; pairs of steps, the last one single where S is odd
     uint32_t* xs = reinterpret_cast<uint32_t*>(smem);  // [step][t][m][2] half2 words; I8: [step][plane][t][16] bytes
@@ -405,7 +410,8 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
 #pragma unroll
                         for (int hh = 0; hh < 2; hh++) {
                             const int X = __float2int_rn((hh ? f.y : f.x) * M);
-                            const int o = e * 16 + (q >> 1) * 4 + hh + 2 * (q & 1);
+                            // (uniform weights: columns 2t, 2t + 8, 2t + 1, 2t + 9, the nibbles' order)
+                            const int o = e * 16 + (q >> 1) * 4 + (U8 ? 2 * hh + (q & 1) : hh + 2 * (q & 1));
                             xb[o] = (unsigned char)X;                             // l: X's low byte, signed
                             xb[64 + o] = (unsigned char)((X + 0x80) >> 8);        // m = (X - l) / 256, low byte
                             xb[128 + o] = (unsigned char)((X + 0x8080) >> 16);    // h = (X - l - 256 m) / 65536
@@ -511,6 +517,32 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 acc0 = fmaf(sc.x, v0, fmaf(of.x, X, acc0));
                 acc1 = fmaf(sc.y, v1, fmaf(of.y, X, acc1));
             }
+        } else if constexpr (U8) {  // the codes as bytes: rows g (factor 1) and g + 8 (factor 16) of each word
+            int ci[2][4] = {};
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (h && !two) break;
+                uint32_t w[BITS], v[4][2];
+                lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES) + lane * BITS, w);
+#pragma unroll
+                for (int m = 0; m < 4; m++) v[m][0] = w[m] & 0x0F0F0F0Fu, v[m][1] = w[m] & 0xF0F0F0F0u;
+                uint4 b = make_uint4(0u, 0u, 0u, 0u);  // column g: plane g (g < 3), else nothing
+                if (g < 3) b = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(xs) +
+                                                               (2 * p + h) * 192 + g * 64 + t * 16);
+                mma16832(ci[0], v[0][0], v[0][1], v[1][0], v[1][1], b.x, b.y);  // mma tiles 0, 1
+                mma16832(ci[1], v[2][0], v[2][1], v[3][0], v[3][1], b.z, b.w);  // 2, 3
+            }
+            // the planes' sums as the table path weighs them (lanes t = 0, 1 meet at the tile's end), the pair's
+            // group applied: rows += s * (sum code x - z X)
+            const float4 st = xstat[p];
+            const float wa = t == 0 ? st.y : t == 1 ? 65536.0f * st.y : 0.0f, wb = t == 0 ? 256.0f * st.y : 0.0f;
+            const float X = t == 0 ? st.x : 0.0f;
+            const float v0 = fmaf((float)(ci[0][0] + ci[1][0]), wa, (float)(ci[0][1] + ci[1][1]) * wb);
+            const float v1 = fmaf((float)(ci[0][2] + ci[1][2]), wa, (float)(ci[0][3] + ci[1][3]) * wb) * 0.0625f;
+            const float2 sc = __half22float2(reinterpret_cast<const __half2*>(rec)[g]);
+            const uint32_t zp = reinterpret_cast<const unsigned short*>(rec + 32)[g];
+            acc0 = fmaf(sc.x, fmaf(-(float)(zp & 0xFFu), X, v0), acc0);
+            acc1 = fmaf(sc.y, fmaf(-(float)(zp >> 8), X, v1), acc1);
         } else {
 #pragma unroll
             for (int h = 0; h < 2; h++) {
@@ -724,6 +756,13 @@ template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*
     INST2(4, W, D, 0, QW) INST2(4, W, D, 1, QW)
 INST_BITS(16, 3, 0, INST)
 INST_BITS2(16, 2, 0)
+// 4-bit weights on the int8 path (gemv.py's uses_int8): group 128, without QDEC, decode's two variants
+template __global__ void gemv<4, 16, 3, 1, 0, false, 1, true>(
+    const uint8_t*, const uint8_t*, const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float,
+    int, int, int, const uint32_t*, const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
+template __global__ void gemv<4, 16, 2, 1, 0, false, 2, true>(
+    const uint8_t*, const uint8_t*, const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float,
+    int, int, int, const uint32_t*, const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
 INST_BITS(8, 5, 0, INST)
 INST_BITS(16, 3, 4, INST)
 INST_BITS2(16, 2, 4)

@@ -197,6 +197,15 @@ HOLD_BYTES = 16 << 20
 TWO_BLOCK_TILES = 8
 
 
+def uses_int8(w: Packed | PackedLUT, qdec: bool, device: int) -> bool:
+    """Whether gemv.cu multiplies w on the int8 tensor cores (U8: the 4-bit codes as bytes, two LOP3 per eight
+    weights instead of five, x staged as three int8 planes): 4-bit uniform weights at group size 128 without QDEC,
+    where a block computes enough tiles (TWO_BLOCK_TILES per SM: gate_up of 7-8B models) to pay for staging a third
+    byte per channel. H200 (kernels/NOTES.md, sessions 49 and 70): gate_up W4 +9%; o, qkv and down lose to the staging."""
+    return (isinstance(w, Packed) and w.bits == 4 and w.group_size == 128 and not qdec
+            and w.out_features // 16 >= TWO_BLOCK_TILES * cuda.sm_count(device))
+
+
 def slot_meta_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, pairs: int = 1) -> int:
     """Bytes of the meta a ring slot holds beside its weights (gemv.cu, SLOT): for table weights a tile's tables
     (lut_record_bytes) and, grouped, the pair's group record; else room for two META_BYTES records per pair."""
@@ -279,10 +288,11 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         "8 bits: two slots of one pair, no QDEC"
     assert fits(variant, K, w.group_size), "two pairs per slot: K = 256 x warps, group size 64 or 128"
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
-    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs}>")
-    smem = shared_bytes(w, *variant, qdec=qw > 0)
+    dev = x.device.index or 0
+    int8 = uses_int8(w, qw > 0, dev) and shared_bytes(w, *variant, int8=True) + static_shared_bytes(warps) <= limit
+    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs},{str(int8).lower()}>")
+    smem = shared_bytes(w, *variant, qdec=qw > 0, int8=int8)
     if blocks_per_sm is None:
-        dev = x.device.index or 0
         many = not (qw or lut or w.bits == HEAD_BITS) and N // 16 >= TWO_BLOCK_TILES * cuda.sm_count(dev)
         blocks_per_sm = 2 if many and cuda.resident_blocks(dev, 32 * warps, k.num_regs,
                                                            smem + k.shared_size_bytes + 1024) >= 2 else 1
@@ -309,12 +319,12 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
 
 
 def shared_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, warps: int, depth: int, pairs: int = 1,
-                 qdec: bool = False) -> int:
+                 qdec: bool = False, int8: bool = False) -> int:
     """Dynamic shared memory of the GEMV before QDEC's part (qdec.shared_bytes): x as B fragments (fp16; table
-    weights without QDEC: three int8 planes), its sums per step or pair (float4), each warp's ring of slots (pairs of
-    steps: weights, then a tile's tables or the records)."""
+    weights without QDEC and uniform ones on the int8 path (uses_int8): three int8 planes), its sums per step or pair
+    (float4), each warp's ring of slots (pairs of steps: weights, then a tile's tables or the records)."""
     K = w.in_features
-    xb = 3 if isinstance(w, (PackedLUT, QuantLUT)) and not qdec else 2
+    xb = 3 if int8 or (isinstance(w, (PackedLUT, QuantLUT)) and not qdec) else 2
     return K * xb + K // 64 * 16 + warps * depth * (pairs * 256 * w.bits + slot_meta_bytes(w, pairs))
 
 
