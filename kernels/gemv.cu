@@ -469,10 +469,27 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             mma16816(c[2], a[2], b23.x, b23.y);
             mma16816(c[3], a[3], b23.z, b23.w);
         };
+        int ci[2][4] = {};  // I8: the int32 sums of the planes
+        // I8, step h: ci += its bytes v (v[m][r]: mma tile m, rows g + 8 r) times x's planes (column g: plane g < 3)
+        auto mma_step_i8 = [&](int h, const uint32_t (&v)[4][2]) {
+            uint4 b = make_uint4(0u, 0u, 0u, 0u);
+            if (g < 3) b = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(xs) +
+                                                           (2 * p + h) * 192 + g * 64 + t * 16);
+            mma16832(ci[0], v[0][0], v[0][1], v[1][0], v[1][1], b.x, b.y);  // mma tiles 0, 1
+            mma16832(ci[1], v[2][0], v[2][1], v[3][0], v[3][1], b.z, b.w);  // 2, 3
+        };
+        // I8: rows g, g + 8's sums of v x (columns 2t, 2t + 1: planes l, m (t = 0), h (t = 1); lanes t = 0, 1 meet at
+        // the tile's end) and the pair's sum of x X (lane t = 0's)
+        auto sums_i8 = [&](float& v0, float& v1, float& X) {
+            const float4 st = xstat[p];
+            const float wa = t == 0 ? st.y : t == 1 ? 65536.0f * st.y : 0.0f, wb = t == 0 ? 256.0f * st.y : 0.0f;
+            X = t == 0 ? st.x : 0.0f;
+            v0 = fmaf((float)(ci[0][0] + ci[1][0]), wa, (float)(ci[0][1] + ci[1][1]) * wb);
+            v1 = fmaf((float)(ci[0][2] + ci[1][2]), wa, (float)(ci[0][3] + ci[1][3]) * wb);
+        };
         if constexpr (LUT) {  // every element looked up in its row's table
             uint32_t tg[lut_regs<BITS>()], tg8[lut_regs<BITS>()];
             lut_tables<BITS>(rec, g, tg, tg8);
-            int ci[2][4] = {};  // I8's int32 sums
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 if (h && !two) break;
@@ -481,11 +498,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 if constexpr (I8) {  // the bytes v multiplied as they are
                     uint32_t v[4][2];
                     lut_bytes<BITS>(w, tg, tg8, v);
-                    uint4 b = make_uint4(0u, 0u, 0u, 0u);  // column g: plane g (g < 3), else nothing
-                    if (g < 3) b = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(xs) +
-                                                                   (2 * p + h) * 192 + g * 64 + t * 16);
-                    mma16832(ci[0], v[0][0], v[0][1], v[1][0], v[1][1], b.x, b.y);  // mma tiles 0, 1
-                    mma16832(ci[1], v[2][0], v[2][1], v[3][0], v[3][1], b.z, b.w);  // 2, 3
+                    mma_step_i8(h, v);
                 } else {  // as half2s of 1024 + v
                     uint32_t a[4][4];
                     lut_fragments<BITS>(w, tg, tg8, magic, a);
@@ -494,13 +507,8 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             }
             // v0, v1: rows g, g + 8's sum of v x; X: the pair's sum of x
             float X, v0, v1;
-            if constexpr (I8) {  // columns 2t, 2t + 1: planes l, m (t = 0), h (t = 1); lanes t = 0, 1 meet at the
-                                 // tile's end, and the offsets' terms (X) are lane t = 0's
-                const float4 st = xstat[p];
-                const float wa = t == 0 ? st.y : t == 1 ? 65536.0f * st.y : 0.0f, wb = t == 0 ? 256.0f * st.y : 0.0f;
-                X = t == 0 ? st.x : 0.0f;
-                v0 = fmaf((float)(ci[0][0] + ci[1][0]), wa, (float)(ci[0][1] + ci[1][1]) * wb);
-                v1 = fmaf((float)(ci[0][2] + ci[1][2]), wa, (float)(ci[0][3] + ci[1][3]) * wb);
+            if constexpr (I8) {  // the offsets' terms (X) are lane t = 0's
+                sums_i8(v0, v1, X);
             } else {  // the mma sums are sum (1024 + v) x
                 X = xstat[p].x;
                 v0 = fmaf(-1024.0f, X, (c[0][0] + c[1][0]) + (c[2][0] + c[3][0]));
@@ -518,7 +526,6 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 acc1 = fmaf(sc.y, v1, fmaf(of.y, X, acc1));
             }
         } else if constexpr (U8) {  // the codes as bytes: rows g (factor 1) and g + 8 (factor 16) of each word
-            int ci[2][4] = {};
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 if (h && !two) break;
@@ -526,19 +533,12 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES) + lane * BITS, w);
 #pragma unroll
                 for (int m = 0; m < 4; m++) v[m][0] = w[m] & 0x0F0F0F0Fu, v[m][1] = w[m] & 0xF0F0F0F0u;
-                uint4 b = make_uint4(0u, 0u, 0u, 0u);  // column g: plane g (g < 3), else nothing
-                if (g < 3) b = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(xs) +
-                                                               (2 * p + h) * 192 + g * 64 + t * 16);
-                mma16832(ci[0], v[0][0], v[0][1], v[1][0], v[1][1], b.x, b.y);  // mma tiles 0, 1
-                mma16832(ci[1], v[2][0], v[2][1], v[3][0], v[3][1], b.z, b.w);  // 2, 3
+                mma_step_i8(h, v);
             }
-            // the planes' sums as the table path weighs them (lanes t = 0, 1 meet at the tile's end), the pair's
-            // group applied: rows += s * (sum code x - z X)
-            const float4 st = xstat[p];
-            const float wa = t == 0 ? st.y : t == 1 ? 65536.0f * st.y : 0.0f, wb = t == 0 ? 256.0f * st.y : 0.0f;
-            const float X = t == 0 ? st.x : 0.0f;
-            const float v0 = fmaf((float)(ci[0][0] + ci[1][0]), wa, (float)(ci[0][1] + ci[1][1]) * wb);
-            const float v1 = fmaf((float)(ci[0][2] + ci[1][2]), wa, (float)(ci[0][3] + ci[1][3]) * wb) * 0.0625f;
+            // the pair's group: rows += s * (sum code x - z X)
+            float v0, v1, X;
+            sums_i8(v0, v1, X);
+            v1 *= 0.0625f;
             const float2 sc = __half22float2(reinterpret_cast<const __half2*>(rec)[g]);
             const uint32_t zp = reinterpret_cast<const unsigned short*>(rec + 32)[g];
             acc0 = fmaf(sc.x, fmaf(-(float)(zp & 0xFFu), X, v0), acc0);
