@@ -26,8 +26,9 @@
 // looked-up bytes v are the A operand of int8 mma instructions and x is staged as three int8 planes (I8 below): per
 // pair, rows g, g + 8 += scale * C + offset * X (X: the pair's sum of x). With QDEC, whose selection reads x in fp16,
 // two more permutes pair the bytes into half2s of 1024 + v for the fp16 mma: rows += scale * (C - 1024 X) + offset * X.
-// Uniform 4-bit weights at group size 128 where a block computes many tiles (U8, gemv.py's uses_int8: gate_up of 7-8B
-// models) take the int8 path too: the nibbles masked in place are the bytes, rows += s * (C - z X).
+// Uniform 4-bit weights at group size 128 with x staged in one round and ~2 tiles per block or more (U8, gemv.py's
+// uses_int8: qkv, o and gate_up of 7-8B models) take the int8 path too: the nibbles masked in place are the bytes,
+// rows += s * (C - z X).
 // Grouped tables (GSHIFT > 0, quant.QuantLUT with groups): W_hat[n, c] = o[n, g] + s[n, g] * (the entry above); a
 // tile's record is followed by one LUT_GROUP_BYTES record per group (16 fp16 scales, 16 fp16 offsets, rows 0, 8, 1,
 // 9, ...), which every pair fetches beside the tile's tables: rows += s * (the per-row sum above) + o * X.

@@ -199,11 +199,13 @@ TWO_BLOCK_TILES = 8
 
 def uses_int8(w: Packed | PackedLUT, qdec: bool, device: int) -> bool:
     """Whether gemv.cu multiplies w on the int8 tensor cores (U8: the 4-bit codes as bytes, two LOP3 per eight
-    weights instead of five, x staged as three int8 planes): 4-bit uniform weights at group size 128 without QDEC,
-    where a block computes enough tiles (TWO_BLOCK_TILES per SM: gate_up of 7-8B models) to pay for staging a third
-    byte per channel. H200 (kernels/NOTES.md, sessions 49 and 70): gate_up W4 +9%; o, qkv and down lose to the staging."""
-    return (isinstance(w, Packed) and w.bits == 4 and w.group_size == 128 and not qdec
-            and w.out_features // 16 >= TWO_BLOCK_TILES * cuda.sm_count(device))
+    weights instead of five, two mma per step instead of four, x staged as three int8 planes): 4-bit uniform weights
+    at group size 128 without QDEC whose x is staged in one round (K <= 4096) and whose blocks compute ~2 tiles or
+    more (N / 16 >= 1.5 x SMs), which pays for staging the planes. H200, 8B W4 decode (kernels/NOTES.md, session
+    70): +1.7% with qkv, o and gate_up on it; down (K = 14336) on it -4%, the demo model's layers (<= 1.5 tiles per
+    SM) -2%."""
+    return (isinstance(w, Packed) and w.bits == 4 and w.group_size == 128 and not qdec and w.in_features <= 4096
+            and w.out_features // 16 >= 1.5 * cuda.sm_count(device))
 
 
 def slot_meta_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, pairs: int = 1) -> int:

@@ -89,9 +89,9 @@ def test_gemv_gives_the_same_bits_whether_x_or_the_weights_load_first(mode, K):
 @pytest.mark.parametrize("mode", ["plain", "norm", "glu"])
 @pytest.mark.parametrize("N,K", [(28672, 4096), (4096, 14336), (1728, 576), (48, 192)])
 def test_gemv_on_the_int8_path_matches_float64_reference(N, K, mode, monkeypatch):
-    """4-bit weights on the int8 tensor cores (uses_int8: decode takes it for gate_up-sized shapes) compute the same
-    function as the fp16 path: forced on every shape (two pairs a slot, one, a last single step), with the input
-    transforms, x with outliers and tiny values, and the residual."""
+    """4-bit weights on the int8 tensor cores (uses_int8: decode takes it for the 8B qkv, o and gate_up) compute the
+    same function as the fp16 path: forced on every shape (two pairs a slot, one, a last single step), with the
+    input transforms, x with outliers and tiny values, and the residual."""
     from localllm import ops
     import localllm.kernels.gemv as kg
     monkeypatch.setattr(kg, "uses_int8", lambda w, qdec, dev: w.bits == 4 and w.group_size == 128 and not qdec)
@@ -111,16 +111,18 @@ def test_gemv_on_the_int8_path_matches_float64_reference(N, K, mode, monkeypatch
     assert err < 1e-3 and err <= 1.2 * ((fp16.double() - ref).norm() / ref.norm()).item(), err  # as close as fp16's
 
 
-def test_decode_takes_the_int8_path_for_gate_up_only():
-    """The 8B shapes at 4 bits: gate_up (enough tiles per block to pay for the planes' staging) on the int8 path,
-    qkv, o and down, 3 bits, group 64 and QDEC on the fp16 one (on a GPU of the H100's 132 SMs)."""
+def test_decode_takes_the_int8_path_where_it_pays():
+    """The 8B shapes at 4 bits, group 128: qkv, o and gate_up (K = 4096, ~2 tiles per SM or more) on the int8 path;
+    down (K = 14336), 3 bits, group 64, QDEC and the demo model's small layers on the fp16 one (on a GPU of the
+    H100's 132 SMs)."""
     from localllm.kernels import cuda
     from localllm.kernels.gemv import Packed, uses_int8
     if not 100 <= cuda.sm_count(0) <= 200:
         pytest.skip("the pick depends on the SM count; this checks it on an H100/H200-sized GPU")
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (960, 576), (3072, 576)]
     pick = {(N, K, b, gs): uses_int8(Packed.from_quant(random_quant(N, K, b, gs)), False, 0)
-            for N, K in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)] for b in (3, 4) for gs in (64, 128)}
-    assert [k for k, v in pick.items() if v] == [(28672, 4096, 4, 128)]
+            for N, K in shapes for b in (3, 4) for gs in (64, 128)}
+    assert [k for k, v in pick.items() if v] == [(6144, 4096, 4, 128), (4096, 4096, 4, 128), (28672, 4096, 4, 128)]
     assert not uses_int8(Packed.from_quant(random_quant(28672, 4096, 4, 128)), True, 0)
 
 
