@@ -47,6 +47,7 @@ def _whole_arg(name: str, lo: int, hi: int | None = None):
 
 def cmd_generate(a) -> None:
     from .generate import generate
+    from .loader import exists
     from .runtime import load
     if len(a.args) > 2:
         raise LocalLLMError(f"generate takes [MODEL] PROMPT, got {len(a.args)} arguments: quote the prompt "
@@ -68,7 +69,7 @@ def cmd_generate(a) -> None:
             raise LocalLLMError("the prompt from standard input (-) is empty: pipe some text in")
     elif not prompt.strip():
         raise LocalLLMError("the prompt is empty: give some text (or - to read it from standard input)")
-    elif model is None and Path(prompt).expanduser().exists() and len(prompt.split()) == 1:
+    elif model is None and len(prompt.split()) == 1 and exists(prompt):
         raise LocalLLMError(f"generate got one argument, {prompt!r}, which is a path: give the prompt too "
                             f"(localllm generate {prompt} \"PROMPT\")")
     # untuned QDEC on a GPU stays so for a one-off reply (tuning would take longer); the summary line says so
@@ -308,12 +309,15 @@ def cmd_tune(a) -> None:
     budgets = parse_budgets(a.budget)  # the arguments' own errors first, also on a machine without a GPU
     if a.tokens < 2:
         raise LocalLLMError(f"--tokens must be at least 2 (perplexity needs a token to predict); got {a.tokens}")
-    if a.model is not None:
-        from .loader import check_source
+    if a.model is not None:  # what the model folder lacks before what the machine lacks
         from .modelfile import read_manifest
-        check_source(a.model)
-        if (path := Path(a.model).expanduser()).exists():
-            read_manifest(path)  # (a checkpoint, not a quantized model: the fix in one line)
+        from .tuner.tune import no_residuals
+        path = Path(a.model).expanduser()
+        if not path.exists():
+            raise LocalLLMError(f"{path} does not exist; localllm tune takes a model folder that `localllm quantize` "
+                                "wrote")
+        if not read_manifest(path).get("residual"):  # (a checkpoint, not a quantized model: the fix in one line)
+            raise no_residuals(path)
     cuda.require_for("localllm tune times the QDEC kernels on the GPU")
     from .runtime import load
     from .tuner.tune import table, tune

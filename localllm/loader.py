@@ -173,9 +173,9 @@ def check_source(src: str | os.PathLike, kind: bool = False) -> None:
     fails before loading the first); kind: nor a path of a kind a model is (a .gguf file, a folder with a config,
     GGUF files or a localllm manifest), as the chat checks before its app starts."""
     path = Path(src).expanduser()
-    if not path.exists() and not _looks_like_hub_id(str(src)):
+    if not exists(path) and not _looks_like_hub_id(str(src)):
         raise _no_source(src)
-    if kind and path.exists():
+    if kind and exists(path):
         _check_kind(path)
 
 
@@ -197,12 +197,29 @@ def _no_config(path: Path) -> LocalLLMError:
 
 def check_path_text(path) -> None:
     """Refuse in one line a path whose name is not UTF-8 (bytes that decode to no character): safetensors and the
-    tokenizers read files by UTF-8 names, and would call the files corrupt."""
+    tokenizers read files by UTF-8 names, and would call the files corrupt; or one with a name longer than file
+    systems hold (the OS would say "File name too long" from deep inside a load)."""
     try:
         os.fsdecode(path).encode("utf-8")
     except UnicodeEncodeError:
         raise LocalLLMError(f"the path {os.fsdecode(path)!r} is not valid UTF-8 (a name in another encoding): rename "
                             "or move it") from None
+    if any(len(os.fsencode(part)) > NAME_MAX for part in Path(path).parts):
+        text = os.fsdecode(path)
+        raise LocalLLMError(f"no such file or folder: {text[:60]!r}... (a name in it is longer than the "
+                            f"{NAME_MAX} bytes file systems hold)")
+
+
+NAME_MAX = 255  # bytes in one file or folder name (ext4, NTFS, APFS)
+
+
+def exists(path) -> bool:
+    """Whether `path` exists; False also for a name no file system holds (Path.exists raises there), e.g. a long
+    prompt where a command's first argument may be a model path or the prompt."""
+    try:
+        return Path(path).expanduser().exists()
+    except OSError:
+        return False
 
 
 def _no_source(src) -> LocalLLMError:

@@ -278,6 +278,18 @@ def test_the_source_is_recorded_by_its_absolute_path(tiny_ckpt, tmp_path, monkey
     assert json.loads((out / "localllm.json").read_text())["source"]["path"] == str(tiny_ckpt.resolve())
 
 
+def test_a_name_longer_than_file_systems_hold_is_no_path(capsys):
+    """A long one-word prompt (generate's first argument may be a model path) is not a path, and a model argument
+    that long is refused in one line, not reported as a disk problem ("File name too long")."""
+    from localllm.loader import exists
+    long = "x" * 300
+    assert not exists(long) and not exists(f"org/{long}")
+    for args in (["info", long], ["info", f"org/{long}"], ["generate", long, "hi"]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "no such file or folder" in err and "disk" not in err and len(err.strip().splitlines()) == 1, args
+
+
 def test_small_things_a_user_meets(tiny_quant, tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["--version"])

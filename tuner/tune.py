@@ -256,6 +256,13 @@ def table(result: Result, title: str) -> str:
     return "\n".join(lines)
 
 
+def no_residuals(path) -> LocalLLMError:
+    """The refusal of a model without QDEC residuals (cli.cmd_tune says it before it checks for a GPU)."""
+    from localllm.errors import LocalLLMError
+    return LocalLLMError(f"{path} has no QDEC residuals, so there is nothing to tune; quantize it with residuals "
+                         "(localllm quantize, without --no-residuals)")
+
+
 def tune(lm, budgets, evaluate: bool = True, tokens: int = 512, write: bool = True, force: bool = False,
          reps: int = 20) -> Result:
     """Tune a LocalModel on its GPU for each budget (fractions); write a profile per budget next to the model."""
@@ -266,8 +273,7 @@ def tune(lm, budgets, evaluate: bool = True, tokens: int = 512, write: bool = Tr
     if lm.model.device.type != "cuda":
         raise LocalLLMError("localllm tune measures the GPU: load the model with device='cuda'")
     if not lm.manifest or not lm.has_residuals:
-        raise LocalLLMError(f"{lm.path} has no QDEC residuals, so there is nothing to tune; quantize it with "
-                            "residuals (localllm quantize, without --no-residuals)")
+        raise no_residuals(lm.path)
     gpu = profiles.gpu_identity(lm.model.device)
     if write:  # refuse before minutes of measuring, not after
         for b in budgets:
