@@ -314,8 +314,8 @@ def cmd_tune(a) -> None:
         from .tuner.tune import no_residuals
         path = Path(a.model).expanduser()
         if not path.exists():
-            raise LocalLLMError(f"{path} does not exist; localllm tune takes a model folder that `localllm quantize` "
-                                "wrote")
+            raise LocalLLMError(f"no such file or folder: {path}; localllm tune takes a model folder that `localllm "
+                                "quantize` wrote")
         if not read_manifest(path).get("residual"):  # (a checkpoint, not a quantized model: the fix in one line)
             raise no_residuals(path)
     cuda.require_for("localllm tune times the QDEC kernels on the GPU")

@@ -570,8 +570,11 @@ def test_info_lists_profiles(model_copy, capsys):
     assert "broken__10pct.json (unreadable" in line
 
 
-def test_cli_tune_without_a_gpu_is_one_line(tiny_quant):
+def test_cli_tune_without_a_gpu_is_one_line(tiny_quant, tiny_ckpt, tmp_path):
+    from localllm.cli import main
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    nores = tmp_path / "nores"
+    assert main(["quantize", str(tiny_ckpt), "-o", str(nores), "--no-residuals", "--calib-tokens", "256"]) == 0
     r = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", str(tiny_quant), "--budget", "5"],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 2
@@ -581,7 +584,8 @@ def test_cli_tune_without_a_gpu_is_one_line(tiny_quant):
     assert r.returncode == 2 and "budget" in r.stderr and "Traceback" not in r.stderr
     # the arguments' own errors come first, so that a user meets them before renting a GPU
     for args, what in (([str(tiny_quant), "--budget", "abc"], "a budget is a percentage"),
-                       (["/no/such/model"], "no such file or folder: /no/such/model"),
+                       (["/no/such/model"], "no such file or folder: /no/such/model; localllm tune takes a model"),
+                       ([str(nores)], "has no QDEC residuals, so there is nothing to tune"),
                        ([str(tiny_quant.parent)], "is not a localllm model")):
         r = subprocess.run([sys.executable, "-m", "localllm.cli", "tune", *args], capture_output=True, text=True,
                            env=env)
