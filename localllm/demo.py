@@ -5,7 +5,9 @@ extracted into the cache, and quantized there on first use.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -51,10 +53,15 @@ def demo_gguf() -> Path:
 
 def demo_model(bits: int = DEFAULT_BITS, smooth_attention: bool = True) -> Path:
     """Path of the quantized demo model folder, quantizing it (with residuals + calibration, and SmoothAttention
-    unless smooth_attention=False: a separate folder) on first use."""
+    unless smooth_attention=False: a separate folder) on first use. A folder an older localllm made, or a damaged
+    one, is made again; the tuning profiles in it are kept (they cost GPU time; `localllm info` says whether they
+    still fit). A newer localllm's folder is left as it is (read_manifest's one line)."""
     out = cache_dir() / "models" / f"smollm2-135m-instruct-w{bits}g128{'' if smooth_attention else '-nosmooth'}"
+    # the profiles while the model is made again (where a run is interrupted, the next one finds them here)
+    kept = out.with_name(f".{out.name}.profiles")
     if out.exists() and not _current(out, smooth_attention):
-        shutil.rmtree(out)  # our own cache, written by an older localllm: make it again
+        _move_files(out / "profiles", kept)
+        shutil.rmtree(out)
     if not out.exists():
         from .quantize import quantize
         src = demo_gguf()
@@ -65,14 +72,37 @@ def demo_model(bits: int = DEFAULT_BITS, smooth_attention: bool = True) -> Path:
             if not _current(out, smooth_attention):
                 raise
             # another localllm (a second terminal's first run) put the same model in place meanwhile: use it
+    _move_files(kept, out / "profiles")
     return out
 
 
+def _move_files(src: Path, dst: Path) -> None:
+    """Move the files of folder src (if any) into dst, none over a file of the same name there; src is removed once
+    empty."""
+    if not src.is_dir():
+        return
+    dst.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if not (dst / f.name).exists():
+            os.replace(f, dst / f.name)
+    with contextlib.suppress(OSError):
+        src.rmdir()
+
+
 def _current(folder: Path, smooth_attention: bool) -> bool:
-    from .modelfile import read_manifest
+    """Whether the cached demo folder is what this localllm makes (False: made again); a newer localllm's folder
+    raises read_manifest's error instead."""
+    from .loader import MANIFEST
+    from .modelfile import FORMAT_VERSION, read_manifest
     try:
         m = read_manifest(folder)
     except LocalLLMError:
+        try:
+            newer = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["format_version"] > FORMAT_VERSION
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):  # damaged: made again
+            newer = False
+        if newer:
+            raise
         return False
     # made before the 8-bit output head (format 3) or SmoothAttention: quantized again
     return bool(m.get("smooth_attention")) == smooth_attention and "head" in m["quant"]

@@ -393,6 +393,36 @@ def test_a_demo_model_another_run_made_meanwhile_is_used(tiny_quant, tmp_path, m
         demo.demo_model()
 
 
+def test_the_demo_model_made_again_keeps_its_tuning_profiles(tiny_quant, tmp_path, monkeypatch):
+    """A cached demo folder that an older localllm made (here: a damaged manifest) is made again, and the tuning
+    profiles in it, which cost GPU time, move into the new one; a newer localllm's folder is refused in one line and
+    left whole."""
+    import json
+    import shutil
+
+    import localllm.quantize
+    from localllm import demo
+    from localllm.errors import LocalLLMError
+    monkeypatch.setenv("LOCALLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(demo, "demo_gguf", lambda: tmp_path / "demo.gguf")
+    made = []
+    monkeypatch.setattr(localllm.quantize, "quantize",
+                        lambda src, out, **kw: made.append(shutil.copytree(tiny_quant, out)))
+    out = tmp_path / "models" / "smollm2-135m-instruct-w4g128"
+    (out / "profiles").mkdir(parents=True)
+    (out / "profiles" / "NVIDIA-H200__5pct.json").write_text("mine")
+    (out / "localllm.json").write_text("{not json")
+    assert demo.demo_model() == out and made
+    assert (out / "profiles" / "NVIDIA-H200__5pct.json").read_text() == "mine"
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # nothing left beside it
+    m = json.loads((out / "localllm.json").read_text())
+    (out / "localllm.json").write_text(json.dumps({**m, "format_version": 99}))
+    made.clear()
+    with pytest.raises(LocalLLMError, match="written by a newer localllm"):
+        demo.demo_model()
+    assert not made and (out / "profiles" / "NVIDIA-H200__5pct.json").read_text() == "mine"
+
+
 def test_a_named_text_may_be_a_pipe_and_a_missing_one_is_refused(tmp_path):
     """--text <(...) or /dev/stdin: a pipe is read like a file; a folder or a missing path is refused in one line."""
     import os
