@@ -110,7 +110,8 @@ def _reply_done(lm, s) -> None:
     sys.stdout.write("\n")
     sys.stdout.flush()
     st = s.stats
-    print(f"[{st.counts()}, first token {st.time_to_first_token:.2f} s, "
+    first = f"first token {st.time_to_first_token:.2f} s" if st.new_tokens else "no token"  # (stopped in the prompt)
+    print(f"[{st.counts()}, {first}, "
           f"finished by {st.finish_reason}; "
           + lm.qdec_summary()
           + f"; KV cache {lm.kv_bits}-bit]",
@@ -519,7 +520,9 @@ def parser() -> argparse.ArgumentParser:
                                    "rerunning an interrupted command resumes it.")
     r.add_argument("model", nargs="?", help="checkpoint folder, .gguf file or hub id (default: the demo model)")
     r.add_argument("-o", "--output", "--out", dest="out",
-                   help="new folder for the report (default: report-<model name>; -o as quantize's)")
+                   help="folder for the report (default: report-<model name>): a new or empty one; one holding "
+                        "this command's unfinished report resumes it; --force / --update act on one holding a "
+                        "localllm report (its report files only)")
     r.add_argument("--tokens", type=int, default=2048, help="predicted tokens of the evaluation text (default 2048)")
     r.add_argument("--ctx", type=int, help="tokens per evaluation window (default 512, or the model's context where "
                                            "shorter)")
@@ -544,9 +547,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--text", help="UTF-8 evaluation text (default: the one shipped with localllm)")
     r.add_argument("--seed", type=_seed, default=0, help="seed of the random picks (default 0)")
     r.add_argument("--gguf-file", help="which GGUF file of a folder to use")
-    r.add_argument("--force", action="store_true", help="replace -o when it exists")
+    r.add_argument("--force", action="store_true",
+                   help="start -o's report over (a folder holding a localllm report; the report's own files are "
+                        "replaced, anything else in it stays)")
     r.add_argument("--update", action="store_true",
-                   help="replace -o, keeping the sections of its report that this run does not measure")
+                   help="measure again in -o's report (a folder holding one), keeping the sections that this run "
+                        "does not measure")
     r.set_defaults(func=cmd_report)
     return p
 

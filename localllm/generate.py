@@ -113,9 +113,13 @@ def _encode(lm: LocalModel, prompt: str | list[dict]) -> list[int]:
         return tok(prompt, add_special_tokens=True)["input_ids"]
     if not getattr(tok, "chat_template", None):
         raise LocalLLMError(f"{lm.path} has no chat template; pass a plain string prompt instead of messages")
-    from jinja2 import TemplateError
+    from jinja2 import TemplateError, TemplateSyntaxError
     try:
         out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    except TemplateSyntaxError as e:  # the file, not the messages
+        raise LocalLLMError(f"the chat template of {lm.path} is not a valid template ({e}, line {e.lineno}); fix it, "
+                            "or copy chat_template.jinja (or tokenizer_config.json's chat_template) from its source "
+                            "checkpoint") from None
     except TemplateError as e:  # the template's own check, e.g. Mistral's "roles must alternate"
         refused = LocalLLMError(f"the model's chat template refused these messages ({e})")
         folded = _fold_system(prompt)

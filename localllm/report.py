@@ -118,6 +118,9 @@ def _check(o: Options) -> None:
         raise LocalLLMError(f"--sections takes a comma-separated list of {', '.join(SECTIONS)}; got {bad or 'none'}")
     if o.checks not in ("auto", "on", "off"):
         raise LocalLLMError(f"--checks takes auto, on or off; got {o.checks!r}")
+    if o.checks == "on" and 16 not in o.residual_bits:  # (auto says in the report why it did not run)
+        raise LocalLLMError(f"--checks on needs the FP16 residuals of Table 1: add 16 to --residual-bits (got "
+                            f"{_listed(o.residual_bits)})")
     if o.force and o.update:
         raise LocalLLMError("--force and --update exclude each other: --force replaces the report whole, --update "
                             "keeps the sections this run does not measure")

@@ -316,3 +316,6 @@ def test_a_template_that_takes_no_system_message_gets_it_in_the_first_user_messa
     tok.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(LocalLLMError, match=r"the model's chat template refused these messages \(roles must"):
         encode_prompt(lm, plain)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }"  # a template file cut short: the file's fault
+    with pytest.raises(LocalLLMError, match=r"^the chat template of m is not a valid template \(.*line 1\); fix it"):
+        encode_prompt(lm, plain)

@@ -394,6 +394,10 @@ def test_the_all_channels_check_is_optional(tiny_ckpt, tmp_path, cache):
     assert not run and "--checks on" in why
     assert full_check(Options(checks="on"), qwen15)[0] and not full_check(Options(checks="off"), cfg)[0]
     assert not full_check(Options(checks="on", residual_bits=(2,)), cfg)[0], "it needs the fp16 residuals"
+    from localllm.report import _check
+    with pytest.raises(LocalLLMError, match=r"^--checks on needs the FP16 residuals of Table 1: add 16 to "
+                                            r"--residual-bits \(got 2\)$"):
+        _check(Options(checks="on", residual_bits=(2,)))  # refused before any work, where asked for
     assert full_check(Options(checks="off", residual_bits=(2,)), cfg) == (False, "--checks off")  # the user's reason
 
     out = tmp_path / "r"

@@ -559,10 +559,15 @@ def test_info_lists_profiles(model_copy, capsys):
     P.write(model_copy, a_profile(model_id=mine))
     (model_copy / "profiles" / "broken__10pct.json").write_text("{not json")
     (model_copy / "profiles" / "other__20pct.json").write_text(json.dumps(a_profile(model_id="other")))
+    (model_copy / "profiles" / "percent__5pct.json").write_text(json.dumps(a_profile(model_id=mine, budget=5)))
     d = describe(load(model_copy))
-    assert d["tuning_profiles"] == {"broken__10pct.json": "unreadable: delete it or re-run `localllm tune`",
-                                    "nvidia-h100-80gb-hbm3__5pct.json": "NVIDIA H100 80GB HBM3 (132 SMs), 5% budget",
-                                    "other__20pct.json": "not usable: made for another model (other)"}
+    fix = "; delete it or re-run `localllm tune`"
+    assert d["tuning_profiles"] == {
+        "broken__10pct.json": "unreadable: not valid JSON (Expecting property name enclosed in double quotes, line 1)"
+                              + fix,
+        "nvidia-h100-80gb-hbm3__5pct.json": "NVIDIA H100 80GB HBM3 (132 SMs), 5% budget",
+        "other__20pct.json": "not usable: made for another model (other)",
+        "percent__5pct.json": "not usable: no budget between 0.0001% and 100%, as a fraction" + fix}
     assert d["qdec"]["source"]
     assert main(["info", str(model_copy)]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tuning"))

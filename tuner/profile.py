@@ -233,9 +233,10 @@ def listing(model_dir: str | Path, model_id: str | None, kmax: int, blocks: int)
     for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
             d = read(p)
-        except ProfileError as e:
-            out[p.name] = "not usable: delete it or re-run `localllm tune`" if "usable" in e.args[0] else \
-                "unreadable: delete it or re-run `localllm tune`"
+        except ProfileError as e:  # read's reason, between the path and the fix
+            why = e.args[0].split(f"{p} ", 1)[-1].split("; delete it", 1)[0].removeprefix("is ")
+            out[p.name] = (f"not usable: {why.removeprefix('not usable (')[:-1]}" if why.startswith("not usable (")
+                           else f"unreadable: {why}") + "; delete it or re-run `localllm tune`"
             continue
         why = f"made for another model ({d['model_id']})" if d["model_id"] != model_id else misfit(d, kmax, blocks)
         out[p.name] = f"not usable: {why}" if why else \
