@@ -363,12 +363,22 @@ def mixed_bits(kls: list[float], bits: float) -> list[int]:
     return [lo if i in low else lo + 1 for i in range(len(kls))]
 
 
-def check_disk(cfg, out: str, bits: float, group_size: int, residuals: bool, head_bits: int) -> None:
+def check_disk(cfg, out: str, bits: float, group_size: int, residuals: bool, head_bits: int,
+               method: str = "rtn") -> None:
     """Refuse in one line, before any block is quantized, an output the disk has no room for: the files' least size
-    (packed weights with their group scales, residuals, fp16 embeddings, the head) against the space free where the
-    folder is made (an 8B model on the CPU would otherwise fail at its end, tens of minutes later)."""
+    (packed weights with their group scales and zeros, or squeezellm's tables with their groups' scales and offsets,
+    residuals, calibration statistics, fp16 embeddings, the head as it is written, the tokenizer at ~40 bytes a token)
+    against the space free where the folder is made (an 8B model on the CPU would otherwise fail at its end, tens of
+    minutes later)."""
     w, vd = cfg.linear_weights, cfg.vocab_size * cfg.hidden_size
-    need = w * bits / 8 + w / group_size * 3 + (w / 2 if residuals else 0) + vd * (2 + head_bits / 8)
+    shapes = [modelfile.linear_shape(cfg, kind) for kind in KINDS]
+    if method == "squeezellm":  # a table of 8-bit entries per row; an fp16 scale and offset per group
+        groups = w / TABLE_GROUP * 4 + cfg.num_layers * sum(n for n, _ in shapes) * 2 ** int(bits)
+    else:  # an fp16 scale and a uint8 zero per group
+        groups = w / group_size * 3
+    head = (vd * head_bits / 8 + vd / HEAD_GROUP * 3) if head_bits != 16 else 0 if cfg.tie_word_embeddings else 2 * vd
+    calibration = cfg.num_layers * sum(4 * k + 4 * 256 + 8 for _, k in shapes)  # b0, kth, sq_sum per channel
+    need = w * bits / 8 + groups + (w / 2 if residuals else 0) + calibration + 2 * vd + head + 40 * cfg.vocab_size
     folder = Path(out).expanduser().resolve().parent
     while not folder.exists():
         folder = folder.parent
@@ -415,7 +425,7 @@ def quantize(src: str, out: str, bits: int | float = 4, group_size: int = 128, r
         if K % TILE_K or N % TILE_N:
             raise LocalLLMError(f"{kind} projection is {N}x{K}: localllm needs in_features % {TILE_K} == 0 and "
                                 f"out_features % {TILE_N} == 0 (the GPU kernels' tiles)")
-    check_disk(cfg, out, bits, group_size, residuals, head_bits)
+    check_disk(cfg, out, bits, group_size, residuals, head_bits, method)
     start = time.perf_counter()
     fit = GpuMemoryFit(dev)
     if dev.type == "cuda":
