@@ -114,12 +114,14 @@ def _temp_prefix(path: Path) -> str:
 
 
 def remove_orphans(path: str | os.PathLike) -> None:
-    """Remove the temp files and folders for `path` that a process of this host, no longer running, left (SIGKILL,
-    a power cut: no cleanup ran)."""
+    """Remove the temp files and folders beside `path` (for it, or for another name: a killed quantize whose next
+    run chose another -o) that a process of this host, no longer running, left (SIGKILL, a power cut: no cleanup
+    ran)."""
     path = Path(path)
-    for d in path.parent.glob(f".{glob.escape(path.name)}.{glob.escape(_OWNER)}*.tmp"):
-        pid = d.name[len(path.name) + len(_OWNER) + 2:].split(".", 1)[0]
-        if not pid.isdigit() or _running(int(pid)):
+    for d in path.parent.glob(f".*.{glob.escape(_OWNER)}*.tmp"):
+        owner = d.name.split(".")[-3]  # .NAME.OWNERPID.RANDOM.tmp (NAME may hold dots, the rest cannot)
+        pid = owner[len(_OWNER):]
+        if not owner.startswith(_OWNER) or not pid.isdigit() or _running(int(pid)):
             continue
         if d.is_dir():
             shutil.rmtree(d, ignore_errors=True)
@@ -155,7 +157,7 @@ def new_folder(path: str | os.PathLike):
     """Yield a temp folder beside `path`; on success it is renamed to `path`, on failure removed. Refuses an
     existing `path` (nothing the user saved is overwritten), before and after the work. The temp folder's name
     holds this host and process: one a killed run left (SIGKILL, a power cut: no cleanup ran) is removed by the
-    next run onto the same path, and said so."""
+    next run that writes into the same folder, and said so."""
     path = Path(path).expanduser().resolve()
     if path.exists():
         raise LocalLLMError(f"{path} already exists; choose another output path or remove it first")

@@ -79,20 +79,24 @@ def test_new_folder_appears_whole_and_never_replaces(tmp_path):
 
 
 def test_a_killed_runs_temp_folder_goes_at_the_next_run(tmp_path, capsys):
-    """A temp folder of this host whose process is gone (SIGKILL leaves it) is removed by the next run onto the same
-    path; a running process's, another host's and another path's stay."""
+    """A temp folder of this host whose process is gone (SIGKILL leaves it) is removed by the next run that writes
+    into the same folder, whatever name it was for (the next quantize may choose another -o); a running process's,
+    another host's and a name localllm does not make stay."""
     import os
     owner = atomic._OWNER
     dead = tmp_path / f".model.{owner}999999999.x1.tmp"  # past any pid the kernel gives
     alive = tmp_path / f".model.{owner}{os.getpid()}.x2.tmp"
     other_host = tmp_path / ".model.elsewhere-12.x3.tmp"
-    other_path = tmp_path / f".model2.{owner}999999999.x4.tmp"
-    for d in (dead, alive, other_host, other_path):
+    other_path = tmp_path / f".model.v2.{owner}999999999.x4.tmp"  # for another name, with dots in it
+    not_ours = tmp_path / f".model.{owner}.tmp"
+    for d in (dead, alive, other_host, other_path, not_ours):
         (d / "weights").mkdir(parents=True)
     with atomic.new_folder(tmp_path / "model") as tmp:
         (tmp / "a.txt").write_text("one")
-    assert not dead.exists() and alive.exists() and other_host.exists() and other_path.exists()
-    assert str(dead) in capsys.readouterr().err
+    assert not dead.exists() and not other_path.exists()
+    assert alive.exists() and other_host.exists() and not_ours.exists()
+    err = capsys.readouterr().err
+    assert str(dead) in err and str(other_path) in err
     # files too: a killed write's temp file goes at the next write of the same file; temp_folder's the same way
     dead_file = tmp_path / f".notes.json.{owner}999999999.x5.tmp"
     dead_file.write_text("half")
