@@ -335,11 +335,14 @@ def cmd_tune(a) -> None:
               "on a GPU: tuning\")")
 
 
+_EXAMPLES = {"--bits": "2,3,4", "--k-chunk": "8,32", "--residual-bits": "2,8,16"}
+
+
 def _ints(flag: str, text: str) -> tuple:
     try:
         return tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise LocalLLMError(f"{flag} takes comma-separated integers, e.g. 2,3,4; got {text!r}") from None
+        raise LocalLLMError(f"{flag} takes comma-separated integers, e.g. {_EXAMPLES[flag]}; got {text!r}") from None
 
 
 def cmd_report(a) -> None:
