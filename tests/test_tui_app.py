@@ -275,9 +275,10 @@ async def test_settings_apply_to_the_next_reply(tiny_quant, replies):
         # top-p's "x", left for the next field, shows the value in force again: 0.9, and nothing is named
         assert app.query_one("#top_p", Input).value == "0.9" and str(app.query_one(".why", Static).render()) == ""
         await pilot.click("#temperature")
-        await pilot.press("end", "ctrl+u", *"1e40")  # "1e4" was valid on the way: that is what applies, and says so
-        await pilot.pause()
-        assert "10000.0 still applies" in str(app.query_one(".why", Static).render())
+        await pilot.press("end", "ctrl+u", *"1e40")  # "1e4" was valid on the way, but a typo applies no prefix of it:
+        await pilot.pause()  # the value the field had when it was entered applies, and says so
+        assert "0.0 still applies" in str(app.query_one(".why", Static).render())
+        assert app.query_one(SettingsPanel).settings.temperature == 0.0
         await pilot.press("end", "ctrl+u", "0")
         await pilot.pause()
         await pilot.click("#qdec")
@@ -510,13 +511,21 @@ async def test_a_field_left_invalid_shows_the_value_in_force_and_escape_closes_t
         panel = app.query_one(SettingsPanel)
         await pilot.press("f2")
         await click_into(pilot, "temperature")
-        await pilot.press("end", "ctrl+u", *"1e40")  # "1e4" was valid on the way: it applies
+        await pilot.press("end", "ctrl+u", *"1e40")  # "1e4" was valid on the way; the value on entering applies
         await pilot.pause()
-        assert "10000.0 still applies" in why()
+        assert "0.7 still applies" in why()
         await pilot.press("tab")  # leaving the field shows what applies, and the complaint goes
         await pilot.pause()
-        assert app.query_one("#temperature", Input).value == "10000.0" and why() == ""
-        assert session.settings.temperature == 10000.0
+        assert app.query_one("#temperature", Input).value == "0.7" and why() == ""
+        assert session.settings.temperature == 0.7
+        await click_into(pilot, "max_new_tokens")
+        await pilot.press("end", "ctrl+u", *"1e3")  # a typo for 1000: its "1" must not give one-token replies
+        await pilot.pause()
+        assert session.settings.max_new_tokens == 30 and why() == "Max new tokens must be a whole number ≥ 1: 30 " \
+                                                                  "still applies"
+        await pilot.press("end", "ctrl+u", *"40")
+        await pilot.pause()
+        assert session.settings.max_new_tokens == 40 and why() == ""
         await click_into(pilot, "top_k")
         await pilot.press("end", "ctrl+u", "-")
         await pilot.pause()
@@ -534,7 +543,7 @@ async def test_a_field_left_invalid_shows_the_value_in_force_and_escape_closes_t
         await pilot.press("escape")  # and then closes them
         await pilot.pause()
         assert not panel.display
-        assert session.settings.temperature == 10000.0 and session.settings.top_k == 0
+        assert session.settings.temperature == 0.7 and session.settings.top_k == 0
 
 
 @scenario

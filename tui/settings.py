@@ -87,6 +87,7 @@ class SettingsPanel(VerticalScroll):
         super().__init__(**kw)
         self.settings = settings
         self._budget_text = ""  # the budget in force, as show_qdec last showed it
+        self._entered: dict[str, object] = {}  # a field's value when it was entered (what a typo goes back to)
 
     def compose(self):
         yield Label("Settings", classes="title")
@@ -105,20 +106,31 @@ class SettingsPanel(VerticalScroll):
                     validators=[Function(lambda t: budget_of(t) is not None, "a budget is a number in (0, 100]")])
         yield Static("loading…", classes="info", markup=False)
 
+    def on_descendant_focus(self, event: events.DescendantFocus) -> None:
+        if isinstance(event.widget, Input) and event.widget.id in FIELDS:
+            self._entered[event.widget.id] = getattr(self.settings, event.widget.id)
+
     def on_input_changed(self, event: Input.Changed) -> None:
+        """A valid value applies as it is typed; an invalid one puts back the value the field had when it was
+        entered, so that a typo applies no prefix of it ("0,3" no greedy 0, "1e3" max new tokens no 1)."""
         event.stop()
-        self._show_problems()
+        name = event.input.id
         if event.validation_result is not None and not event.validation_result.is_valid:
+            if name in self._entered and getattr(self.settings, name) != self._entered[name]:
+                self.settings = self.settings.updated(name, str(self._entered[name]))
+                self.post_message(self.Changed(self.settings))
+            self._show_problems()
             return
-        if event.input.id == "budget":
+        self._show_problems()
+        if name == "budget":
             self._qdec_changed()
             return
-        self.settings = self.settings.updated(event.input.id, event.value)
+        self.settings = self.settings.updated(name, event.value)
         self.post_message(self.Changed(self.settings))
 
     def _show_problems(self) -> None:
-        """Every field still invalid stays named (not only the one just edited), with the value in force: its last
-        valid one, which may be a prefix of what was typed ("1e4" of "1e40")."""
+        """Every field still invalid stays named (not only the one just edited), with the value in force: the one it
+        had when it was entered."""
         problems = []
         for i in self.query(Input):
             failures = [] if i.disabled else getattr(i.validate(i.value), "failure_descriptions", [])
