@@ -757,3 +757,33 @@ async def test_quitting_while_the_model_works_tells_the_command_line(tiny_quant,
     while app.working:
         assert time.monotonic() < deadline, "the load did not end"
         await asyncio.sleep(0.05)
+
+
+@scenario
+async def test_a_long_message_shows_its_beginning_and_keeps_the_whole():
+    """A pasted file past UserMessage.SHOWN_CHARS shows its beginning and how much more there is (the whole of a
+    500 KB one made every later re-layout take seconds); the message keeps all of it."""
+    from textual.app import App
+
+    class One(App):
+        def compose(self):
+            yield UserMessage("abc\n" * 10_000)
+
+    async with One().run_test(size=SIZE) as pilot:
+        m = pilot.app.query_one(UserMessage)
+        assert len(m.text) == 40_000
+        assert str(m.query_one(".more", Static).render()) == "… and 20,000 more characters, not shown"
+
+
+@scenario
+async def test_f1_shows_every_key(tiny_quant):
+    """F1 opens Textual's keys panel, which lists the keys the footer leaves out (Ctrl+Y, PageUp); F1 closes it."""
+    app = ChatApp(str(tiny_quant))
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+        assert app.screen.query("HelpPanel")
+        await pilot.press("f1")
+        await pilot.pause()
+        assert not app.screen.query("HelpPanel")

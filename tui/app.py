@@ -122,13 +122,15 @@ class ChatApp(App):
         Binding("escape", "close_settings", "Close settings"),  # (when no reply runs: check_action)
         Binding("ctrl+c", "cancel", "Cancel reply", show=False, priority=True),  # only while a reply runs
         Binding("ctrl+n", "new_chat", "New chat"),
-        Binding("ctrl+y", "copy_reply", "Copy reply", priority=True),  # before the message box's redo
+        # (in the keys panel, not the footer: the footer's keys fit 80 columns)
+        Binding("ctrl+y", "copy_reply", "Copy reply", show=False, priority=True),  # before the message box's redo
         Binding("ctrl+s", "save", "Save chat"),
         Binding("f2", "toggle_settings", "Settings"),
+        Binding("f1", "toggle_keys", "Keys"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
         # the transcript's, wherever the focus is (the message box and the settings panel would take them)
-        Binding("pageup", "scroll_transcript(-1)", show=False, priority=True),
-        Binding("pagedown", "scroll_transcript(1)", show=False, priority=True),
+        Binding("pageup", "scroll_transcript(-1)", "Scroll up", show=False, priority=True),
+        Binding("pagedown", "scroll_transcript(1)", "Scroll down", show=False, priority=True),
     ]
 
     def __init__(self, model: str | None = None, *, gguf_file: str | None = None, device: str = "cpu",
@@ -156,7 +158,7 @@ class ChatApp(App):
         with Horizontal():
             with Vertical(id="chat"):
                 yield Transcript(id="transcript")
-                yield PromptInput(placeholder="Type a message: Enter sends, ctrl+j starts a new line", id="prompt",
+                yield PromptInput(placeholder="Type a message: Enter sends, ctrl+j new line, F1 keys", id="prompt",
                                   disabled=True)
             yield SettingsPanel(self.settings, id="settings")
         yield Static("loading…", id="status", markup=False)
@@ -334,6 +336,13 @@ class ChatApp(App):
         self._current = (reply, view)
         self._reply_worker = self._generate(reply)
         self.refresh_bindings()
+
+    def action_toggle_keys(self) -> None:
+        """Textual's keys panel: every key of the focused widget and the app, the ones the footer leaves out too."""
+        if self.screen.query("HelpPanel"):
+            self.action_hide_help_panel()
+        else:
+            self.action_show_help_panel()
 
     def action_cancel(self) -> None:
         if self.session is not None and self.session.running is not None and self._reply_worker is not None:

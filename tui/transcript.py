@@ -34,9 +34,13 @@ READING = "reading the prompt… (Esc cancels)"  # until the first piece (a long
 
 
 class UserMessage(Vertical):
+    """What the user sent; past SHOWN_CHARS only its beginning is shown (a pasted 500 KB file made every later
+    re-layout of the transcript take seconds), the whole of it sent and saved."""
+    SHOWN_CHARS = 20_000
     DEFAULT_CSS = """
     UserMessage { height: auto; margin: 1 1 0 1; padding: 0 1; border-left: thick $accent; }
     UserMessage .who { color: $accent; text-style: bold; }
+    UserMessage .more { color: $text-muted; }
     """
 
     def __init__(self, text: str):
@@ -45,7 +49,9 @@ class UserMessage(Vertical):
 
     def compose(self):
         yield Label("You", classes="who")
-        yield Static(printable(self.text), markup=False)  # what the user typed, not markup
+        yield Static(printable(self.text[:self.SHOWN_CHARS]), markup=False)  # what the user typed, not markup
+        if len(self.text) > self.SHOWN_CHARS:
+            yield Static(f"… and {len(self.text) - self.SHOWN_CHARS:,} more characters, not shown", classes="more")
 
 
 class ReplyMessage(Vertical):
