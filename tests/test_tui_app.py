@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import textual
+from textual import events
 from textual.widgets import Input, Static, Switch
 
 from conftest import same_kv_cache
@@ -787,3 +788,21 @@ async def test_f1_shows_every_key(tiny_quant):
         await pilot.press("f1")
         await pilot.pause()
         assert not app.screen.query("HelpPanel")
+
+
+@scenario
+async def test_a_reply_that_fills_the_context_says_what_would_help(tiny_quant, replies):
+    """A reply stopped by the full context suggests a new chat only where earlier exchanges take room; where the
+    message alone (nearly) fills the context, a shorter message is what helps (the tiny model's context: 256)."""
+    app = ChatApp(str(tiny_quant), settings=ReplySettings(max_new_tokens=400, seed=1))
+    async with app.run_test(size=SIZE) as pilot:
+        session = await loaded(pilot)
+        await pilot.click("#prompt")
+        app.query_one(PromptInput).post_message(events.Paste("hello there " * 25))
+        await pilot.pause()
+        await pilot.press("enter")
+        await until(pilot, lambda: replies, "the reply to start")
+        reply = await done(pilot, replies[-1])
+        assert reply.stats.finish_reason == "context" , (reply.error, reply.stats)
+        meta = str(app.query(ReplyMessage).last().query_one(".meta", Static).render())
+        assert "stopped: the context is full (no earlier exchange is left in it: a shorter message" in meta

@@ -151,8 +151,11 @@ class ReplyMessage(Vertical):
             meta.update(f"cancelled · {numbers}{left_out}")
             meta.add_class("-cancelled")
         else:
-            ended = {"length": " · stopped at max new tokens",
-                     "context": " · stopped: the context is full (Ctrl+N starts a new chat)"}.get(st.finish_reason, "")
+            earlier = sum(m["role"] == "user" for m in reply.prompt) - 1  # exchanges before this one
+            full = " · stopped: the context is full " + ("(Ctrl+N starts a new chat)" if n < earlier else
+                                                         "(no earlier exchange is left in it: a shorter message "
+                                                         "leaves the reply more room)")
+            ended = {"length": " · stopped at max new tokens", "context": full}.get(st.finish_reason, "")
             meta.update(numbers + ended + left_out)
 
 
