@@ -460,6 +460,15 @@ def test_resume_refuses_what_is_not_a_saved_chat(tmp_path, capsys):
         assert err.startswith(f"localllm: error: {bad}") and why in err and len(err.splitlines()) == 1
 
 
+def test_resume_reads_a_saved_chat_an_editor_gave_a_bom(tmp_path):
+    from localllm.tui import history
+    f = tmp_path / "chat.json"
+    chat = {"format": "localllm-chat/1", "messages": [{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": "hello"}]}
+    f.write_bytes(b"\xef\xbb\xbf" + json.dumps(chat).encode())
+    assert [t["content"] for t in history.load(f)["turns"]] == ["hi", "hello"]
+
+
 def test_resume_refuses_a_file_too_large_to_be_a_chat_without_reading_it(tmp_path, monkeypatch):
     from localllm.errors import LocalLLMError
     from localllm.tui import history

@@ -53,13 +53,13 @@ def load(path: str | Path) -> dict:
     fix = "pass a chat that Ctrl+S saved in `localllm chat`"
     try:
         with open(path, "rb") as f:  # sniffed first: a model file passed by mistake is not read whole into memory
-            head = f.read(64).lstrip()
+            head = f.read(64).removeprefix(b"\xef\xbb\xbf").lstrip()  # (a BOM an editor added on saving it)
             size = os.fstat(f.fileno()).st_size
         if not head.startswith(b"{") or size > MAX_BYTES:
             what = f"{size / 2**20:.0f} MB, over {MAX_BYTES >> 20} MB" if head.startswith(b"{") else \
                 "it does not begin as a JSON object"
             raise LocalLLMError(f"{path} is not a saved chat ({what}); {fix}")
-        d = json.loads(path.read_text(encoding="utf-8"))
+        d = json.loads(path.read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
         raise LocalLLMError(f"no such file: {path}; {fix}") from None
     except IsADirectoryError:
