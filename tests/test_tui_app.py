@@ -402,7 +402,7 @@ async def test_a_reply_shows_how_far_its_prompt_is_read(tiny_quant, monkeypatch,
         await loaded(pilot)
         reply = await done(pilot, await send(pilot, replies, "Hello"))
     n = reply.stats.prompt_tokens
-    assert seen[0].startswith(f"reading the prompt ({n} tokens): ") and seen[0].endswith(" layer (Esc cancels)")
+    assert seen[0].startswith(f"reading the prompt ({n} tokens): ") and seen[0].endswith(" layers (Esc cancels)")
     assert seen[-1] == GENERATING and before[0] == READING  # (not "generating" before the prompt is read)
 
 

@@ -39,7 +39,7 @@ def gpu_memory(lm: LocalModel) -> str:
 def residual_memory(lm: LocalModel) -> str:
     """Host memory of the QDEC residuals: pinned on a GPU (only once QDEC has been on), plain RAM on the CPU."""
     if not lm.has_residuals:
-        return "no QDEC residuals"
+        return "none"
     if lm.model.device.type != "cuda":
         return f"{size(lm.sizes()['pinned_host_bytes'])} in RAM"
     pinned = sum(lin.residual.nbytes for lin in lm.model.linears() if lin.host_residual is not None)
