@@ -114,7 +114,7 @@ def _reply_done(lm, s) -> None:
     print(f"[{st.counts()}, {first}, "
           f"finished by {st.finish_reason}; "
           + lm.qdec_summary()
-          + f"; KV cache {lm.kv_bits}-bit]",
+          + f"; KV cache {lm.kv_bits}-bit" + ("; prompt 8-bit activations" if lm.settings.act8 else "") + "]",
           file=sys.stderr)
 
 

@@ -73,4 +73,9 @@ def main(rounds: int, shapes: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0)
+    if why := cuda.unusable():
+        sys.exit(f"gemv_bound.py times the GEMV on a GPU, and cannot here: {why}")
     main(int(sys.argv[1]) if len(sys.argv) > 1 else 2, (sys.argv[2] if len(sys.argv) > 2 else "o,down").split(","))
