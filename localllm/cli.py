@@ -136,7 +136,7 @@ def cmd_chat(a) -> None:
     atomic.check_writable(save_dir / "chat.json", "pass a --save-dir you can write (Ctrl+S saves the chat there)")
     if a.model is not None:  # a mistyped path, or one of no model: one line here; what goes wrong while loading
         from .loader import check_source  # shows in the app
-        check_source(a.model, kind=True)
+        check_source(a.model, kind=True, gguf_file=a.gguf_file)
     from .tui.app import ChatApp
     app = ChatApp(a.model, gguf_file=a.gguf_file, device=device, qdec=a.qdec, budget=a.budget, settings=settings,
                   save_dir=a.save_dir, kv_bits=a.kv_bits, prefill_int8=a.prefill_int8, tune=not a.no_tune,

@@ -147,9 +147,7 @@ def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Che
     path = Path(src).expanduser()
     if path.is_file():
         _check_kind(path)
-        if gguf_file and gguf_file != path.name:
-            raise LocalLLMError(f"--gguf-file {gguf_file} names another file than {path}: pass the file, or its "
-                                "folder with --gguf-file")
+        _check_gguf_name(path, gguf_file)
         return _open_gguf(path.parent, path.name)
     if path.is_dir():
         if (path / MANIFEST).exists():
@@ -168,15 +166,24 @@ def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Che
     return _open_safetensors(local, {"format": "safetensors", "path": str(local), "hub_id": str(src)})
 
 
-def check_source(src: str | os.PathLike, kind: bool = False) -> None:
+def check_source(src: str | os.PathLike, kind: bool = False, gguf_file: str | None = None) -> None:
     """Raise the user's error now if `src` is neither a path here nor a hub id (so that a command taking two models
     fails before loading the first); kind: nor a path of a kind a model is (a .gguf file, a folder with a config,
-    GGUF files or a localllm manifest), as the chat checks before its app starts."""
+    GGUF files or a localllm manifest), nor a .gguf file that --gguf-file names otherwise, as the chat checks before
+    its app starts."""
     path = Path(src).expanduser()
     if not exists(path) and not _looks_like_hub_id(str(src)):
         raise _no_source(src)
     if kind and exists(path):
         _check_kind(path)
+        if path.is_file():
+            _check_gguf_name(path, gguf_file)
+
+
+def _check_gguf_name(path: Path, gguf_file: str | None) -> None:
+    if gguf_file and gguf_file != path.name:
+        raise LocalLLMError(f"--gguf-file {gguf_file} names another file than {path}: pass the file, or its folder "
+                            "with --gguf-file")
 
 
 def _check_kind(path: Path) -> None:

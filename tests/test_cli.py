@@ -63,8 +63,11 @@ def test_chat_refuses_a_path_of_no_model_before_its_app_starts(tmp_path, capsys,
     monkeypatch.setattr("localllm.tui.app.ChatApp.run", lambda self: pytest.fail("the app started"))
     (tmp_path / "notes.txt").write_text("x")
     (tmp_path / "empty").mkdir()
-    for path, why in (("notes.txt", "is a file but not a .gguf"), ("empty", "has no config.json")):
-        assert main(["chat", str(tmp_path / path)]) == 2
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    for args, why in (([str(tmp_path / "notes.txt")], "is a file but not a .gguf"),
+                      ([str(tmp_path / "empty")], "has no config.json"),
+                      ([str(tmp_path / "m.gguf"), "--gguf-file", "x.gguf"], "--gguf-file x.gguf names another file")):
+        assert main(["chat", *args]) == 2
         err = capsys.readouterr().err
         assert why in err and len(err.strip().splitlines()) == 1, err
 
