@@ -31,7 +31,13 @@ DIR = "profiles"
 
 
 class ProfileError(LocalLLMError):
-    """A profile file that cannot be used as one (unreadable, malformed, another format)."""
+    """A profile file that cannot be used as one (unreadable, malformed, another format); `why` is the reason alone
+    and `readable` whether the file read as JSON at all (listing shows both)."""
+
+    def __init__(self, path: Path, why: str, readable: bool):
+        what = f"is not usable ({why})" if readable else why
+        super().__init__(f"tuning profile {path} {what}; delete it or re-run `localllm tune`")
+        self.why, self.readable = why, readable
 
 
 def parse_budgets(text: str, example: str = "e.g. 5 or 2.5,5,10,20") -> list[float]:
@@ -138,17 +144,14 @@ def read(path: str | Path) -> dict:
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
-        raise ProfileError(f"tuning profile {path} cannot be read ({e}); delete it or re-run `localllm tune`") \
-            from None
+        raise ProfileError(path, f"cannot be read ({e})", False) from None
     except json.JSONDecodeError as e:
-        raise ProfileError(f"tuning profile {path} is not valid JSON ({e.msg}, line {e.lineno}); delete it or "
-                           "re-run `localllm tune`") from None
+        raise ProfileError(path, f"is not valid JSON ({e.msg}, line {e.lineno})", False) from None
     except (ValueError, RecursionError) as e:  # a number past Python's limits, nesting past its stack
-        raise ProfileError(f"tuning profile {path} is not a profile ({type(e).__name__}); delete it or re-run "
-                           "`localllm tune`") from None
+        raise ProfileError(path, f"is not a profile ({type(e).__name__})", False) from None
     why = problems(d)
     if why:
-        raise ProfileError(f"tuning profile {path} is not usable ({why}); delete it or re-run `localllm tune`")
+        raise ProfileError(path, why, True)
     return d
 
 
@@ -233,10 +236,9 @@ def listing(model_dir: str | Path, model_id: str | None, kmax: int, blocks: int)
     for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
             d = read(p)
-        except ProfileError as e:  # read's reason, between the path and the fix
-            why = e.args[0].split(f"{p} ", 1)[-1].split("; delete it", 1)[0].removeprefix("is ")
-            out[p.name] = (f"not usable: {why.removeprefix('not usable (')[:-1]}" if why.startswith("not usable (")
-                           else f"unreadable: {why}") + "; delete it or re-run `localllm tune`"
+        except ProfileError as e:
+            what = f"not usable: {e.why}" if e.readable else f"unreadable: {e.why.removeprefix('is ')}"
+            out[p.name] = f"{what}; delete it or re-run `localllm tune`"
             continue
         why = f"made for another model ({d['model_id']})" if d["model_id"] != model_id else misfit(d, kmax, blocks)
         out[p.name] = f"not usable: {why}" if why else \
