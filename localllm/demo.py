@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -97,17 +96,12 @@ def _move_files(src: Path, dst: Path) -> None:
 def _current(folder: Path, smooth_attention: bool) -> bool:
     """Whether the cached demo folder is what this localllm makes (False: made again); a newer localllm's folder
     raises read_manifest's error instead."""
-    from .loader import MANIFEST
-    from .modelfile import FORMAT_VERSION, read_manifest
+    from .modelfile import NewerFormatError, read_manifest
     try:
         m = read_manifest(folder)
-    except LocalLLMError:
-        try:
-            newer = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["format_version"] > FORMAT_VERSION
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):  # damaged: made again
-            newer = False
-        if newer:
-            raise
+    except NewerFormatError:
+        raise
+    except LocalLLMError:  # damaged: made again
         return False
     # made before the 8-bit output head (format 3) or SmoothAttention: quantized again
     return bool(m.get("smooth_attention")) == smooth_attention and "head" in m["quant"]

@@ -109,6 +109,10 @@ def model_id(files: dict) -> str:
 
 # ---------------------------------------------------------------- reading
 
+class NewerFormatError(LocalLLMError):
+    """A model folder a newer localllm wrote (this one must not read it, nor replace it)."""
+
+
 def read_manifest(path: Path) -> dict:
     f = path / MANIFEST
     if not f.exists():
@@ -122,8 +126,8 @@ def read_manifest(path: Path) -> dict:
     if not isinstance(m, dict) or m.get("format") != "localllm" or not isinstance(v, int):
         raise LocalLLMError(f"{f} is not a localllm manifest; re-run `localllm quantize`")
     if v > FORMAT_VERSION:
-        raise LocalLLMError(f"{path} was written by a newer localllm (format {v}, this one reads {FORMAT_VERSION}); "
-                            "upgrade localllm")
+        raise NewerFormatError(f"{path} was written by a newer localllm (format {v}, this one reads "
+                               f"{FORMAT_VERSION}); upgrade localllm")
     # what every reader takes from it, of the right kinds (a hand-edited or damaged manifest: one line, not a traceback)
     files = m.get("files")
     bad = [k for k in ("config", "quant", "calibration", "files") if not isinstance(m.get(k), dict)] + \
