@@ -311,10 +311,11 @@ def cmd_tune(a) -> None:
     if a.tokens < 2:
         raise LocalLLMError(f"--tokens must be at least 2 (perplexity needs a token to predict); got {a.tokens}")
     if a.model is not None:  # what the model folder lacks before what the machine lacks
+        from .loader import exists
         from .modelfile import read_manifest
         from .tuner.tune import no_residuals
         path = Path(a.model).expanduser()
-        if not path.exists():
+        if not exists(path):  # (False too for a name longer than file systems hold, where .exists() raises)
             raise LocalLLMError(f"no such file or folder: {path}; localllm tune takes a model folder that `localllm "
                                 "quantize` wrote")
         if not read_manifest(path).get("residual"):  # (a checkpoint, not a quantized model: the fix in one line)

@@ -287,7 +287,7 @@ def test_a_name_longer_than_file_systems_hold_is_no_path(capsys):
     from localllm.loader import exists
     long = "x" * 300
     assert not exists(long) and not exists(f"org/{long}")
-    for args in (["info", long], ["info", f"org/{long}"], ["generate", long, "hi"]):
+    for args in (["info", long], ["info", f"org/{long}"], ["generate", long, "hi"], ["tune", long]):
         assert main(args) == 2
         err = capsys.readouterr().err
         assert "no such file or folder" in err and "disk" not in err and len(err.strip().splitlines()) == 1, args
