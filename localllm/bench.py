@@ -363,8 +363,8 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
     print(f"fp16 (same decoder, CUDA graph): {tps(t16 and 1 / t16)} tok/s{fp16_roof}; transformers fp16 generate: "
           f"{tps(hf_tps)} tok/s; sampled: generate()'s token loop at its default sampling (temperature 0.7, "
           "top-p 0.9), tokenizer aside (random weights give a near-uniform next-token distribution, whose nucleus is "
-          "most of the vocabulary: the sampler's slowest case); head: the output head fp16 (16) or 8-bit (8, what `localllm quantize` writes); weights: "
-          "group-wise uniform (rtn, awq) or tables grouped by 128 (squeezellm); GPU GB: the decode's peak GPU memory "
+          "most of the vocabulary: the sampler's slowest case); head: the output head fp16 (16) or 8-bit (8, what "
+          "`localllm quantize` writes); weights: group-wise uniform (rtn, awq) or tables grouped by 128 (squeezellm); GPU GB: the decode's peak GPU memory "
           f"(torch's allocations, context {MEM_CTX}) less its KV cache, against the packed GB that must be on the GPU "
           "(projections and head; the embeddings stay in host memory; the CUDA context aside)")
     print(f"{'bits':>4} {'head':>4} {'weights':>7} {'ms/tok':>7} {'ms@1k':>6} {'tok/s':>7} {'roofline':>8} "

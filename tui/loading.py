@@ -9,7 +9,8 @@ def amount(n: float, total: float | None, unit: str) -> str:
     if unit == "B":
         mib = lambda v: f"{v / 2**20:.0f}"  # noqa: E731
         return f"{mib(n)} / {mib(total)} MiB" if total else f"{mib(n)} MiB"
-    plural = unit + "s" if unit in ("block", "layer", "step", "window") and (total or n) != 1 else unit  # "1 / 30 layers"
+    counted = unit in ("block", "layer", "step", "window") and (total or n) != 1
+    plural = unit + "s" if counted else unit  # "1 / 30 layers"
     return f"{n:.0f} / {total:.0f} {plural}" if total else f"{n:.0f} {plural}"
 
 
