@@ -1,8 +1,8 @@
 // Low-bit GEMV (batch 1) on the tensor cores: y[N] = W_hat[N, K] x[K] (+ res), W_hat group-wise asymmetric RTN.
 //
-// qweight is in the mma-v3 layout of quant.py: a 16-row x 64-channel tile ("step") is 32 lanes x BITS words, each
-// lane's words holding exactly its A-operand elements of the step's four mma.m16n8k16 instructions; the steps of a
-// 16-row tile are contiguous, and tiles follow each other. One mask-and-or turns a bit field of both halves of a
+// qweight is in the mma-v3 layout of quant.py (3 bits: kernels.gemv.bytes3_layout; codes.cuh): a 16-row x
+// 64-channel tile ("step") is 32 lanes x BITS words, each lane's words holding exactly its A-operand elements of the
+// step's four mma.m16n8k16 instructions; the steps of a 16-row tile are contiguous, and tiles follow each other. One mask-and-or turns a bit field of both halves of a
 // word into a half2 of (1024 + f * code) (the 0x6400 exponent trick; f a power of two fixed per mma tile and row
 // half by the layout); the tensor core multiplies them by x (every column of B is x) with fp32 accumulation, and
 // per group and row y += s * (sum_m C_m / f_m - 1024 * sum_m X_m / f_m - z * X), X_m the 16-channel sums of x, in
@@ -44,69 +44,15 @@ typedef unsigned char uint8_t;
 
 #include "lut.cuh"
 
+#include "codes.cuh"
+
 #include "qdec.cuh"
 
 #include "async_copy.cuh"
 
-// log2 of the factor f of mma tile m, row half r (rows g: 0, rows g + 8: 1), as quant._SLOT places the fields.
-__host__ __device__ constexpr int log2_factor(int bits, int m, int r) {
-    return bits == 8   ? 0
-           : bits == 4 ? 4 * r
-           : bits == 3 ? (m == 0 ? 0 : m == 1 ? 3 * r : m == 2 ? 3 : 6)
-                       : (m < 3 ? 2 * m : 6 + 2 * r);
-}
+// 1 / f: what divides the factor of decode's and u8_operands' codes out again
 __device__ __forceinline__ float inv_factor(int bits, int m, int r) {
     return 1.0f / (float)(1 << log2_factor(bits, m, r));
-}
-
-// The 16 A registers (a[m][j]: mma tile m, register j) of a lane's step, each a half2 of 1024 + f * code. The GEMV
-// passes magic = 0x64006400 as a kernel argument: a value the compiler cannot see stays a register operand, so each
-// register is one LOP3 (mask immediate, magic register) instead of an AND and an OR with two immediates.
-template <int BITS>
-__device__ __forceinline__ void decode(const uint32_t (&w)[BITS], uint32_t magic, uint32_t (&a)[4][4]) {
-    if (BITS == 8) {  // registers 0, 1 of tile m in word 2m (bits 0 and 8 of each half), 2, 3 in word 2m + 1
-#pragma unroll
-        for (int m = 0; m < 4; m++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const uint32_t v = w[(2 * m + h) % BITS];
-                a[m][2 * h] = (v & 0x00FF00FFu) | magic;
-                a[m][2 * h + 1] = ((v >> 8) & 0x00FF00FFu) | magic;
-            }
-    } else if (BITS == 4) {
-#pragma unroll
-        for (int m = 0; m < 4; m++) {
-            const uint32_t hi = w[m] >> 8;
-            a[m][0] = (w[m] & 0x000F000Fu) | magic;
-            a[m][1] = (w[m] & 0x00F000F0u) | magic;
-            a[m][2] = (hi & 0x000F000Fu) | magic;
-            a[m][3] = (hi & 0x00F000F0u) | magic;
-        }
-    } else if (BITS == 3) {
-        const uint32_t A0 = w[0], A1 = w[1 % BITS], A2 = w[2 % BITS], B0 = A0 >> 9, B1 = A1 >> 9, B2 = A2 >> 9;
-        constexpr uint32_t F1 = 0x00070007u, F8 = 0x00380038u, F64 = 0x01C001C0u;
-        a[0][0] = (A0 & F1) | magic; a[0][1] = (A1 & F1) | magic; a[0][2] = (B0 & F1) | magic;
-        a[0][3] = (B1 & F1) | magic;
-        a[1][0] = (A2 & F1) | magic; a[1][1] = (A0 & F8) | magic; a[1][2] = (B2 & F1) | magic;
-        a[1][3] = (B0 & F8) | magic;
-        a[2][0] = (A1 & F8) | magic; a[2][1] = (A2 & F8) | magic; a[2][2] = (B1 & F8) | magic;
-        a[2][3] = (B2 & F8) | magic;
-        a[3][0] = (A0 & F64) | magic; a[3][1] = (A2 & F64) | magic; a[3][2] = (A1 & F64) | magic;
-        // the spread register: code bits 0, 1, 2 are bit 15 of words 0, 1, 2
-        a[3][3] = (B0 & 0x00400040u) | ((A1 >> 8) & 0x00800080u) | ((A2 >> 7) & 0x01000100u) | magic;
-    } else {
-        const uint32_t A0 = w[0], A1 = w[1 % BITS], B0 = A0 >> 10, B1 = A1 >> 10;
-#pragma unroll
-        for (int m = 0; m < 3; m++) {
-            const uint32_t mask = 0x00030003u << (2 * m);
-            a[m][0] = (A0 & mask) | magic;
-            a[m][1] = (A1 & mask) | magic;
-            a[m][2] = (B0 & mask) | magic;
-            a[m][3] = (B1 & mask) | magic;
-        }
-        a[3][0] = (A0 & 0x00C000C0u) | magic; a[3][1] = (A0 & 0x03000300u) | magic;
-        a[3][2] = (A1 & 0x00C000C0u) | magic; a[3][3] = (A1 & 0x03000300u) | magic;
-    }
 }
 
 // A lane's BITS words of a step.
@@ -189,9 +135,11 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     // x is B as three int8 planes in columns 0-2: per pair of steps x = 2^-e (65536 h + 256 m + l), |x 2^e| < 2^22,
     // e from the pair's largest |x|; the int32 sums are exact (kernels/NOTES.md, session 49). Two mma per step instead
     // of four and no pairing of the bytes into half2s. x takes 3 bytes a channel (kernels.gemv.shared_bytes).
-    // U8: uniform 4-bit weights on the same int8 path (gemv.py's uses_int8): w & 0x0F0F0F0F and w & 0xF0F0F0F0 are
-    // the A operand's rows g and g + 8 (the latter times 16), two LOP3 per eight weights instead of five.
-    static_assert(!U8 || (!LUT && QW == 0 && BITS == 4 && GSHIFT == 1), "int8 uniform weights: 4 bits, group 128");
+    // U8: uniform 4- and 3-bit weights on the same int8 path (gemv.py's uses_int8): one LOP3 makes four codes the
+    // A operand's bytes (codes.cuh, u8_operands; 4 bits: w & 0x0F0F0F0F and w & 0xF0F0F0F0, rows g and g + 8, the
+    // latter times 16), two per eight weights instead of five (3 bits: 11 a step instead of 24).
+    static_assert(!U8 || (!LUT && QW == 0 && (BITS == 4 || BITS == 3) && GSHIFT == 1),
+                  "int8 uniform weights: 3 or 4 bits, group 128");
     constexpr bool I8 = (LUT && QW == 0) || U8;
     constexpr int XB = I8 ? 3 : 2;  // bytes of staged x per channel
     const int S = K / 64, P = (S + 1) / 2;  // steps; pairs of steps, the last one single where S is odd
@@ -526,20 +474,20 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 acc0 = fmaf(sc.x, v0, fmaf(of.x, X, acc0));
                 acc1 = fmaf(sc.y, v1, fmaf(of.y, X, acc1));
             }
-        } else if constexpr (U8) {  // the codes as bytes: rows g (factor 1) and g + 8 (factor 16) of each word
+        } else if constexpr (U8) {  // the codes as bytes, rows g and g + 8 times their factors (u8_operands)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 if (h && !two) break;
                 uint32_t w[BITS], v[4][2];
                 lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES) + lane * BITS, w);
-#pragma unroll
-                for (int m = 0; m < 4; m++) v[m][0] = w[m] & 0x0F0F0F0Fu, v[m][1] = w[m] & 0xF0F0F0F0u;
+                u8_operands<BITS>(w, v);
                 mma_step_i8(h, v);
             }
             // the pair's group: rows += s * (sum code x - z X)
             float v0, v1, X;
             sums_i8(v0, v1, X);
-            v1 *= 0.0625f;
+            v0 *= inv_factor(BITS, 0, 0);
+            v1 *= inv_factor(BITS, 0, 1);
             const float2 sc = __half22float2(reinterpret_cast<const __half2*>(rec)[g]);
             const uint32_t zp = reinterpret_cast<const unsigned short*>(rec + 32)[g];
             acc0 = fmaf(sc.x, fmaf(-(float)(zp & 0xFFu), X, v0), acc0);
@@ -757,13 +705,14 @@ template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*
     INST2(4, W, D, 0, QW) INST2(4, W, D, 1, QW)
 INST_BITS(16, 3, 0, INST)
 INST_BITS2(16, 2, 0)
-// 4-bit weights on the int8 path (gemv.py's uses_int8): group 128, without QDEC, decode's two variants
-template __global__ void gemv<4, 16, 3, 1, 0, false, 1, true>(
-    const uint8_t*, const uint8_t*, const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float,
+// 4- and 3-bit weights on the int8 path (gemv.py's uses_int8): group 128, without QDEC, decode's two variants
+#define INST_U8(B, D, Q) template __global__ void gemv<B, 16, D, 1, 0, false, Q, true>( \
+    const uint8_t*, const uint8_t*, const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, \
     int, int, int, const uint32_t*, const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
-template __global__ void gemv<4, 16, 2, 1, 0, false, 2, true>(
-    const uint8_t*, const uint8_t*, const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float,
-    int, int, int, const uint32_t*, const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
+INST_U8(4, 3, 1)
+INST_U8(4, 2, 2)
+INST_U8(3, 3, 1)
+INST_U8(3, 2, 2)
 INST_BITS(8, 5, 0, INST)
 INST_BITS(16, 3, 4, INST)
 INST_BITS2(16, 2, 4)

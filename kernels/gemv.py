@@ -44,9 +44,10 @@ def lane_rows(device: torch.device | str) -> torch.Tensor:
 
 @dataclass
 class Packed:
-    """A QuantWeight as the GPU kernels read it: the packed codes as they are, and each 16-row tile's scales and
-    zeros of one group side by side (one 48-byte record), so a warp fetches them with its weights."""
-    qweight: torch.Tensor  # int32 [N/16, K*bits/2], quant.pack_codes layout
+    """A QuantWeight as the GPU kernels read it: the packed codes as they are (3 bits: laid out again at load time,
+    bytes3_layout), and each 16-row tile's scales and zeros of one group side by side (one 48-byte record), so a warp
+    fetches them with its weights."""
+    qweight: torch.Tensor  # int32 [N/16, K*bits/2], quant.pack_codes layout (3 bits: bytes3_layout)
     meta: torch.Tensor  # uint8 [N/16, G, 48]: fp16 scales then zeros of rows 0, 8, 1, 9, ..., 7, 15
     bits: int
     group_size: int
@@ -58,8 +59,12 @@ class Packed:
         rows = lane_rows(device)
         sc = q.scales.to(device).view(N // 16, 16, G)[:, rows].transpose(1, 2).contiguous().view(torch.uint8)
         zr = q.zeros.to(device).view(N // 16, 16, G)[:, rows].transpose(1, 2)
-        return cls(q.qweight.to(device), torch.cat([sc, zr], dim=2).contiguous(), q.bits, q.group_size,
-                   q.in_features)
+        qw = q.qweight.to(device)
+        if q.bits == 3:
+            qw = qw.clone() if qw is q.qweight else qw
+            for t in range(0, qw.shape[0], 64):  # 1024 rows at a time: the int64 temporaries stay small
+                qw[t:t + 64] = bytes3_layout(unpack_codes(qw[t:t + 64], 3))
+        return cls(qw, torch.cat([sc, zr], dim=2).contiguous(), q.bits, q.group_size, q.in_features)
 
     @property
     def out_features(self) -> int:
@@ -176,6 +181,29 @@ def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return as_int32(words).view(n // 16, -1)
 
 
+def bytes3_layout(codes: torch.Tensor) -> torch.Tensor:
+    """3-bit codes uint8 [N, K] -> int32 [N/16, K*3/2] in Packed's GPU layout for 3 bits (gemv.cu's codes.cuh), where
+    a lane's codes are bytes the int8 tensor cores take with one mask: per (tile, 64-channel step, lane 4g + t) three
+    words W0-W2; byte b of the four codes of row g + 8r and mma tile m is column 16m + (2t, 2t + 8, 2t + 1, 2t + 9)[b].
+    Tiles 0-2: byte b of W_m holds row g's code at bits 2-4 and row g + 8's at bits 5-7. Tile 3, from the bits 0-1 of
+    every byte: row g's code bits 0-1 in W0, bit 2 in W1's bit 0; row g + 8's bit 0 in W1's bit 1, bits 1-2 in W2."""
+    n, k = codes.shape
+    dev = codes.device
+    g, t, m, r, b = (v.reshape(-1) for v in torch.meshgrid(*(torch.arange(i, device=dev) for i in (8, 4, 4, 2, 4)),
+                                                              indexing="ij"))
+    row, col = g + 8 * r, 16 * m + 2 * t + 8 * (b % 2) + b // 2
+    c = codes.long().view(n // 16, 16, k // 64, 64).permute(0, 2, 1, 3)[:, :, row, col]
+    c = c.view(n // 16, k // 64, 32, 4, 2, 4)  # [T, S, lane, m, r, byte]
+    shift = 8 * torch.arange(4, device=dev)
+    byte = lambda v: (v << shift).sum(-1)  # noqa: E731  (four bytes [..., 4] -> a word)
+    words = torch.stack([byte((c[..., w, 0, :] << 2) | (c[..., w, 1, :] << 5)) for w in range(3)], -1)
+    lo, hi = c[..., 3, 0, :], c[..., 3, 1, :]
+    words[..., 0] |= byte(lo & 3)
+    words[..., 1] |= byte((lo >> 2) | ((hi & 1) << 1))
+    words[..., 2] |= byte(hi >> 1)
+    return as_int32(words).view(n // 16, -1)
+
+
 # Every GEMV launches early (cuda.launch) and lets the next kernel launch at its start, so that kernel's prologue
 # (a GEMV's first weights) overlaps its stream, unless both are GEMVs of at least this many bytes: the next would hold
 # half of each SM's registers through this one's whole long stream (session 3), so it launches only as this one's
@@ -198,13 +226,12 @@ TWO_BLOCK_TILES = 8
 
 
 def uses_int8(w: Packed | PackedLUT, qdec: bool, device: int) -> bool:
-    """Whether gemv.cu multiplies w on the int8 tensor cores (U8: the 4-bit codes as bytes, two LOP3 per eight
-    weights instead of five, two mma per step instead of four, x staged as three int8 planes): 4-bit uniform weights
-    at group size 128 without QDEC whose x is staged in one round (K <= 4096) and whose blocks compute ~2 tiles or
-    more (N / 16 >= 1.5 x SMs), which pays for staging the planes. H200, 8B W4 decode (kernels/NOTES.md, session
-    70): +1.7% with qkv, o and gate_up on it; down (K = 14336) on it -4%, the demo model's layers (<= 1.5 tiles per
-    SM) -2%."""
-    return (isinstance(w, Packed) and w.bits == 4 and w.group_size == 128 and not qdec and w.in_features <= 4096
+    """Whether gemv.cu multiplies w on the int8 tensor cores (U8: the codes as bytes, one LOP3 per four weights, two
+    mma per step instead of four, x staged as three int8 planes): 4- and 3-bit uniform weights at group size 128
+    without QDEC whose x is staged in one round (K <= 4096) and whose blocks compute ~2 tiles or more (N / 16 >= 1.5 x
+    SMs), which pays for staging the planes. H200, 8B W4 decode (kernels/NOTES.md, session 70): +1.7% with qkv, o
+    and gate_up on it; down (K = 14336) on it -4%, the demo model's layers (<= 1.5 tiles per SM) -2%."""
+    return (isinstance(w, Packed) and w.bits in (3, 4) and w.group_size == 128 and not qdec and w.in_features <= 4096
             and w.out_features // 16 >= 1.5 * cuda.sm_count(device))
 
 

@@ -1,11 +1,11 @@
 // Prompts with 8-bit activations: Y[T, N] = X8[T, K] W_hat^T on the int8 tensor cores, straight from the packed
-// low-bit weights of gemv.cu (mma-v3 layout, group-wise scales and zeros: no second copy of the model).
+// low-bit weights of gemv.cu (kernels.gemv.Packed: group-wise scales and zeros, no second copy of the model).
 //
 // quant_a8: per token, s = max|x| / 127 and x8 = rint(x / s) (ops.quantize_tokens), written in the order the mma
 // fragments read it (a8_pos), plus the sum of x8 over every weight group.
 //
 // gemm_a8: C^T = W_hat X8^T with mma.m16n8k32 (u8 x s8 -> s32): A = the codes (unsigned, zero folded in later), B = x8.
-// A lane's codes of a 64-channel step are those of the fp16 mma fragments (quant.pack_codes); for row g (or g + 8)
+// A lane's codes of a 64-channel step are those of the fp16 mma fragments (codes.cuh); for row g (or g + 8)
 // of fp16 mma tile m they are channels 16m + (2t, 2t + 8, 2t + 1, 2t + 9): exactly what the int8 fragment wants in
 // k slots 4t .. 4t + 3 once x8 carries the same channel order. So one int8 mma covers fp16 tiles 2kk, 2kk + 1 with
 // a0/a2 = rows g of tiles 2kk/2kk+1, a1/a3 = rows g + 8. The integer sums of a group are exact; at its end
@@ -23,6 +23,7 @@ typedef signed char int8_t;
 
 #include "async_copy.cuh"
 #include "lut.cuh"
+#include "codes.cuh"
 
 constexpr int META_BYTES = 48;  // gemv.cu's meta record: 16 fp16 scales, 16 uint8 zeros, rows 0, 8, 1, 9, ...
 
@@ -67,11 +68,24 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], const uint32_t (&a)[4], ui
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The 4 codes of row g + 8r, fp16 tile m, as bytes in the permuted channel order (2t, 2t + 8, 2t + 1, 2t + 9).
+// v[m][r]: the 4 codes of row g + 8r, fp16 tile m, as bytes in the permuted channel order (2t, 2t + 8, 2t + 1,
+// 2t + 9): 3 and 4 bits as the GEMV's int8 path makes them, their factors shifted out; 2 bits code by code.
 template <int BITS>
-__device__ __forceinline__ uint32_t a8_codes(const uint32_t (&w)[BITS], int m, int r) {
-    return lut_code<BITS>(w, m, r, 0) | (lut_code<BITS>(w, m, r + 2, 0) << 8) | (lut_code<BITS>(w, m, r, 1) << 16) |
-           (lut_code<BITS>(w, m, r + 2, 1) << 24);
+__device__ __forceinline__ void a8_codes(const uint32_t (&w)[BITS], uint32_t (&v)[4][2]) {
+    if constexpr (BITS == 2) {
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+                v[m][r] = lut_code<BITS>(w, m, r, 0) | (lut_code<BITS>(w, m, r + 2, 0) << 8) |
+                          (lut_code<BITS>(w, m, r, 1) << 16) | (lut_code<BITS>(w, m, r + 2, 1) << 24);
+    } else {
+        u8_operands<BITS>(w, v);
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) v[m][r] >>= log2_factor(BITS, m, r);  // the bytes' other bits are 0
+    }
 }
 
 // A lane's BITS words of a step.
@@ -125,13 +139,14 @@ __global__ void __launch_bounds__(32 * A8_WARPS, 1)
         asm volatile("cp.async.wait_group %0;\n" ::"n"(A8_STAGES - 2));
         __syncthreads();  // step s is in; everyone is past step s - 1, whose slot the next stage() reuses
         stage(s + A8_STAGES - 1);
-        uint32_t a[2][4];
+        uint32_t v[4][2], a[2][4];
+        a8_codes<BITS>(w, v);
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
-            a[kk][0] = a8_codes<BITS>(w, 2 * kk, 0);
-            a[kk][1] = a8_codes<BITS>(w, 2 * kk, 1);
-            a[kk][2] = a8_codes<BITS>(w, 2 * kk + 1, 0);
-            a[kk][3] = a8_codes<BITS>(w, 2 * kk + 1, 1);
+            a[kk][0] = v[2 * kk][0];
+            a[kk][1] = v[2 * kk][1];
+            a[kk][2] = v[2 * kk + 1][0];
+            a[kk][3] = v[2 * kk + 1][1];
         }
         if (s + 1 < S) a8_words<BITS>(wp + (size_t)(s + 1) * 32 * BITS, w);  // the next step's codes, in flight now
         const unsigned char* xs = smem + (s % A8_STAGES) * A8_STEP_BYTES + 16 * t;

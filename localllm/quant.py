@@ -117,8 +117,9 @@ def _check_shape(n: int, k: int) -> None:
 # sit where one shift per word suffices, and the two registers of one row of an mma tile share f (the kernel
 # divides it out per row):
 #   4-bit: register j of tile m in word m at 4j (f = 1 for rows g, 16 for rows g + 8; the kernel shifts by 8).
-#   3-bit: five 3-bit fields per half (0, 3, 6, 9, 12; the kernel shifts by 9); register (3, 3) is spread over
-#          bit 15 of words 0, 1, 2 (its code bits 0, 1, 2).
+#   3-bit: five 3-bit fields per half (0, 3, 6, 9, 12); register (3, 3) is spread over bit 15 of words 0, 1, 2 (its
+#          code bits 0, 1, 2). The files keep this layout; the GPU lays 3-bit codes out again at load time as bytes
+#          for its int8 tensor cores (kernels.gemv.bytes3_layout).
 #   2-bit: eight 2-bit fields per half (0..14; the kernel shifts by 10).
 #   8-bit: registers 0, 1 of tile m in word 2m at 0 and 8, registers 2, 3 in word 2m + 1 (f = 1; shift by 8).
 TILE_N, TILE_K = 16, 64

@@ -1,10 +1,12 @@
-// Host harness for tests/test_lut_decode.py, with the table GEMV's own lut.cuh functions. Input "mode bits n k", then
-// the int32 words as unsigned; mode 1 also the tiles' record bytes (PackedLUT.lut). Output, one a line: mode 0 the
-// n x k codes of the mma-v3 layout (lut_slot / lut_code / lut_row / lut_col); mode 1 the n x k fp16 bit patterns
-// (1024 + v) that lut_fragments builds from the select layout.
+// Host harness for tests/test_lut_decode.py, with the GEMV's own lut.cuh and codes.cuh functions. Input "mode bits n
+// k", then the int32 words as unsigned; mode 1 also the tiles' record bytes (PackedLUT.lut). Output, one a line: mode 0
+// the n x k codes of the mma-v3 layout (lut_slot / lut_code / lut_row / lut_col); mode 1 the n x k fp16 bit patterns
+// (1024 + v) that lut_fragments builds from the select layout; from Packed's words, the n x k codes that mode 2
+// decode's half2s (1024 + f * code) and mode 3 u8_operands' bytes (f * code) hold, -1 where a value is no multiple of
+// its factor f or (mode 2) not 1024 + a value below 1024.
 #include <cstdint>
 #include <cstdio>
-#include "lut.cuh"
+#include "codes.cuh"
 #include <vector>
 template <int B>
 void run(int mode, int n, int k) {
@@ -34,9 +36,16 @@ void run(int mode, int n, int k) {
                         }
                     lut_fragments<B>(w, tg[0], tg[1], 0x64006400u, a);
                 }
-                for (int m = 0; m < 4; m++) for (int j = 0; j < 4; j++) for (int h = 0; h < 2; h++)
-                    out[(size_t)(tile * 16 + lut_row(g, j)) * k + step * 64 + lut_col(t, m, j, h)] =
-                        mode == 1 ? (int)((a[m][j] >> (16 * h)) & 0xFFFFu) : (int)lut_code<B>(w, m, j, h);
+                uint32_t v[4][2] = {};
+                if (mode == 2) decode<B>(w, 0x64006400u, a);
+                if constexpr (B != 2) if (mode == 3) u8_operands<B>(w, v);
+                for (int m = 0; m < 4; m++) for (int j = 0; j < 4; j++) for (int h = 0; h < 2; h++) {
+                    const int f = 1 << log2_factor(B, m, j & 1);
+                    int o = mode == 0 ? (int)lut_code<B>(w, m, j, h) : (int)((a[m][j] >> (16 * h)) & 0xFFFFu);
+                    if (mode == 2) o = (o >> 10) == 0x19 && (o & 1023) % f == 0 ? (o & 1023) / f : -1;
+                    if (mode == 3) o = (v[m][j & 1] >> (8 * ((j >> 1) + 2 * h))) & 0xFFu, o = o % f == 0 ? o / f : -1;
+                    out[(size_t)(tile * 16 + lut_row(g, j)) * k + step * 64 + lut_col(t, m, j, h)] = o;
+                }
             }
     for (size_t i = 0; i < out.size(); i++) printf("%d\n", out[i]);
 }

@@ -88,14 +88,15 @@ def test_gemv_gives_the_same_bits_whether_x_or_the_weights_load_first(mode, K):
 
 @pytest.mark.parametrize("mode", ["plain", "norm", "glu"])
 @pytest.mark.parametrize("N,K", [(28672, 4096), (4096, 14336), (1728, 576), (48, 192)])
-def test_gemv_on_the_int8_path_matches_float64_reference(N, K, mode, monkeypatch):
-    """4-bit weights on the int8 tensor cores (uses_int8: decode takes it for the 8B qkv, o and gate_up) compute the
-    same function as the fp16 path: forced on every shape (two pairs a slot, one, a last single step), with the
-    input transforms, x with outliers and tiny values, and the residual."""
+@pytest.mark.parametrize("bits", [4, 3])
+def test_gemv_on_the_int8_path_matches_float64_reference(N, K, mode, bits, monkeypatch):
+    """4- and 3-bit weights on the int8 tensor cores (uses_int8: decode takes it for the 8B qkv, o and gate_up)
+    compute the same function as the fp16 path: forced on every shape (two pairs a slot, one, a last single step),
+    with the input transforms, x with outliers and tiny values, and the residual."""
     from localllm import ops
     import localllm.kernels.gemv as kg
-    monkeypatch.setattr(kg, "uses_int8", lambda w, qdec, dev: w.bits == 4 and w.group_size == 128 and not qdec)
-    q = random_quant(N, K, 4, 128)
+    monkeypatch.setattr(kg, "uses_int8", lambda w, qdec, dev: w.group_size == 128 and not qdec)
+    q = random_quant(N, K, bits, 128)
     x, nw = torch.randn(2 * K if mode == "glu" else K, device="cuda").half() * 3, torch.rand(K, device="cuda") + 0.5
     x[torch.randint(0, K, (4,))] *= 30
     x[torch.randint(0, K, (64,))] *= 1e-4
@@ -112,9 +113,9 @@ def test_gemv_on_the_int8_path_matches_float64_reference(N, K, mode, monkeypatch
 
 
 def test_decode_takes_the_int8_path_where_it_pays():
-    """The 8B shapes at 4 bits, group 128: qkv, o and gate_up (K = 4096, ~2 tiles per SM or more) on the int8 path;
-    down (K = 14336), 3 bits, group 64, QDEC and the demo model's small layers on the fp16 one (on a GPU of the
-    H100's 132 SMs)."""
+    """The 8B shapes at 4 and 3 bits, group 128: qkv, o and gate_up (K = 4096, ~2 tiles per SM or more) on the int8
+    path; down (K = 14336), group 64, QDEC and the demo model's small layers on the fp16 one (on a GPU of the H100's
+    132 SMs)."""
     from localllm.kernels import cuda
     from localllm.kernels.gemv import Packed, uses_int8
     if not 100 <= cuda.sm_count(0) <= 200:
@@ -122,8 +123,9 @@ def test_decode_takes_the_int8_path_where_it_pays():
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (960, 576), (3072, 576)]
     pick = {(N, K, b, gs): uses_int8(Packed.from_quant(random_quant(N, K, b, gs)), False, 0)
             for N, K in shapes for b in (3, 4) for gs in (64, 128)}
-    assert [k for k, v in pick.items() if v] == [(6144, 4096, 4, 128), (4096, 4096, 4, 128), (28672, 4096, 4, 128)]
+    assert [k for k, v in pick.items() if v] == [(N, K, b, 128) for N, K in shapes[:3] for b in (3, 4)]
     assert not uses_int8(Packed.from_quant(random_quant(28672, 4096, 4, 128)), True, 0)
+    assert not uses_int8(Packed.from_quant(random_quant(28672, 4096, 3, 128)), True, 0)
 
 
 def test_gemv_adds_residual_in_epilogue():

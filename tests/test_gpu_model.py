@@ -259,12 +259,12 @@ def test_warm_up_captures_what_the_first_reply_replays(tiny_quant):
 @pytest.mark.parametrize("arch,tied,bits,head_bits,kv_bits,int8", [("llama3", False, 3.5, 8, 16, False),
                                                                     ("qwen2", True, 3, 16, 8, False),
                                                                     ("qwen2", False, 2.5, 8, 4, False),
-                                                                    ("llama3", False, 4, 8, 16, True)])
+                                                                    ("llama3", False, 3.5, 8, 16, True)])
 def test_fused_decode_of_real_shaped_models_matches_cpu(tmp_path, monkeypatch, arch, tied, bits, head_bits, kv_bits,
                                                          int8):
     """Models whose heads the fused decode attention takes (head_dim 64; the tiny model's 16 falls back to torch):
     Llama 3's RoPE scaling, Qwen2's qkv bias, tied embeddings, mixed 3.5 / 2.5-bit blocks, an fp16 or 8-bit head,
-    16 / 8 / 4-bit caches, and (int8) every 4-bit projection on the int8 tensor cores (kernels.gemv.uses_int8 takes
+    16 / 8 / 4-bit caches, and (int8) every 3- and 4-bit projection on the int8 tensor cores (kernels.gemv.uses_int8 takes
     only larger layers). Decoder steps teacher-forced past the short graphs' span give the CPU's logits, up to fp16
     rounding (the 4-bit cache's codes round apart where fp16 and float32 keys differ)."""
     from conftest import make_checkpoint
@@ -273,8 +273,8 @@ def test_fused_decode_of_real_shaped_models_matches_cpu(tmp_path, monkeypatch, a
     from localllm.quantize import quantize
     if int8:
         used = []
-        monkeypatch.setattr(kg, "uses_int8", lambda w, qdec, dev: used.append(w.bits == 4) or (
-            w.bits == 4 and w.group_size == 128 and not qdec))
+        monkeypatch.setattr(kg, "uses_int8", lambda w, qdec, dev: used.append(w.bits in (3, 4)) or (
+            w.bits in (3, 4) and w.group_size == 128 and not qdec))
     src = make_checkpoint(tmp_path / "src", arch, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                           num_key_value_heads=2, tie_word_embeddings=tied, max_position_embeddings=512)
     q = quantize(str(src), str(tmp_path / "q"), bits=bits, group_size=128 if int8 else 64, calib_tokens=1024,
@@ -297,7 +297,7 @@ def test_fused_decode_of_real_shaped_models_matches_cpu(tmp_path, monkeypatch, a
             got = decs[1].step(toks[pos].cuda(), pos).float().cpu()
             rels.append(((got - want).norm() / want.norm()).item())
     assert fused, "the fused decode attention did not run"
-    assert not int8 or any(used), "no 4-bit GEMV took the int8 path"
+    assert not int8 or any(used), "no 3- or 4-bit GEMV took the int8 path"
     # (random weights at 2-3 bits: fp16 rounding moves these logits 1-2%, and the 4-bit cache's codes 5-9% (up to
     # 16% on a step), as much in the prompt's pass, rels[0], as in the steps; a wrong position or span would be far
     # off, and grow)

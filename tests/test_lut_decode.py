@@ -1,7 +1,7 @@
-"""The table GEMV's code extraction and lookups (kernels/lut.cuh), compiled for the host with nvcc and checked on
-fresh random codes and tables: lut_code against quant.pack_codes, and the byte-permute lookups
-(lut_fragments) on PackedLUT's load-time layout against QuantLUT.grid: the CPU-side half of the kernel's
-correctness (the GPU tests check the rest). Skipped where nvcc is not installed."""
+"""The GEMV's code extraction and lookups (kernels/lut.cuh, codes.cuh), compiled for the host with nvcc and checked on
+fresh random codes and tables: lut_code against quant.pack_codes, the uniform operands of Packed's layout, and the
+byte-permute lookups (lut_fragments) on PackedLUT's load-time layout against QuantLUT.grid: the CPU-side half of the
+kernel's correctness (the GPU tests check the rest). Skipped where nvcc is not installed."""
 import shutil
 import subprocess
 from pathlib import Path
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from localllm.kernels.gemv import PackedLUT, lane_rows, lut_pairs, lut_record_bytes
-from localllm.quant import BASE_BITS, QuantLUT, pack_codes
+from localllm.kernels.gemv import Packed, PackedLUT, lane_rows, lut_pairs, lut_record_bytes
+from localllm.quant import BASE_BITS, QuantLUT, QuantWeight, pack_codes
 from localllm.squeezellm import quantize_lut
 
 HERE = Path(__file__).parent
@@ -35,6 +35,23 @@ def test_kernel_decodes_the_packed_layout(decoder, bits):
     codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
     words = (pack_codes(codes, bits).flatten().long() & 0xFFFFFFFF).tolist()
     out = subprocess.run([str(decoder)], input=f"0 {bits} {n} {k}\n" + " ".join(map(str, words)),
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert torch.equal(torch.tensor(list(map(int, out))).view(n, k), codes.long())
+
+
+@pytest.mark.parametrize("mode, bits", [(2, 2), (2, 3), (2, 4), (3, 3), (3, 4)])
+def test_uniform_operands_of_the_gpu_layout(decoder, mode, bits):
+    """What the uniform GEMV multiplies (codes.cuh), from the words Packed puts on the GPU (3 bits: laid out again,
+    bytes3_layout): decode's half2s (mode 2) and the int8 path's bytes (mode 3) hold every code times its factor and
+    nothing else."""
+    n, k = 32, 192
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
+    q = QuantWeight(pack_codes(codes, bits), torch.ones(n, k // 64).half(), torch.zeros(n, k // 64, dtype=torch.uint8),
+                    bits, 64, k)
+    p = Packed.from_quant(q, "cpu")
+    assert p.qweight.shape == q.qweight.shape and (bits == 3) != torch.equal(p.qweight, q.qweight)
+    words = (p.qweight.flatten().long() & 0xFFFFFFFF).tolist()
+    out = subprocess.run([str(decoder)], input=f"{mode} {bits} {n} {k}\n" + " ".join(map(str, words)),
                          capture_output=True, text=True, check=True).stdout.split()
     assert torch.equal(torch.tensor(list(map(int, out))).view(n, k), codes.long())
 
