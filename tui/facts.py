@@ -21,7 +21,7 @@ def model_name(lm: LocalModel) -> str:
 def summary(lm: LocalModel) -> str:
     """The model in one line: name, bits, device, QDEC, and the KV cache width when it is quantized."""
     q = lm.manifest["quant"] if lm.manifest else None
-    bits = quant_label(q) if q else "not quantized"
+    bits = quant_label(q) if q else "dense as loaded"  # (a GGUF's low-bit blocks are dequantized on load)
     qdec = "QDEC off" if lm.settings.mode == "off" else f"QDEC {lm.settings.mode}"
     kv = f", {lm.kv_bits}-bit KV cache" if lm.kv_bits < 16 else ""
     return f"{model_name(lm)} ({bits}) on {device_name(lm)}, {qdec}{kv}"
