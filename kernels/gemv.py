@@ -229,8 +229,9 @@ def uses_int8(w: Packed | PackedLUT, qdec: bool, device: int) -> bool:
     """Whether gemv.cu multiplies w on the int8 tensor cores (U8: the codes as bytes, one LOP3 per four weights, two
     mma per step instead of four, x staged as three int8 planes): 4- and 3-bit uniform weights at group size 128
     without QDEC whose x is staged in one round (K <= 4096) and whose blocks compute ~2 tiles or more (N / 16 >= 1.5 x
-    SMs), which pays for staging the planes. H200, 8B W4 decode (kernels/NOTES.md, session 70): +1.7% with qkv, o
-    and gate_up on it; down (K = 14336) on it -4%, the demo model's layers (<= 1.5 tiles per SM) -2%."""
+    SMs), which pays for staging the planes. H200, 8B decode (kernels/NOTES.md, sessions 70, 71): with qkv, o and
+    gate_up on it W4 +1.7%, W3 +4.9%; with down (K = 14336) too W4 -4%, W3 -1.7%; the demo model's layers (<= 1.5
+    tiles per SM) at 4 bits -2%."""
     return (isinstance(w, Packed) and w.bits in (3, 4) and w.group_size == 128 and not qdec and w.in_features <= 4096
             and w.out_features // 16 >= 1.5 * cuda.sm_count(device))
 
