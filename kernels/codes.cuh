@@ -54,30 +54,24 @@ __host__ __device__ __forceinline__ void decode(const uint32_t (&w)[BITS], uint3
                 a[m][2 * h] = (v & 0x00FF00FFu) | magic;
                 a[m][2 * h + 1] = ((v >> 8) & 0x00FF00FFu) | magic;
             }
-    } else if constexpr (BITS == 4) {
+    } else if constexpr (BITS == 4 || BITS == 3) {  // rows g, g + 8 in bytes 0 and 2, then (shifted) 1 and 3
+        constexpr uint32_t G = BITS == 4 ? 0x000F000Fu : 0x001C001Cu, G8 = BITS == 4 ? 0x00F000F0u : 0x00E000E0u;
 #pragma unroll
-        for (int m = 0; m < 4; m++) {
+        for (int m = 0; m < BITS; m++) {  // 3 bits: tiles 0-2
             const uint32_t hi = w[m] >> 8;
-            a[m][0] = (w[m] & 0x000F000Fu) | magic;
-            a[m][1] = (w[m] & 0x00F000F0u) | magic;
-            a[m][2] = (hi & 0x000F000Fu) | magic;
-            a[m][3] = (hi & 0x00F000F0u) | magic;
+            a[m][0] = (w[m] & G) | magic;
+            a[m][1] = (w[m] & G8) | magic;
+            a[m][2] = (hi & G) | magic;
+            a[m][3] = (hi & G8) | magic;
         }
-    } else if constexpr (BITS == 3) {  // bytes 1 and 3 shifted to 0 and 2; tile 3's bytes paired with 0x64 by PRMT
-#pragma unroll
-        for (int m = 0; m < 3; m++) {
-            const uint32_t hi = w[m] >> 8;
-            a[m][0] = (w[m] & 0x001C001Cu) | magic;
-            a[m][1] = (w[m] & 0x00E000E0u) | magic;
-            a[m][2] = (hi & 0x001C001Cu) | magic;
-            a[m][3] = (hi & 0x00E000E0u) | magic;
+        if constexpr (BITS == 3) {  // tile 3's bytes paired with magic's 0x64 by PRMT: bytes 0, 2, then 1, 3
+            uint32_t v0, v1;
+            bytes3_tile3(w, v0, v1);
+            a[3][0] = byte_perm(v0, magic, 0x7250u);
+            a[3][1] = byte_perm(v1, magic, 0x7250u);
+            a[3][2] = byte_perm(v0, magic, 0x7351u);
+            a[3][3] = byte_perm(v1, magic, 0x7351u);
         }
-        uint32_t v0, v1;
-        bytes3_tile3(w, v0, v1);
-        a[3][0] = byte_perm(v0, magic, 0x7250u);  // bytes 0, 2 of v, each under magic's 0x64
-        a[3][1] = byte_perm(v1, magic, 0x7250u);
-        a[3][2] = byte_perm(v0, magic, 0x7351u);  // bytes 1, 3
-        a[3][3] = byte_perm(v1, magic, 0x7351u);
     } else {
         const uint32_t A0 = w[0], A1 = w[1], B0 = A0 >> 10, B1 = A1 >> 10;
 #pragma unroll
