@@ -2,13 +2,14 @@
 //
 // qweight is in the mma-v3 layout of quant.py (3 bits: kernels.gemv.bytes3_layout; codes.cuh): a 16-row x
 // 64-channel tile ("step") is 32 lanes x BITS words, each lane's words holding exactly its A-operand elements of the
-// step's four mma.m16n8k16 instructions; the steps of a 16-row tile are contiguous, and tiles follow each other. One mask-and-or turns a bit field of both halves of a
-// word into a half2 of (1024 + f * code) (the 0x6400 exponent trick; f a power of two fixed per mma tile and row
-// half by the layout); the tensor core multiplies them by x (every column of B is x) with fp32 accumulation, and
-// per group and row y += s * (sum_m C_m / f_m - 1024 * sum_m X_m / f_m - z * X), X_m the 16-channel sums of x, in
-// fp32 (the offset costs ~8 of fp32's 24 bits, far below fp16 output rounding). meta holds, per (tile, group), the
-// 16 rows' fp16 scales then their 16 uint8 zeros, rows in the order 0, 8, 1, 9, ... (a lane's two rows side by
-// side; 48 bytes; gemv.py builds it from QuantWeight's scales and zeros).
+// step's four mma.m16n8k16 instructions; the steps of a 16-row tile are contiguous, and tiles follow each other. One
+// mask-and-or turns a bit field of both halves of a word into a half2 of (1024 + f * code) (the 0x6400 exponent
+// trick; f a power of two fixed per mma tile and row half by the layout); the tensor core multiplies them by x
+// (every column of B is x) with fp32 accumulation, and per group and row y += s * (sum_m C_m / f_m - 1024 * sum_m
+// X_m / f_m - z * X), X_m the 16-channel sums of x, in fp32 (the offset costs ~8 of fp32's 24 bits, far below fp16
+// output rounding). meta holds, per (tile, group), the 16 rows' fp16 scales then their 16 uint8 zeros, rows in the
+// order 0, 8, 1, 9, ... (a lane's two rows side by side; 48 bytes; gemv.py builds it from QuantWeight's scales and
+// zeros).
 //
 // Bandwidth comes from bytes in flight, not from threads: each block owns a contiguous range of tiles (a contiguous
 // byte range of qweight); its WARPS warps split K into contiguous ranges of step pairs (128 channels: the cursor,
@@ -26,9 +27,9 @@
 // looked-up bytes v are the A operand of int8 mma instructions and x is staged as three int8 planes (I8 below): per
 // pair, rows g, g + 8 += scale * C + offset * X (X: the pair's sum of x). With QDEC, whose selection reads x in fp16,
 // two more permutes pair the bytes into half2s of 1024 + v for the fp16 mma: rows += scale * (C - 1024 X) + offset * X.
-// Uniform 4-bit weights at group size 128 with x staged in one round and ~2 tiles per block or more (U8, gemv.py's
-// uses_int8: qkv, o and gate_up of 7-8B models) take the int8 path too: the nibbles masked in place are the bytes,
-// rows += s * (C - z X).
+// Uniform 4- and 3-bit weights at group size 128 with x staged in one round and ~2 tiles per block or more (U8,
+// gemv.py's uses_int8: qkv, o and gate_up of 7-8B models; with QDEC gate_up only) take the int8 path too: the codes
+// masked in place are the bytes (codes.cuh, u8_operands), rows += s * (C - z X).
 // Grouped tables (GSHIFT > 0, quant.QuantLUT with groups): W_hat[n, c] = o[n, g] + s[n, g] * (the entry above); a
 // tile's record is followed by one LUT_GROUP_BYTES record per group (16 fp16 scales, 16 fp16 offsets, rows 0, 8, 1,
 // 9, ...), which every pair fetches beside the tile's tables: rows += s * (the per-row sum above) + o * X.
@@ -137,13 +138,15 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     // of four and no pairing of the bytes into half2s. x takes 3 bytes a channel (kernels.gemv.shared_bytes).
     // U8: uniform 4- and 3-bit weights on the same int8 path (gemv.py's uses_int8): one LOP3 makes four codes the
     // A operand's bytes (codes.cuh, u8_operands; 4 bits: w & 0x0F0F0F0F and w & 0xF0F0F0F0, rows g and g + 8, the
-    // latter times 16), two per eight weights instead of five (3 bits: 11 a step instead of 24).
-    static_assert(!U8 || (!LUT && QW == 0 && (BITS == 4 || BITS == 3) && GSHIFT == 1),
-                  "int8 uniform weights: 3 or 4 bits, group 128");
-    constexpr bool I8 = (LUT && QW == 0) || U8;
-    constexpr int XB = I8 ? 3 : 2;  // bytes of staged x per channel
+    // latter times 16), two per eight weights instead of five (3 bits: 11 a step instead of 24). With QDEC, whose
+    // selection reads x in fp16, x is staged both ways (5 bytes a channel).
+    static_assert(!U8 || (!LUT && (BITS == 4 || BITS == 3) && GSHIFT == 1), "int8 uniform weights: 3 or 4 bits, "
+                  "group 128");
+    constexpr bool I8 = (LUT && QW == 0) || U8, XH = !I8 || QW;  // x staged as int8 planes; as half2s
+    constexpr int XB = (I8 ? 3 : 0) + (XH ? 2 : 0);  // bytes of staged x per channel
     const int S = K / 64, P = (S + 1) / 2;  // steps; pairs of steps, the last one single where S is odd
-    uint32_t* xs = reinterpret_cast<uint32_t*>(smem);  // [step][t][m][2] half2 words; I8: [step][plane][t][16] bytes
+    uint32_t* xs = reinterpret_cast<uint32_t*>(smem);  // [step][t][m][2] half2 words
+    unsigned char* xp = smem + (XH ? 2 * K : 0);  // I8: [step][plane][t][16] bytes
     float4* xstat = reinterpret_cast<float4*>(smem + K * XB);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool streamer = warp < WARPS;  // the others are QDEC warps
@@ -336,7 +339,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int i = 4 * q + e, r = i & 7;
-                    if (!I8) xs[s * 32 + 8 * (r & 3) + 4 * (m >> 1) + 2 * (m & 1) + (r >> 2)] = v[e];
+                    if (XH) xs[s * 32 + 8 * (r & 3) + 4 * (m >> 1) + 2 * (m & 1) + (r >> 2)] = v[e];
                     const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
                     sum += f.x + f.y;
                     if (I8) amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
@@ -352,7 +355,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 if (s < S) {
                     // channel 8q + 2e + hh of the step: mma tile q / 2, column t = e, byte hh + 2 (q % 2) of the
                     // lookups' word (lut_bytes); plane n at n * 64, lane t's 16 bytes at t * 16, word q / 2 in them
-                    unsigned char* xb = reinterpret_cast<unsigned char*>(xs) + s * 192;
+                    unsigned char* xb = xp + s * 192;
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
@@ -422,8 +425,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
         // I8, step h: ci += its bytes v (v[m][r]: mma tile m, rows g + 8 r) times x's planes (column g: plane g < 3)
         auto mma_step_i8 = [&](int h, const uint32_t (&v)[4][2]) {
             uint4 b = make_uint4(0u, 0u, 0u, 0u);
-            if (g < 3) b = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(xs) +
-                                                           (2 * p + h) * 192 + g * 64 + t * 16);
+            if (g < 3) b = *reinterpret_cast<const uint4*>(xp + (2 * p + h) * 192 + g * 64 + t * 16);
             mma16832(ci[0], v[0][0], v[0][1], v[1][0], v[1][1], b.x, b.y);  // mma tiles 0, 1
             mma16832(ci[1], v[2][0], v[2][1], v[3][0], v[3][1], b.z, b.w);  // 2, 3
         };
@@ -705,14 +707,19 @@ template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*
     INST2(4, W, D, 0, QW) INST2(4, W, D, 1, QW)
 INST_BITS(16, 3, 0, INST)
 INST_BITS2(16, 2, 0)
-// 4- and 3-bit weights on the int8 path (gemv.py's uses_int8): group 128, without QDEC, decode's two variants
-#define INST_U8(B, D, Q) template __global__ void gemv<B, 16, D, 1, 0, false, Q, true>( \
+// 4- and 3-bit weights on the int8 path (gemv.py's uses_int8): group 128, with and without QDEC (QW = 4), decode's
+// two variants
+#define INST_U8(B, D, Q, QW) template __global__ void gemv<B, 16, D, 1, QW, false, Q, true>( \
     const uint8_t*, const uint8_t*, const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, \
     int, int, int, const uint32_t*, const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
-INST_U8(4, 3, 1)
-INST_U8(4, 2, 2)
-INST_U8(3, 3, 1)
-INST_U8(3, 2, 2)
+INST_U8(4, 3, 1, 0)
+INST_U8(4, 2, 2, 0)
+INST_U8(3, 3, 1, 0)
+INST_U8(3, 2, 2, 0)
+INST_U8(4, 3, 1, 4)
+INST_U8(4, 2, 2, 4)
+INST_U8(3, 3, 1, 4)
+INST_U8(3, 2, 2, 4)
 INST_BITS(8, 5, 0, INST)
 INST_BITS(16, 3, 4, INST)
 INST_BITS2(16, 2, 4)

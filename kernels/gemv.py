@@ -231,9 +231,13 @@ def uses_int8(w: Packed | PackedLUT, qdec: bool, device: int) -> bool:
     without QDEC whose x is staged in one round (K <= 4096) and whose blocks compute ~2 tiles or more (N / 16 >= 1.5 x
     SMs), which pays for staging the planes. H200, 8B decode (kernels/NOTES.md, sessions 70, 71): with qkv, o and
     gate_up on it W4 +1.7%, W3 +4.9%; with down (K = 14336) too W4 -4%, W3 -1.7%; the demo model's layers (<= 1.5
-    tiles per SM) at 4 bits -2%."""
-    return (isinstance(w, Packed) and w.bits in (3, 4) and w.group_size == 128 and not qdec and w.in_features <= 4096
-            and w.out_features // 16 >= 1.5 * cuda.sm_count(device))
+    tiles per SM) at 4 bits -2%. With QDEC, whose selection reads x in fp16 (staged both ways), only where blocks
+    compute TWO_BLOCK_TILES tiles or more (the 8B gate_up): W3 gate_up's k_chunk 2 / 8 +41 / +48% -> +25 / +32%
+    over the plain GEMV, 8B W3 decode with k_chunk 8 everywhere +1.2%; qkv and o lose (k_chunk 8 +72 -> +83%, +117 ->
+    +133%)."""
+    if not (isinstance(w, Packed) and w.bits in (3, 4) and w.group_size == 128 and w.in_features <= 4096):
+        return False
+    return w.out_features // 16 >= (TWO_BLOCK_TILES if qdec else 1.5) * cuda.sm_count(device)
 
 
 def slot_meta_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, pairs: int = 1) -> int:
@@ -319,7 +323,9 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     assert fits(variant, K, w.group_size), "two pairs per slot: K = 256 x warps, group size 64 or 128"
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
     dev = x.device.index or 0
-    int8 = uses_int8(w, qw > 0, dev) and shared_bytes(w, *variant, int8=True) + static_shared_bytes(warps) <= limit
+    qdec_smem = qdec.shared_bytes(K, N, comp.k_chunk, comp.grid, comp.n_tb) if qw else 0
+    int8 = uses_int8(w, qw > 0, dev) and \
+        shared_bytes(w, *variant, qdec=qw > 0, int8=True) + qdec_smem + static_shared_bytes(warps) <= limit
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs},{str(int8).lower()}>")
     smem = shared_bytes(w, *variant, qdec=qw > 0, int8=int8)
     if blocks_per_sm is None:
@@ -334,7 +340,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     null = np.uint64(0)
     if qw:
         assert variant == decode_variant(w, limit) and comp.grid == grid, "QDEC state numbered for another grid"
-        smem += qdec.shared_bytes(K, N, comp.k_chunk, grid, comp.n_tb)
+        smem += qdec_smem
         extra = comp.args(K, N)
     else:
         extra = (null, null, null, null, null, np.int32(0), np.int32(0), *(np.float32(0),) * 4)  # as comp.args
@@ -351,10 +357,11 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
 def shared_bytes(w: Packed | QuantWeight | PackedLUT | QuantLUT, warps: int, depth: int, pairs: int = 1,
                  qdec: bool = False, int8: bool = False) -> int:
     """Dynamic shared memory of the GEMV before QDEC's part (qdec.shared_bytes): x as B fragments (fp16; table
-    weights without QDEC and uniform ones on the int8 path (uses_int8): three int8 planes), its sums per step or pair
-    (float4), each warp's ring of slots (pairs of steps: weights, then a tile's tables or the records)."""
+    weights without QDEC and uniform ones on the int8 path (uses_int8): three int8 planes, and with QDEC fp16 as well),
+    its sums per step or pair (float4), each warp's ring of slots (pairs of steps: weights, then a tile's tables or
+    the records)."""
     K = w.in_features
-    xb = 3 if int8 or (isinstance(w, (PackedLUT, QuantLUT)) and not qdec) else 2
+    xb = (3 + 2 * qdec) if int8 else 3 if isinstance(w, (PackedLUT, QuantLUT)) and not qdec else 2
     return K * xb + K // 64 * 16 + warps * depth * (pairs * 256 * w.bits + slot_meta_bytes(w, pairs))
 
 

@@ -69,8 +69,14 @@ def check_selection(x, comp, K, k_chunk, same_x=True):
 
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (1728, 576), (576, 1536), (512, 2560)])
 @pytest.mark.parametrize("bits,k_chunk", [(3, 8), (4, 32), (2, 1)])
-def test_qdec_gemv_selects_by_the_bucket_rule_and_compensates(N, K, bits, k_chunk):
-    from localllm.kernels.gemv import gemv
+@pytest.mark.parametrize("int8", [False, True])
+def test_qdec_gemv_selects_by_the_bucket_rule_and_compensates(N, K, bits, k_chunk, int8, monkeypatch):
+    """Both GEMV paths (forced: kernels.gemv.uses_int8 picks by shape and GPU), the int8 one for 3 and 4 bits."""
+    from localllm.kernels import gemv as G
+    gemv = G.gemv
+    if int8 and (bits == 2 or K > 4096):
+        pytest.skip("the int8 path takes 3- and 4-bit weights whose x is staged in one round")
+    monkeypatch.setattr(G, "uses_int8", lambda w, qdec, dev: int8)
     q, r, w, x, comp = setup(N, K, bits, k_chunk)
     xg = x.cuda()
     out = torch.full((N,), float("nan"), device="cuda", dtype=torch.float16)
@@ -260,7 +266,7 @@ def test_qdec_gemv_in_the_variant_that_fits_a_smaller_shared_memory(variant, mon
     from localllm.kernels.gemv import Packed
     N, K = 4096, 14336
     fit_only(monkeypatch, Packed.from_quant(random_quant(16, K, 4, 128, device="cpu"), "cuda"), variant)
-    test_qdec_gemv_selects_by_the_bucket_rule_and_compensates(N, K, 4, 8)
+    test_qdec_gemv_selects_by_the_bucket_rule_and_compensates(N, K, 4, 8, False, monkeypatch)
 
 
 def test_qdec_on_some_blocks_follows_the_cpu(tiny_quant):
