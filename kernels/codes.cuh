@@ -9,6 +9,25 @@
 
 #include "lut.cuh"
 
+// A lane's BITS words of a uniform step (kernels.gemv.Packed) from the step's start: at lane * BITS, but 3 bits (as
+// bytes3_layout places them) W0 and W1 at 2 * lane, W2 at 64 + lane: one 8- and one 4-byte load instead of three.
+template <int BITS>
+__host__ __device__ __forceinline__ void step_words(const uint32_t* step, int lane, uint32_t (&w)[BITS]) {
+    if constexpr (BITS == 3) {
+        const uint2 u = reinterpret_cast<const uint2*>(step)[lane];
+        w[0] = u.x, w[1] = u.y, w[2] = step[64 + lane];
+    } else if constexpr (BITS == 2) {
+        const uint2 u = reinterpret_cast<const uint2*>(step)[lane];
+        w[0] = u.x, w[1] = u.y;
+    } else {
+#pragma unroll
+        for (int q = 0; q < BITS / 4; q++) {
+            const uint4 u = reinterpret_cast<const uint4*>(step + lane * BITS)[q];
+            w[4 * q] = u.x, w[4 * q + 1] = u.y, w[4 * q + 2] = u.z, w[4 * q + 3] = u.w;
+        }
+    }
+}
+
 // log2 of the factor f in which a code of mma tile m, row half r (rows g: 0, rows g + 8: 1) comes out of decode and
 // u8_operands (f * code).
 __host__ __device__ constexpr int log2_factor(int bits, int m, int r) {

@@ -481,7 +481,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             for (int h = 0; h < 2; h++) {
                 if (h && !two) break;
                 uint32_t w[BITS], v[4][2];
-                lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES) + lane * BITS, w);
+                step_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES), lane, w);
                 u8_operands<BITS>(w, v);
                 mma_step_i8(h, v);
             }
@@ -499,7 +499,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             for (int h = 0; h < 2; h++) {
                 if (h && !two) break;
                 uint32_t w[BITS], a[4][4];
-                lane_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES) + lane * BITS, w);
+                step_words<BITS>(reinterpret_cast<const uint32_t*>(slot + h * STEP_BYTES), lane, w);
                 decode<BITS>(w, magic, a);
                 mma_step(h, a);
                 if (GSHIFT == 0) {  // group size 64: a record and x statistics per step
@@ -622,7 +622,7 @@ __global__ void dequant(const uint32_t* __restrict__ qw, const uint8_t* __restri
     const int lane = idx & 31, step = (idx >> 5) % steps, tile = (idx >> 5) / steps;
     const int g = lane >> 2, t = lane & 3;
     uint32_t w[BITS], a[4][4];
-    lane_words<BITS>(qw + (size_t)idx * BITS, w);
+    step_words<BITS>(qw + (size_t)(idx >> 5) * 32 * BITS, lane, w);
     decode<BITS>(w, 0x64006400u, a);
     const uint8_t* rec = meta + ((size_t)tile * G + step * 64 / group_size) * META_BYTES;
 #pragma unroll

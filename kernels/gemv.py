@@ -182,11 +182,12 @@ def select_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def bytes3_layout(codes: torch.Tensor) -> torch.Tensor:
-    """3-bit codes uint8 [N, K] -> int32 [N/16, K*3/2] in Packed's GPU layout for 3 bits (gemv.cu's codes.cuh), where
+    """3-bit codes uint8 [N, K] -> int32 [N/16, K*3/2] in Packed's GPU layout for 3 bits (kernels/codes.cuh), where
     a lane's codes are bytes the int8 tensor cores take with one mask: per (tile, 64-channel step, lane 4g + t) three
-    words W0-W2; byte b of the four codes of row g + 8r and mma tile m is column 16m + (2t, 2t + 8, 2t + 1, 2t + 9)[b].
-    Tiles 0-2: byte b of W_m holds row g's code at bits 2-4 and row g + 8's at bits 5-7. Tile 3, from the bits 0-1 of
-    every byte: row g's code bits 0-1 in W0, bit 2 in W1's bit 0; row g + 8's bit 0 in W1's bit 1, bits 1-2 in W2."""
+    words W0-W2 (a step holds every lane's W0 and W1 side by side, then every lane's W2); byte b of the four codes of
+    row g + 8r and mma tile m is column 16m + (2t, 2t + 8, 2t + 1, 2t + 9)[b]. Tiles 0-2: byte b of W_m holds row
+    g's code at bits 2-4 and row g + 8's at bits 5-7. Tile 3, from the bits 0-1 of every byte: row g's code bits 0-1
+    in W0, bit 2 in W1's bit 0; row g + 8's bit 0 in W1's bit 1, bits 1-2 in W2."""
     n, k = codes.shape
     dev = codes.device
     g, t, m, r, b = (v.reshape(-1) for v in torch.meshgrid(*(torch.arange(i, device=dev) for i in (8, 4, 4, 2, 4)),
@@ -201,6 +202,8 @@ def bytes3_layout(codes: torch.Tensor) -> torch.Tensor:
     words[..., 0] |= byte(lo & 3)
     words[..., 1] |= byte((lo >> 2) | ((hi & 1) << 1))
     words[..., 2] |= byte(hi >> 1)
+    # per step: every lane's W0, W1 side by side, then every lane's W2 (codes.cuh, step_words)
+    words = torch.cat([words[..., :2].reshape(n // 16, k // 64, 64), words[..., 2]], -1)
     return as_int32(words).view(n // 16, -1)
 
 

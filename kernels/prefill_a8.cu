@@ -88,21 +88,6 @@ __device__ __forceinline__ void a8_codes(const uint32_t (&w)[BITS], uint32_t (&v
     }
 }
 
-// A lane's BITS words of a step.
-template <int BITS>
-__device__ __forceinline__ void a8_words(const uint32_t* __restrict__ p, uint32_t (&w)[BITS]) {
-    if (BITS == 4) {
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
-        w[0] = u.x; w[1 % BITS] = u.y; w[2 % BITS] = u.z; w[3 % BITS] = u.w;
-    } else if (BITS == 2) {
-        const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-        w[0] = u.x; w[1 % BITS] = u.y;
-    } else {
-#pragma unroll
-        for (int b = 0; b < BITS; b++) w[b] = __ldg(p + b);
-    }
-}
-
 constexpr int A8_WARPS = 8, A8_TOK = 128, A8_STAGES = 4, A8_STEP_BYTES = A8_TOK * 64;
 
 // qw, meta: gemv.Packed; y: fp16 [T, N]. Group size = 64 << GSHIFT. Dynamic shared memory: A8_STAGES steps of x8.
@@ -115,7 +100,7 @@ __global__ void __launch_bounds__(32 * A8_WARPS, 1)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x * A8_WARPS + warp, tok0 = blockIdx.y * A8_TOK, S = K / 64;
     const bool rows = tile < N / 16;  // (a warp past the last tile still helps stage x8)
-    const uint32_t* wp = qw + (size_t)min(tile, N / 16 - 1) * S * 32 * BITS + lane * BITS;
+    const uint32_t* wp = qw + (size_t)min(tile, N / 16 - 1) * S * 32 * BITS;  // the tile's first step
     // staging: thread i copies 16-byte pieces i and i + 256 of a step (token = piece / 4, piece % 4 = quarter)
     const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     auto stage = [&](int s) {
@@ -134,7 +119,7 @@ __global__ void __launch_bounds__(32 * A8_WARPS, 1)
     float acc[16][4] = {};
     int isum[16][4] = {};
     uint32_t w[BITS];
-    a8_words<BITS>(wp, w);
+    step_words<BITS>(wp, lane, w);
     for (int s = 0; s < S; s++) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(A8_STAGES - 2));
         __syncthreads();  // step s is in; everyone is past step s - 1, whose slot the next stage() reuses
@@ -148,7 +133,7 @@ __global__ void __launch_bounds__(32 * A8_WARPS, 1)
             a[kk][2] = v[2 * kk + 1][0];
             a[kk][3] = v[2 * kk + 1][1];
         }
-        if (s + 1 < S) a8_words<BITS>(wp + (size_t)(s + 1) * 32 * BITS, w);  // the next step's codes, in flight now
+        if (s + 1 < S) step_words<BITS>(wp + (size_t)(s + 1) * 32 * BITS, lane, w);  // the next step's, in flight now
         const unsigned char* xs = smem + (s % A8_STAGES) * A8_STEP_BYTES + 16 * t;
 #pragma unroll
         for (int j = 0; j < 16; j++) {

@@ -22,7 +22,9 @@ void run(int mode, int n, int k) {
             for (int lane = 0; lane < 32; lane++) {
                 const int g = lane >> 2, t = lane & 3;
                 uint32_t w[B];
-                for (int b = 0; b < B; b++) w[b] = q[(((size_t)tile * steps + step) * 32 + lane) * B + b];
+                const uint32_t* at = &q[((size_t)tile * steps + step) * 32 * B];  // the step's words
+                if (mode >= 2) step_words<B>(at, lane, w);  // Packed's words
+                else for (int b = 0; b < B; b++) w[b] = at[lane * B + b];
                 uint32_t a[4][4] = {};
                 if (mode == 1) {
                     constexpr int R = lut_regs<B>();  // rows g, g + 8: 4 entries' bytes a register
