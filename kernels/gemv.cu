@@ -56,15 +56,12 @@ __device__ __forceinline__ float inv_factor(int bits, int m, int r) {
     return 1.0f / (float)(1 << log2_factor(bits, m, r));
 }
 
-// A lane's BITS words of a step.
+// A lane's BITS words of a table weight's step (PackedLUT: at lane * BITS; uniform weights: codes.cuh, step_words).
 template <int BITS>
 __device__ __forceinline__ void lane_words(const uint32_t* p, uint32_t (&w)[BITS]) {
-    if (BITS == 4 || BITS == 8) {
-#pragma unroll
-        for (int q = 0; q < BITS / 4; q++) {
-            const uint4 u = reinterpret_cast<const uint4*>(p)[q];
-            w[4 * q] = u.x; w[(4 * q + 1) % BITS] = u.y; w[(4 * q + 2) % BITS] = u.z; w[(4 * q + 3) % BITS] = u.w;
-        }
+    if (BITS == 4) {
+        const uint4 u = *reinterpret_cast<const uint4*>(p);
+        w[0] = u.x; w[1 % BITS] = u.y; w[2 % BITS] = u.z; w[3 % BITS] = u.w;
     } else if (BITS == 2) {
         const uint2 u = *reinterpret_cast<const uint2*>(p);
         w[0] = u.x; w[1 % BITS] = u.y;
