@@ -2,7 +2,7 @@
 // and the host harness of tests/test_lut_decode.py (host and device code). The words are quant.pack_codes' mma-v3
 // layout, except 3 bits, which kernels.gemv.Packed lays out again at load time (bytes3_layout) so that one mask makes
 // four codes bytes: tiles 0-2 in word m, row g's codes at bits 2-4 of each byte and row g + 8's at bits 5-7; tile 3
-// from the words' bits 0-1 (two shifts, two LOP3). Byte b of a row's four codes of mma tile m is column
+// from the words' bits 0-1 (three shifts, four LOP3). Byte b of a row's four codes of mma tile m is column
 // 16m + (2t, 2t + 8, 2t + 1, 2t + 9)[b] (lane 4g + t), and bytes 0 and 2 (1 and 3) are the two halves of the fp16
 // mma's register j (j + 2), so one layout serves the fp16 path (decode) and the int8 one (u8_operands).
 #pragma once

@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     // of four and no pairing of the bytes into half2s. x takes 3 bytes a channel (kernels.gemv.shared_bytes).
     // U8: uniform 4- and 3-bit weights on the same int8 path (gemv.py's uses_int8): one LOP3 makes four codes the
     // A operand's bytes (codes.cuh, u8_operands; 4 bits: w & 0x0F0F0F0F and w & 0xF0F0F0F0, rows g and g + 8, the
-    // latter times 16), two per eight weights instead of five (3 bits: 11 a step instead of 24). With QDEC, whose
+    // latter times 16), two per eight weights instead of five (3 bits: 13 a step instead of 24). With QDEC, whose
     // selection reads x in fp16, x is staged both ways (5 bytes a channel).
     static_assert(!U8 || (!LUT && (BITS == 4 || BITS == 3) && GSHIFT == 1), "int8 uniform weights: 3 or 4 bits, "
                   "group 128");
