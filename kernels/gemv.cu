@@ -97,11 +97,12 @@ __device__ __forceinline__ void lut_scales(const unsigned char* rec, int g, floa
 }
 
 // y = W_hat f(x) (+ res), f the input transform below; with QW > 0 QDEC warps add R_hat[:, S] f(x)[S] (qdec.cuh).
-// Dynamic shared memory: x as B fragments (K halves), per step or pair {X, offset of rows g, offset of rows g + 8, 0}
-// (room for K/64 float4), then the warps' rings (WARPS x DEPTH slots of a pair's weights and meta), then with QDEC
-// the block's fp32 results (16 per tile), the selection (k_chunk ints, k_chunk floats), 1024 bucket bytes and
-// QW * 36 ints. Uniform weights without QDEC: registers capped at 64 so that 32 warps fit on an SM (the sweep's
-// variants); table weights run one block per SM, and 4-bit tables use ~74 (+1-2 points of copy bandwidth).
+// Dynamic shared memory: x staged (XB bytes a channel: fp16 B fragments, int8 planes, or both), per step or pair {X,
+// offsets of rows g, g + 8, 0} or on the int8 path {X, 2^-e, 0, 0} (room for K/64 float4), then the warps' rings
+// (WARPS x DEPTH slots of a pair's weights and meta), then with QDEC the block's fp32 results (16 per tile), the
+// selection (k_chunk ints, k_chunk floats), 1024 bucket bytes and QW * 36 ints. Uniform weights without QDEC:
+// registers capped at 64 so that 32 warps fit on an SM (the sweep's variants); table weights run one block per SM, and
+// 4-bit tables use ~74 (+1-2 points of copy bandwidth).
 // Group size = 64 << GSHIFT (uniform weights and grouped tables; per-row tables: GSHIFT 0, G = 1). hold: the next
 // kernel is a GEMV that must not share the SMs with this one's stream (kernels.gemv.gemv), so it launches only as
 // this one's blocks end their streams (its blocks then take SMs as this one's exit, its launch overlapping their last
@@ -482,7 +483,9 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 u8_operands<BITS>(w, v);
                 mma_step_i8(h, v);
             }
-            // the pair's group: rows += s * (sum code x - z X)
+            // the pair's group: rows += s * (sum code x - z X); the sums add every tile m, so one factor per row half
+            static_assert(log2_factor(BITS, 0, 0) == log2_factor(BITS, 3, 0) &&
+                          log2_factor(BITS, 0, 1) == log2_factor(BITS, 3, 1), "int8 path: a factor per row half");
             float v0, v1, X;
             sums_i8(v0, v1, X);
             v0 *= inv_factor(BITS, 0, 0);

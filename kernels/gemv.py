@@ -62,8 +62,9 @@ class Packed:
         qw = q.qweight.to(device)
         if q.bits == 3:
             qw = qw.clone() if qw is q.qweight else qw
-            for t in range(0, qw.shape[0], 64):  # 1024 rows at a time: the int64 temporaries stay small
-                qw[t:t + 64] = bytes3_layout(unpack_codes(qw[t:t + 64], 3))
+            step = max(1, (1 << 18) // q.in_features)  # tiles of 2^22 codes at a time: bytes3_layout's int64
+            for t in range(0, qw.shape[0], step):     # temporaries (~40 bytes a code) stay near 200 MB
+                qw[t:t + step] = bytes3_layout(unpack_codes(qw[t:t + step], 3))
         return cls(qw, torch.cat([sc, zr], dim=2).contiguous(), q.bits, q.group_size, q.in_features)
 
     @property

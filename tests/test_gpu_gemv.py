@@ -103,7 +103,10 @@ def test_gemv_on_the_int8_path_matches_float64_reference(N, K, mode, bits, monke
     res = torch.randn(N, device="cuda").half()
     kw = {"norm": (nw, 1e-5)} if mode == "norm" else {"glu": True} if mode == "glu" else {}
     w = kg.Packed.from_quant(q)
+    from test_gpu_qdec import kernels_asked
+    asked = kernels_asked(monkeypatch)
     got = kg.gemv(x, w, residual=res, **kw)
+    assert asked and all(e.endswith(",true>") for e in asked if e.startswith("gemv<")), asked  # the int8 kernel ran
     xin = ops.rmsnorm(x.float(), nw, 1e-5) if mode == "norm" else ops.silu_mul(x.float()) if mode == "glu" else x
     ref = q.dequantize(torch.float64) @ xin.half().double() + res.double()
     err = ((got.double() - ref).norm() / ref.norm()).item()

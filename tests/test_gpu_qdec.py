@@ -77,6 +77,7 @@ def test_qdec_gemv_selects_by_the_bucket_rule_and_compensates(N, K, bits, k_chun
     if int8 and (bits == 2 or K > 4096):
         pytest.skip("the int8 path takes 3- and 4-bit weights whose x is staged in one round")
     monkeypatch.setattr(G, "uses_int8", lambda w, qdec, dev: int8)
+    asked = kernels_asked(monkeypatch)
     q, r, w, x, comp = setup(N, K, bits, k_chunk)
     xg = x.cuda()
     out = torch.full((N,), float("nan"), device="cuda", dtype=torch.float16)
@@ -88,6 +89,7 @@ def test_qdec_gemv_selects_by_the_bucket_rule_and_compensates(N, K, bits, k_chun
     assert not out.isnan().any()
     rel = ((out.cpu().double() - want).norm() / want.norm()).item()
     assert rel < 1e-3, f"{N}x{K} W{bits} k={k_chunk}: rel err {rel}"
+    assert any(e.endswith(f",4,false,{1 + (K == 4096)},{str(int8).lower()}>") for e in asked), asked  # its path
     # the correction is there: the output moved from the base GEMV's by about R_hat[:, S] x[S]
     corr = r.rows(S).double().T @ x.double()[S]
     moved = (out.cpu().double() - base.cpu().double())
@@ -129,10 +131,24 @@ def test_qdec_gemv_same_bits_for_every_n_tb_eager_and_graph(N, K, k_chunk):
         assert torch.equal(got, gemv(xn, w, comp=comp))
 
 
+def kernels_asked(monkeypatch) -> list[str]:
+    """The kernel expressions the GEMV launches from now on (gemv<..., QW, ..., int8> for the GEMV)."""
+    from localllm.kernels import cuda
+    asked, real = [], cuda.kernel
+    monkeypatch.setattr(cuda, "kernel", lambda name, expr, *a, **k: asked.append(expr) or real(name, expr, *a, **k))
+    return asked
+
+
 @pytest.mark.parametrize("mode", ["norm", "glu", "residual"])
-def test_qdec_gemv_with_input_transform_and_residual(mode):
+@pytest.mark.parametrize("int8", [False, True])
+def test_qdec_gemv_with_input_transform_and_residual(mode, int8, monkeypatch):
+    """The input transforms with QDEC on both GEMV paths (forced; decode's compensating gate_up takes the int8 one with
+    its RMSNorm)."""
     from localllm import ops
-    from localllm.kernels.gemv import gemv
+    from localllm.kernels import gemv as G
+    gemv = G.gemv
+    monkeypatch.setattr(G, "uses_int8", lambda w, qdec, dev: int8)
+    asked = kernels_asked(monkeypatch)
     N, K = 2048, 3072
     if mode == "glu":
         xx = activations(2 * K)
@@ -151,6 +167,7 @@ def test_qdec_gemv_with_input_transform_and_residual(mode):
     if mode == "residual":
         want = want + res.double()
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-3
+    assert [e.endswith(",4,false,1,true>") for e in asked if e.startswith("gemv<")] == [int8]  # the path it took
 
 
 def test_qdec_recall_of_exact_top_k():

@@ -56,6 +56,21 @@ def test_uniform_operands_of_the_gpu_layout(decoder, mode, bits):
     assert torch.equal(torch.tensor(list(map(int, out))).view(n, k), codes.long())
 
 
+def test_packed_lays_3_bit_codes_out_a_tile_at_a_time():
+    """Packed.from_quant re-lays 3-bit codes in chunks of tiles: every tile, at a chunk's edges too, is what
+    bytes3_layout makes of that tile alone, and the QuantWeight's own codes are left as they were."""
+    from localllm.kernels.gemv import bytes3_layout
+    from localllm.quant import unpack_codes
+    n, k = 16 * 70, 4096  # 64 tiles a chunk at K = 4096: two chunks, the second partial
+    q = QuantWeight(pack_codes(torch.randint(0, 8, (n, k), dtype=torch.uint8), 3), torch.ones(n, k // 128).half(),
+                    torch.zeros(n, k // 128, dtype=torch.uint8), 3, 128, k)
+    before = q.qweight.clone()
+    p = Packed.from_quant(q, "cpu")
+    assert torch.equal(q.qweight, before)
+    for t in (0, 1, 63, 64, 65, 69):
+        assert torch.equal(p.qweight[t:t + 1], bytes3_layout(unpack_codes(q.qweight[t:t + 1], 3))), t
+
+
 @pytest.mark.parametrize("bits", BASE_BITS)
 def test_byte_permute_lookups_of_the_select_layout(decoder, bits):
     n, k = 48, 256
