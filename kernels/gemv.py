@@ -318,7 +318,8 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         x = x.clone()  # the kernel reads x 16 bytes at a time
     if out is None:
         out = torch.empty(N, dtype=torch.float16, device=x.device)
-    limit = cuda.shared_limit(x.device.index or 0)
+    dev = x.device.index or 0
+    limit = cuda.shared_limit(dev)
     warps, depth, pairs = variant = variant or decode_variant(w, limit)
     qw = qdec.QW if comp is not None and comp.k_chunk > 0 else 0
     assert not lut or variant in (TABLE_VARIANT, *SMALLER_VARIANTS), "table weights: one pair a slot, two slots"
@@ -326,7 +327,6 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         "8 bits: two slots of one pair, no QDEC"
     assert fits(variant, K, w.group_size), "two pairs per slot: K = 256 x warps, group size 64 or 128"
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
-    dev = x.device.index or 0
     qdec_smem = qdec.shared_bytes(K, N, comp.k_chunk, comp.grid, comp.n_tb) if qw else 0
     int8 = uses_int8(w, qw > 0, dev) and \
         shared_bytes(w, *variant, qdec=qw > 0, int8=True) + qdec_smem + static_shared_bytes(warps) <= limit
@@ -339,7 +339,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     grid = grid_of(N, x.device, blocks_per_sm)
     repeated = w.nbytes >= HOLD_BYTES  # the defaults: this GEMV's neighbours are GEMVs of w's size
     hold_next = repeated if hold_next is None else hold_next
-    held = cuda.next_is_plain(x.device.index or 0) or (repeated if held is None else held)
+    held = cuda.next_is_plain(dev) or (repeated if held is None else held)
     x_first = (held or qw > 0) and blocks_per_sm == 1
     null = np.uint64(0)
     if qw:

@@ -364,9 +364,10 @@ def bench_e2e(bits_list=(4, 3), kv_bits: int = 16) -> list[dict]:
           f"{tps(hf_tps)} tok/s; sampled: generate()'s token loop at its default sampling (temperature 0.7, "
           "top-p 0.9), tokenizer aside (random weights give a near-uniform next-token distribution, whose nucleus is "
           "most of the vocabulary: the sampler's slowest case); head: the output head fp16 (16) or 8-bit (8, what "
-          "`localllm quantize` writes); weights: group-wise uniform (rtn, awq) or tables grouped by 128 (squeezellm); GPU GB: the decode's peak GPU memory "
-          f"(torch's allocations, context {MEM_CTX}) less its KV cache, against the packed GB that must be on the GPU "
-          "(projections and head; the embeddings stay in host memory; the CUDA context aside)")
+          "`localllm quantize` writes); weights: group-wise uniform (rtn, awq) or tables grouped by 128 (squeezellm); "
+          f"GPU GB: the decode's peak GPU memory (torch's allocations, context {MEM_CTX}) less its KV cache, against "
+          "the packed GB that must be on the GPU (projections and head; the embeddings stay in host memory; the CUDA "
+          "context aside)")
     print(f"{'bits':>4} {'head':>4} {'weights':>7} {'ms/tok':>7} {'ms@1k':>6} {'tok/s':>7} {'roofline':>8} "
           f"{'% roof':>7} {'% read':>7} {'vs fp16':>8} {'bytes x':>8} {'vs HF':>6} {'GPU GB':>7} {'packed GB':>9} "
           f"{'over':>6} {'prefill 512 ms':>14} {'sampled tok/s':>13}")
