@@ -80,9 +80,12 @@ def source(name: str) -> str:
 
 
 def options(device: int) -> tuple[str, ...]:
-    """NVRTC options of every kernel module for `device` (LOCALLLM_LINEINFO=1 adds line info for profilers)."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return ("-std=c++17", f"--gpu-architecture=sm_{major}{minor}", f"-I{HERE}") + (
+    """NVRTC options of every kernel module for `device`: its architecture and the shared memory a block may opt in to
+    (SHARED_LIMIT: the device's own, whatever shared_limit reports; gemv.cu sizes an array by it as
+    gemv.tiles_per_barrier does); LOCALLLM_LINEINFO=1 adds line info for profilers."""
+    props = torch.cuda.get_device_properties(device)
+    return ("-std=c++17", f"--gpu-architecture=sm_{props.major}{props.minor}", f"-I{HERE}",
+            f"-DSHARED_LIMIT={props.shared_memory_per_block_optin}") + (
         ("-lineinfo",) if os.environ.get("LOCALLLM_LINEINFO") == "1" else ())
 
 

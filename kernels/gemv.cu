@@ -16,8 +16,8 @@
 // waits and ring wraps, the mma sums' scaling and the group's zero and scale are paid once per pair), and every warp
 // streams its pairs through its own ring of DEPTH shared-memory slots with cp.async (no registers held by loads in
 // flight, no block barrier in the stream). x, in B-fragment order, and its sums per group (per step at group size
-// 64, else per pair) are staged once per block. The warps'
-// partial sums of a tile meet in shared memory at the tile's end (one barrier per tile).
+// 64, else per pair) are staged once per block. The warps' partial sums of up to four tiles wait in shared memory
+// and meet at one barrier (H200, 8B decode 3-4% faster than a barrier per tile: kernels/NOTES.md, session 72).
 //
 // Table (non-uniform, SqueezeLLM) weights, LUT = true: W_hat[n, c] = offset[n] + scale[n] * v[n][code], a table of
 // 2^BITS 8-bit values per output channel (quant.QuantLUT.grid, kernels.gemv.PackedLUT). The meta record is then the
@@ -36,6 +36,12 @@
 #include <cuda_fp16.h>
 
 #include "pdl.cuh"
+
+// The shared memory a block may opt in to on the GPU compiled for (kernels.cuda.options; nvcc's resource checks: an
+// H100's)
+#ifndef SHARED_LIMIT
+#define SHARED_LIMIT (227 * 1024)
+#endif
 
 // NVRTC has no <stdint.h>
 typedef unsigned int uint32_t;
@@ -388,7 +394,8 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     __syncthreads();
     if (threadIdx.x == 0) QDEC_MARK(2);
 
-    __shared__ float red[2][WARPS][16];
+    constexpr int NB = SHARED_LIMIT < 200 * 1024 ? 1 : 4;  // tiles per barrier: kernels.gemv.tiles_per_barrier
+    __shared__ float red[2][NB][WARPS][16];
     const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: rows g and g + 8, columns 2t, 2t + 1
     int c_off = 0;  // the slot to compute from
     float acc0, acc1;
@@ -562,26 +569,32 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
                 compute_slot(p);
 #endif
             }
-            const int buf = tile & 1;  // double-buffered: one barrier per tile
+            // Batches of NB tiles from the block's first, one barrier each (batches by tile index, where a block's
+            // first may start mid-batch, made o and down take two: decode 2% slower). Batches alternate banks: no warp
+            // writes a bank again before the threads reducing it, which must reach the next barrier first, have read it.
+            const int nt = tile - t_begin, bank = (nt / NB) & 1, slot = nt % NB;
             if constexpr (I8) {  // lanes t = 0, 1 hold the planes' parts
                 acc0 += __shfl_xor_sync(0xffffffffu, acc0, 1);
                 acc1 += __shfl_xor_sync(0xffffffffu, acc1, 1);
             }
             if (t == 0) {
-                red[buf][warp][g] = acc0;
-                red[buf][warp][g + 8] = acc1;
+                red[bank][slot][warp][g] = acc0;
+                red[bank][slot][warp][g + 8] = acc1;
             }
-            asm volatile("bar.sync 1, %0;\n" ::"n"(32 * WARPS) : "memory");  // the streaming warps only
-            if (threadIdx.x == 0 && tile == t_begin) QDEC_MARK(9);
-            if (threadIdx.x < 16) {
-                float v = 0.0f;
+            if (slot == NB - 1 || tile == t_end - 1) {
+                asm volatile("bar.sync 1, %0;\n" ::"n"(32 * WARPS) : "memory");  // the streaming warps only
+                if (threadIdx.x == 0 && tile - t_begin < NB) QDEC_MARK(9);
+                if (threadIdx.x < 16 * (slot + 1)) {
+                    const int j = threadIdx.x >> 4, r = threadIdx.x & 15, n = (t_begin + (nt & ~(NB - 1)) + j) * 16 + r;
+                    float v = 0.0f;
 #pragma unroll
-                for (int k = 0; k < WARPS; k++) v += red[buf][k][threadIdx.x];
-                if (res != nullptr) v += __half2float(res[tile * 16 + threadIdx.x]);  // fused residual add
-                if (QW)
-                    ybuf[(tile - t_begin) * 16 + threadIdx.x] = v;
-                else
-                    y[tile * 16 + threadIdx.x] = __float2half_rn(v);
+                    for (int k = 0; k < WARPS; k++) v += red[bank][j][k][r];
+                    if (res != nullptr) v += __half2float(res[n]);  // fused residual add
+                    if (QW)
+                        ybuf[n - o0] = v;
+                    else
+                        y[n] = __float2half_rn(v);
+                }
             }
         }
         // A held next kernel may launch now (where this one triggered at its start, a second trigger does nothing;

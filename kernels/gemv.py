@@ -259,9 +259,18 @@ def fits(variant: tuple[int, int, int], K: int, group_size: int | None) -> bool:
     return pairs == 1 or (K == 256 * warps and group_size in TWO_PAIR_GROUPS)
 
 
-def static_shared_bytes(warps: int) -> int:
-    """gemv.cu's static shared arrays (red: 2 x warps x 16 floats, wsum, seq), with room to spare."""
-    return 132 * warps + 256
+def tiles_per_barrier(limit: int | None) -> int:
+    """How many tiles' partial sums gemv.cu's warps keep in shared memory between barriers on a GPU whose blocks may
+    opt in to `limit` bytes of it (None: no limit): 4 with an H100's / H200's 227 KB (H200: 8B decode 3-4% faster than
+    one), 1 below 200 KB (an RTX 30/40/50's 99 KB, where a large model's down needs the room for its variant; an
+    A100's 163 KB). The kernel applies the same rule (kernels.cuda.options: SHARED_LIMIT)."""
+    return 1 if limit is not None and limit < 200 * 1024 else 4
+
+
+def static_shared_bytes(warps: int, limit: int | None = None) -> int:
+    """gemv.cu's static shared arrays on a GPU of `limit` bytes per block (red: 2 banks x tiles_per_barrier x warps x
+    16 floats; wsum; seq), with room to spare."""
+    return (128 * tiles_per_barrier(limit) + 4) * warps + 256
 
 
 def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT, limit: int | None = None) -> tuple[int, int, int]:
@@ -276,7 +285,7 @@ def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT, limit: int | 
     need = {}
     for v in (first, *SMALLER_VARIANTS):
         if fits(v, w.in_features, w.group_size):
-            need[v] = shared_bytes(w, *v) + static_shared_bytes(v[0])
+            need[v] = shared_bytes(w, *v) + static_shared_bytes(v[0], limit)
             if need[v] <= limit:
                 return v
     fix = "; quantize it with --method rtn or awq (table weights stage x in 3 bytes a channel, uniform ones in 2)" \
@@ -329,7 +338,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
     qdec_smem = qdec.shared_bytes(K, N, comp.k_chunk, comp.grid, comp.n_tb) if qw else 0
     int8 = uses_int8(w, qw > 0, dev) and \
-        shared_bytes(w, *variant, qdec=qw > 0, int8=True) + qdec_smem + static_shared_bytes(warps) <= limit
+        shared_bytes(w, *variant, qdec=qw > 0, int8=True) + qdec_smem + static_shared_bytes(warps, limit) <= limit
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs},{str(int8).lower()}>")
     smem = shared_bytes(w, *variant, qdec=qw > 0, int8=int8)
     if blocks_per_sm is None:

@@ -136,7 +136,7 @@ def shared_bytes_total(w, k_chunk: int, grid: int, limit: int | None = None) -> 
     from .gemv import shared_bytes as base
     K, N = w.in_features, w.out_features
     v = decode_variant(w, limit)
-    return base(w, *v, qdec=True) + static_shared_bytes(v[0]) + \
+    return base(w, *v, qdec=True) + static_shared_bytes(v[0], limit) + \
         shared_bytes(K, N, k_chunk, grid, viable_n_tb(K, N, grid)[-1])
 
 

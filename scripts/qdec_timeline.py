@@ -40,7 +40,7 @@ res = qdec.HostResidual.pin(QuantResidual(torch.randint(-2**31, 2**31 - 1, (K, N
                                           (torch.rand(N) * 0.01).half()))
 part = qdec.new_part([(K, N)], "cuda")
 names = ["start", "x ready", "staged", "selected", "fetched", "flagged", "streamed", "flags seen", "end",
-         "tile 1 done", "select: A", "select: B", "fetch: start", "word 1 landed", "round landed", "pair 1 landed"]
+         "tiles 1-4 done", "select: A", "select: B", "fetch: start", "word 1 landed", "round landed", "pair 1 landed"]
 FETCH_ONLY = (3, 4, 5, 10, 11, 12, 13, 14)
 
 
@@ -80,7 +80,7 @@ def marks(blocks):
     return (m - m[:, 0].min()) / 1e3  # us since the first block started
 
 
-CHAIN = ("start", "x ready", "staged", "pair 1 landed", "tile 1 done", "streamed", "end")
+CHAIN = ("start", "x ready", "staged", "pair 1 landed", "tiles 1-4 done", "streamed", "end")
 
 
 def chain(calls: int = 8) -> None:

@@ -188,7 +188,7 @@ def fit_only(monkeypatch, w, variant):
     falls short of decode's first choice on a 32B model's down), so decode_variant picks it; returns the limit."""
     from localllm.kernels import cuda
     from localllm.kernels.gemv import decode_variant, shared_bytes, static_shared_bytes
-    limit = shared_bytes(w, *variant) + static_shared_bytes(variant[0])
+    limit = shared_bytes(w, *variant) + static_shared_bytes(variant[0], 99 * 1024)  # (a limit that small)
     monkeypatch.setattr(cuda, "shared_limit", lambda device: limit)
     assert decode_variant(w, limit) == variant
     return limit

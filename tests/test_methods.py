@@ -641,7 +641,9 @@ def test_tuner_bounds_k_chunk_by_the_widest_layer_of_a_kind(tiny_ckpt, tmp_path)
     grid_of = lambda N: min(N // 16, 132)  # noqa: E731 - kernels.gemv.grid_of on an H100
     downs = [lin for lin in lm.model.linears() if lin.kind == "down"]
     assert sorted(lin.quant.bits for lin in downs) == [3, 4]
-    need = {lin.quant.bits: qdec.shared_bytes_total(lin.quant, 10, grid_of(lin.out_features)) for lin in downs}
+    # on a GPU short of shared memory (a limit under 200 KB: gemv.tiles_per_barrier's smaller static part)
+    need = {lin.quant.bits: qdec.shared_bytes_total(lin.quant, 10, grid_of(lin.out_features), 99 * 1024)
+            for lin in downs}
     assert need[4] > need[3]
     for blocks in (list(lm.model.blocks), list(lm.model.blocks)[::-1]):  # whichever comes first
         lm.model.blocks = torch.nn.ModuleList(blocks)

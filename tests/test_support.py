@@ -213,7 +213,7 @@ def test_decode_takes_the_first_gemv_variant_that_fits_the_shared_memory(K, bits
     got = decode_variant(w, sm89)
     assert got == want
     tried = [v for v in (first, *SMALLER_VARIANTS) if fits(v, K, 128)]
-    need = [shared_bytes(w, *v) + static_shared_bytes(v[0]) for v in tried]
+    need = [shared_bytes(w, *v) + static_shared_bytes(v[0], sm89) for v in tried]
     assert need[tried.index(got)] <= sm89 and all(n > sm89 for n in need[:tried.index(got)])
 
 

@@ -195,7 +195,8 @@ def test_settings_are_checked_by_generates_rules():
     for name, text in [("temperature", "-1"), ("top_p", "0"), ("top_p", "1.5"), ("min_p", "-0.1"), ("min_p", "2"),
                        ("top_k", "-1"), ("top_k", "2.5"), ("repetition_penalty", "0"), ("repetition_penalty", "inf"),
                        ("max_new_tokens", "0"),
-                       ("max_new_tokens", "2.5"), ("temperature", "warm"), ("temperature", "nan")]:
+                       ("max_new_tokens", "2.5"), ("temperature", "warm"), ("temperature", "nan"),
+                       ("max_new_tokens", "1_0"), ("temperature", "0_5")]:
         with pytest.raises(ValueError):
             st.updated(name, text)
 

@@ -610,7 +610,7 @@ def test_problem_of_a_model_with_this_gpus_numbers(tiny_quant):
         assert list(lay.n_tb) == qdec.viable_n_tb(lay.K, lay.N, grid_of(lay.N))
     # a GPU with little shared memory per block bounds k_chunk by it
     lin = lm.model.blocks[0].down
-    need = qdec.shared_bytes_total(lin.quant, 10, grid_of(lin.out_features))
+    need = qdec.shared_bytes_total(lin.quant, 10, grid_of(lin.out_features), 99 * 1024)  # (a limit under 200 KB)
     small = problem_of(lm, sm_count=132, smem=need, grid_of=grid_of)
     assert {lay.kind: lay.k_max for lay in small.layers}["down"] == 10
 

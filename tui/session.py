@@ -41,6 +41,8 @@ class ReplySettings:
         kind = {"system": str, "temperature": float, "top_p": float, "min_p": float, "top_k": int,
                 "repetition_penalty": float, "max_new_tokens": int}[name]
         try:
+            if kind is not str and "_" in text:  # Python's literals take 1_0 for 10; a settings field does not
+                raise ValueError(f"{text!r} is not a number")
             new = replace(self, **{name: kind(text if kind is str else text.strip())})
             new.check()
         except (ValueError, LocalLLMError) as e:
