@@ -150,8 +150,8 @@ def cmd_chat(a) -> None:
 
 
 def cmd_info(a) -> None:
-    from .runtime import describe, load
-    d = describe(load(a.model, gguf_file=a.gguf_file))
+    from .runtime import info
+    d = info(a.model, gguf_file=a.gguf_file)
     if a.json:
         print(json.dumps(d, indent=2))
         return

@@ -54,6 +54,9 @@ class Checkpoint:
     get: Callable[[str], torch.Tensor] # Hugging Face tensor name -> tensor
     names: set = field(default_factory=set)
     end_tokens: list[int] = field(default_factory=list)  # a GGUF's end-of-turn / end-of-message tokens
+    # tensors as empty meta tensors of their config's shapes, none read: what a model built from it weighs
+    # (`localllm info`), without the minutes and the float32 copy of reading it
+    shapes_only: bool = False
 
     @property
     def eos_ids(self) -> list[int]:
@@ -76,8 +79,10 @@ class Checkpoint:
         if name not in self.names:
             raise LocalLLMError(f"checkpoint {self.source['path']} lacks tensor '{name}': the files are incomplete "
                                 "or from another architecture; re-download the checkpoint")
-        t = self.get(name)
         want = self.expected.get(name)
+        if self.shapes_only:
+            return torch.empty(want, device="meta")
+        t = self.get(name)
         if want is not None and tuple(t.shape) != want:
             raise LocalLLMError(f"checkpoint {self.source['path']}: tensor '{name}' is {tuple(t.shape)}, but its "
                                 f"config makes it {want}: the config and the weights are of different models; "

@@ -412,7 +412,8 @@ class LocalModel:
         m = self.model
         embed = 2 * m.embed.numel()
         # on the CPU: where Transformer.place would put them on a GPU
-        host_embed = not m.tied and ops.host_rows(m.embed) if m.device.type == "cpu" else m.embed.device.type == "cpu"
+        host_embed = not m.tied and ops.host_rows(m.embed) if m.device.type in ("cpu", "meta") else \
+            m.embed.device.type == "cpu"
         gpu = 2 * sum(n.weight.numel() for n in self._norms()) + (0 if host_embed else embed)
         cpu = m.embed.numel() * (4 if m.tied else m.embed.element_size())  # float32 where the head shares it
         host, cpu_unpacked = 0, cpu
@@ -474,8 +475,7 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         lm = LocalModel(model, tokenizer_of(path, model.cfg.vocab_size), manifest, str(path),
                         manifest.get("eos_token_ids", []))
     else:
-        ckpt = open_checkpoint(src, gguf_file)
-        lm = LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids, source_files=ckpt.files)
+        lm = _dense(open_checkpoint(src, gguf_file), src)
     lm.settings.act8 = prefill_int8
     lm.set_kv_bits(kv_bits)
     if dev.type != "cpu":
@@ -593,12 +593,32 @@ def check_shared_memory(lm: LocalModel, dev: torch.device) -> None:
 
 def dense_model(ckpt: Checkpoint) -> Transformer:
     """The source checkpoint as a float32 decoder (the reference the quantized model is measured against); refused
-    in one line where its float32 weights would not fit the host's available memory."""
+    in one line where its float32 weights would not fit the host's available memory (on the meta device where the
+    checkpoint is shapes_only)."""
     cfg, settings = ckpt.config, QdecSettings()
-    check_float32_fits(cfg, "`localllm quantize` it (that reads a block at a time) and run the quantized model")
+    if not ckpt.shapes_only:
+        check_float32_fits(cfg, "`localllm quantize` it (that reads a block at a time) and run the quantized model")
     blocks = [build_block(cfg, i, ckpt.block_tensors(i), settings) for i in range(cfg.num_layers)]
     return Transformer(cfg, ckpt.embed(), blocks, RMSNorm(ckpt.final_norm(), cfg.rms_norm_eps), ckpt.lm_head(),
                        settings).eval()
+
+
+def _dense(ckpt: Checkpoint, src) -> LocalModel:
+    return LocalModel(dense_model(ckpt), ckpt.tokenizer, None, str(src), ckpt.eos_ids, source_files=ckpt.files)
+
+
+def info(src: str | Path | None = None, gguf_file: str | None = None) -> dict:
+    """What `localllm info` prints for any source load() takes. A source checkpoint is described from its config and
+    its tensors' names, its model built on the meta device: an 8B safetensors checkpoint would take minutes and 32 GB
+    of float32 to load. (A GGUF's weights are still read: transformers dequantizes them to name them.)"""
+    if isinstance(src, (str, os.PathLike)) and src != "":  # else load's refusals
+        check_path_text(src)
+        path = Path(src).expanduser()
+        if not (path.is_dir() and (path / MANIFEST).exists()):  # not a quantized folder
+            ckpt = open_checkpoint(src, gguf_file)
+            ckpt.shapes_only = True
+            return describe(_dense(ckpt, src))
+    return describe(load(src, gguf_file=gguf_file))
 
 
 # a checkpoint as loaded (a GGUF too: its low-bit blocks are dequantized on load)

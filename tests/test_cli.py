@@ -98,6 +98,35 @@ def test_info_reports_sizes(tiny_quant, tiny_ckpt, capsys):
     assert "per block to first order" in out and f"down {max(range(len(down)), key=lambda b: down[b][j])}" in out
 
 
+def test_info_of_a_source_checkpoint_reads_no_weight(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """`localllm info` on a safetensors checkpoint describes it from its config and tensor names, on the meta device:
+    the same facts as from the loaded float32 model, no weight read, and a missing tensor still refused."""
+    import shutil
+
+    from localllm import runtime
+    from localllm.runtime import describe, load
+    want = describe(load(tiny_ckpt))
+    opened = runtime.open_checkpoint
+
+    def unreadable(*args):
+        ckpt = opened(*args)
+        ckpt.get = lambda name: pytest.fail(f"{name} was read")
+        return ckpt
+    monkeypatch.setattr(runtime, "open_checkpoint", unreadable)
+    assert main(["info", str(tiny_ckpt), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got == json.loads(json.dumps(want)) and got["cpu_bytes"] > 0 and got["quantization"].startswith("16 (dense")
+    monkeypatch.undo()
+    from safetensors.torch import load_file, save_file
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_ckpt, bad)
+    (f,) = bad.glob("*.safetensors")
+    t = load_file(f)
+    del t["model.layers.1.mlp.down_proj.weight"]
+    save_file(t, f, metadata={"format": "pt"})
+    assert main(["info", str(bad)]) == 2
+    assert "lacks tensor 'model.layers.1.mlp.down_proj.weight'" in capsys.readouterr().err
+
 def test_quantize_then_generate(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "m2"
     assert main(["quantize", str(tiny_ckpt), "-o", str(out), "--bits", "2", "--group-size", "64",
