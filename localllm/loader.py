@@ -146,14 +146,22 @@ def fingerprint(files: list[Path]) -> str:
     return hashlib.sha256("".join(f"{f.name}:{d}\n" for f, d in zip(files, digests)).encode()).hexdigest()
 
 
-def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Checkpoint:
-    """Open `src`: a .gguf file, a folder (safetensors or GGUF), or a Hugging Face hub id."""
+def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None, shapes_only: bool = False) -> Checkpoint:
+    """Open `src`: a .gguf file, a folder (safetensors or GGUF), or a Hugging Face hub id. shapes_only: for its
+    sizes alone (Checkpoint.shapes_only); a GGUF's weights then go undequantized, and its tensors are taken to be
+    the ones its config calls for (transformers names them only as it dequantizes them)."""
+    ckpt = _open(src, gguf_file, shapes_only)
+    ckpt.shapes_only = shapes_only
+    return ckpt
+
+
+def _open(src: str | os.PathLike, gguf_file: str | None, shapes_only: bool) -> Checkpoint:
     check_path_text(src)
     path = Path(src).expanduser()
     if path.is_file():
         _check_kind(path)
         _check_gguf_name(path, gguf_file)
-        return _open_gguf(path.parent, path.name)
+        return _open_gguf(path.parent, path.name, shapes_only)
     if path.is_dir():
         if (path / MANIFEST).exists():
             raise LocalLLMError(f"{path} is already a quantized localllm model; use it directly "
@@ -163,7 +171,7 @@ def open_checkpoint(src: str | os.PathLike, gguf_file: str | None = None) -> Che
             if not gguf_file and len(ggufs) > 1:
                 raise LocalLLMError(f"{path} holds several GGUF files ({', '.join(ggufs)}); pass one with --gguf-file, "
                                     "or the .gguf file's own path in place of the folder")
-            return _open_gguf(path, gguf_file or ggufs[0])
+            return _open_gguf(path, gguf_file or ggufs[0], shapes_only)
         return _open_safetensors(path, {"format": "safetensors", "path": str(path.resolve())})
     if not _looks_like_hub_id(str(src)):
         raise _no_source(src)
@@ -497,17 +505,17 @@ def _gguf_parsed_once():
 _GGUF_PATCH = threading.RLock()
 
 
-def _open_gguf(folder: Path, name: str) -> Checkpoint:
+def _open_gguf(folder: Path, name: str, shapes_only: bool = False) -> Checkpoint:
     # seconds pass before the weights' own bar (the demo's 135M: ~8 s on two cores): their stages, so something shows
     with _gguf_parsed_once(), progress(total=4, desc=f"reading {name} (metadata)", unit="step",
                                        bar_format="{desc}: {n_fmt}/{total_fmt} [{elapsed}]") as bar:
         def done(then: str) -> None:
             bar.update()
             bar.set_description_str(f"reading {name} ({then})")
-        return _read_gguf(folder, name, done)
+        return _read_gguf(folder, name, done, shapes_only)
 
 
-def _read_gguf(folder: Path, name: str, done: Callable[[str], None]) -> Checkpoint:
+def _read_gguf(folder: Path, name: str, done: Callable[[str], None], shapes_only: bool = False) -> Checkpoint:
     """done(the next stage's name) after each stage."""
     f = folder / name
     if not f.exists():
@@ -534,6 +542,9 @@ def _read_gguf(folder: Path, name: str, done: Callable[[str], None]) -> Checkpoi
     if scaling:  # transformers' import leaves it out (its own model of this file runs without it)
         hf["rope_parameters"] = {**(hf.get("rope_parameters") or hf.get("rope_scaling") or {}), **scaling}
     config = ModelConfig.from_hf(hf)
+    source = {"format": "gguf", "path": str(Path(folder).resolve()), "gguf_file": name}
+    if shapes_only:
+        return Checkpoint(config, tokenizer, source, [f], _unread, set(_expected(config)), _gguf_end_tokens(f))
     check_float32_fits(config, "free host memory, or use a smaller model: transformers dequantizes a GGUF's blocks "
                                "all at once")  # before it does
     done("weights")
@@ -551,6 +562,8 @@ def _read_gguf(folder: Path, name: str, done: Callable[[str], None]) -> Checkpoi
                             "incomplete; re-download it")
     state = model.state_dict()
     done("weights read")
-    return Checkpoint(config, tokenizer,
-                      {"format": "gguf", "path": str(Path(folder).resolve()), "gguf_file": name}, [f], state.__getitem__,
-                      set(state), _gguf_end_tokens(f))
+    return Checkpoint(config, tokenizer, source, [f], state.__getitem__, set(state), _gguf_end_tokens(f))
+
+
+def _unread(name: str) -> torch.Tensor:
+    raise AssertionError(f"{name}: a shapes_only checkpoint reads no weight")

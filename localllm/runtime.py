@@ -609,15 +609,13 @@ def _dense(ckpt: Checkpoint, src) -> LocalModel:
 
 def info(src: str | Path | None = None, gguf_file: str | None = None) -> dict:
     """What `localllm info` prints for any source load() takes. A source checkpoint is described from its config and
-    its tensors' names, its model built on the meta device: an 8B safetensors checkpoint would take minutes and 32 GB
-    of float32 to load. (A GGUF's weights are still read: transformers dequantizes them to name them.)"""
+    its tensors' names (a GGUF's: those its config calls for), its model built on the meta device, no weight read: an
+    8B checkpoint would take minutes and 32 GB of float32 to load."""
     if isinstance(src, (str, os.PathLike)) and src != "":  # else load's refusals
         check_path_text(src)
         path = Path(src).expanduser()
         if not (path.is_dir() and (path / MANIFEST).exists()):  # not a quantized folder
-            ckpt = open_checkpoint(src, gguf_file)
-            ckpt.shapes_only = True
-            return describe(_dense(ckpt, src))
+            return describe(_dense(open_checkpoint(src, gguf_file, shapes_only=True), src))
     return describe(load(src, gguf_file=gguf_file))
 
 

@@ -108,8 +108,8 @@ def test_info_of_a_source_checkpoint_reads_no_weight(tiny_ckpt, tmp_path, monkey
     want = describe(load(tiny_ckpt))
     opened = runtime.open_checkpoint
 
-    def unreadable(*args):
-        ckpt = opened(*args)
+    def unreadable(*args, **kwargs):
+        ckpt = opened(*args, **kwargs)
         ckpt.get = lambda name: pytest.fail(f"{name} was read")
         return ckpt
     monkeypatch.setattr(runtime, "open_checkpoint", unreadable)

@@ -78,6 +78,16 @@ def test_a_llama_cpp_gguf_runs_as_its_source(ckpt, tmp_path):
         assert (load(f).model(ids) - load(ckpt).model(ids)).abs().max() < 1e-4
 
 
+def test_info_of_a_gguf_dequantizes_nothing(ckpt, tmp_path, monkeypatch):
+    """`localllm info` on a GGUF: the loaded model's facts (sizes, architecture), from its config alone."""
+    from transformers import AutoModelForCausalLM
+
+    from localllm.runtime import describe, info
+    f = write_gguf(ckpt, tmp_path / "tiny-F32.gguf")
+    want = describe(load(f))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights dequantized"))
+    assert info(f) == want
+
 def test_a_gguf_is_parsed_once_while_it_loads(ckpt, tmp_path, monkeypatch):
     """transformers reads the file for the config, the tokenizer and the weights: one parse serves the three, one
     read of its metadata the first two, the stages show as progress, and gguf's and transformers' own functions are
