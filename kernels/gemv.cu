@@ -711,7 +711,8 @@ template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*
 // two (decode's; two pairs per slot at group sizes 64 and 128), the sweep's third
 #define INST(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false, 1)
 #define INST2(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false, 2)
-#define INST_L(B, W, D, GS, QW, L, Q) template __global__ void gemv<B, W, D, GS, QW, L, Q>( \
+#define INST_L(B, W, D, GS, QW, L, Q) INST_LU(B, W, D, GS, QW, L, Q, false)
+#define INST_LU(B, W, D, GS, QW, L, Q, U) template __global__ void gemv<B, W, D, GS, QW, L, Q, U>( \
     const uint8_t*, const uint8_t*, const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, \
     int, int, int, const uint32_t*, const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
 #define INST_GS(B, W, D, QW, I) I(B, W, D, 0, QW) I(B, W, D, 1, QW) I(B, W, D, 2, QW) I(B, W, D, 3, QW)
@@ -722,9 +723,7 @@ INST_BITS(16, 3, 0, INST)
 INST_BITS2(16, 2, 0)
 // 4- and 3-bit weights on the int8 path (gemv.py's uses_int8): group 128, with and without QDEC (QW = 4), decode's
 // two variants
-#define INST_U8(B, D, Q, QW) template __global__ void gemv<B, 16, D, 1, QW, false, Q, true>( \
-    const uint8_t*, const uint8_t*, const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, \
-    int, int, int, const uint32_t*, const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
+#define INST_U8(B, D, Q, QW) INST_LU(B, 16, D, 1, QW, false, Q, true)
 INST_U8(4, 3, 1, 0)
 INST_U8(4, 2, 2, 0)
 INST_U8(3, 3, 1, 0)

@@ -29,6 +29,11 @@ from .progress import follow_rule_in_transformers, progress
 MANIFEST = "localllm.json"  # marks a quantized localllm model folder
 
 
+def is_model_folder(path: Path) -> bool:
+    """Whether path is a quantized localllm model folder (what `localllm quantize` writes), not a source checkpoint."""
+    return path.is_dir() and (path / MANIFEST).exists()
+
+
 def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor the config calls for in a Llama-family model -> its shape."""
     D, inter, V, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.q_size, cfg.kv_size
@@ -163,7 +168,7 @@ def _open(src: str | os.PathLike, gguf_file: str | None, shapes_only: bool) -> C
         _check_gguf_name(path, gguf_file)
         return _open_gguf(path.parent, path.name, shapes_only)
     if path.is_dir():
-        if (path / MANIFEST).exists():
+        if is_model_folder(path):
             raise LocalLLMError(f"{path} is already a quantized localllm model; use it directly "
                                 f"(e.g. `localllm generate {path} ...`)")
         ggufs = sorted(p.name for p in path.glob("*.gguf"))

@@ -523,14 +523,14 @@ def make_report(o: Options) -> Path:
     run of the same command is resumed."""
     from .demo import demo_gguf
     from .evaluate import check_ctx, read_text
-    from .loader import MANIFEST, open_checkpoint
+    from .loader import is_model_folder, open_checkpoint
     from .progress import progress
     from .report_render import render
     require_matplotlib()
     _check(o)
     src = o.model or str(demo_gguf())
     p = Path(src).expanduser()
-    if p.is_dir() and (p / MANIFEST).exists():
+    if is_model_folder(p):
         from .modelfile import read_manifest
         origin = read_manifest(p).get("source", {}).get("path", "?")
         raise LocalLLMError(f"{p} is a quantized localllm model; the report quantizes the source checkpoint itself "

@@ -12,7 +12,7 @@ import torch
 from . import devices, kvquant, modelfile, ops
 from .devices import WORKSPACE_BYTES, check_float32_fits, check_kv_cache, gpu_free, resolve_device, size
 from .errors import LocalLLMError, is_real, is_whole
-from .loader import MANIFEST, Checkpoint, check_path_text, open_checkpoint, tokenizer_of
+from .loader import Checkpoint, check_path_text, is_model_folder, open_checkpoint, tokenizer_of
 from .model import KINDS, QDEC_MODES, QdecSettings, RMSNorm, Transformer, build_block, in_blocks
 from .tuner import profile as tuning
 from .tuner.profile import DEFAULT_BUDGET
@@ -460,7 +460,7 @@ def load(src: str | Path | None = None, gguf_file: str | None = None, qdec: str 
         src = demo_model()
     check_path_text(src)
     path = Path(src).expanduser()
-    if path.is_dir() and (path / MANIFEST).exists():
+    if is_model_folder(path):
         if gguf_file:  # a quantized folder has no GGUF to pick: the name would be ignored, and the user misled
             raise LocalLLMError(f"{path} is a quantized model folder, which holds no GGUF: drop --gguf-file "
                                 f"{gguf_file} (it picks a file of a source checkpoint folder)")
@@ -613,8 +613,7 @@ def info(src: str | Path | None = None, gguf_file: str | None = None) -> dict:
     8B checkpoint would take minutes and 32 GB of float32 to load."""
     if isinstance(src, (str, os.PathLike)) and src != "":  # else load's refusals
         check_path_text(src)
-        path = Path(src).expanduser()
-        if not (path.is_dir() and (path / MANIFEST).exists()):  # not a quantized folder
+        if not is_model_folder(Path(src).expanduser()):
             return describe(_dense(open_checkpoint(src, gguf_file, shapes_only=True), src))
     return describe(load(src, gguf_file=gguf_file))
 
