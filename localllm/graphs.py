@@ -1,6 +1,7 @@
 """CUDA graphs: capture after an eager warm-up, and timing by replay (the benchmarks' and the tuner's clock)."""
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Callable
@@ -21,8 +22,17 @@ def capture(run: Callable, after_warmup: Callable | None = None) -> tuple[torch.
     if after_warmup is not None:
         after_warmup()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = run()
+    # No garbage collection while capturing: a dead object's graph destroyed mid-capture ends the capture (CUDA error
+    # 901 at the next launch; seen in `bench tune`, whose previous tune left a cycle holding a decode graph). Other
+    # threads (the chat UI's) may call the CUDA API meanwhile: thread_local keeps their calls out of this capture.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            out = run()
+    finally:
+        if collecting:
+            gc.enable()
     return g, out
 
 

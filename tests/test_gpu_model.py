@@ -94,6 +94,41 @@ def test_graph_replay_equals_eager(tiny_quant):
             assert torch.allclose(a, b, atol=2e-2, rtol=1e-2), pos
 
 
+def test_a_collection_during_a_capture_does_not_end_it():
+    """The garbage collector may run at any allocation, a capture's too; a dead object's graph destroyed then would
+    end the capture (CUDA error 901 at the next launch: `bench tune`, whose previous tune left a cycle holding its
+    decode graph). Here a dead cycle holds a graph, and the captured code allocates with the collector's threshold
+    at 1."""
+    import gc
+
+    from localllm.graphs import capture
+    x = torch.zeros(64, device="cuda")
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(1 << 30)  # nothing collected until the capture's allocations below
+
+    def run():
+        if torch.cuda.is_current_stream_capturing():
+            gc.set_threshold(1)
+            junk = [[i] for i in range(100)]  # would start a collection of the dead cycle
+            gc.set_threshold(1 << 30)
+            del junk
+        x.add_(1)
+        return x * 2
+
+    try:
+        dead = [capture(lambda: x.mul_(1))[0]]
+        dead.append(dead)  # only the collector frees it
+        del dead
+        g, y = capture(run)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, torch.full_like(x, 4.0))  # x: 1 after the warm-up, 2 after the replay
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 def test_generation_graph_chooses_what_step_by_step_sampling_gives(tiny_quant, greedy):
     """advance() as a CUDA graph (the model and the choice of the next token, which stays on the GPU; the host reads

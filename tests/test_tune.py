@@ -757,7 +757,9 @@ def test_first_order_block_values_scale_to_the_measured_kl_per_kind(tiny_quant):
 
 def test_a_tuning_bench_lets_its_model_go(tiny_quant, monkeypatch):
     """GpuBench's caches are its own: a class-level cache kept every tuned model (on a GPU its weights and pinned
-    residuals) alive for the process's life. (GemvTimer, which needs a GPU, stubbed.)"""
+    residuals) alive for the process's life. And no reference cycle: the bench and its model go when the last
+    reference does, not whenever the garbage collector runs (it once destroyed a bench's decode graph inside another
+    capture). (GemvTimer, which needs a GPU, stubbed.)"""
     import gc
     import weakref
 
@@ -767,7 +769,12 @@ def test_a_tuning_bench_lets_its_model_go(tiny_quant, monkeypatch):
     lm = load(tiny_quant)
     bench = timing.GpuBench(lm, tokens=0)
     assert bench.block_values("qkv", 1) is bench.block_values("qkv", 1)  # (cached)
-    gone = weakref.ref(lm)
-    del lm, bench
-    gc.collect()
-    assert gone() is None
+    gone, bench_gone = weakref.ref(lm), weakref.ref(bench)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del lm, bench
+        assert bench_gone() is None and gone() is None
+    finally:
+        if collecting:
+            gc.enable()

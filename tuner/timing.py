@@ -165,10 +165,12 @@ class GpuBench:
         self.lm, self.ctx = lm, min(ctx, lm.model.cfg.max_position_embeddings)
         self.gemv_time = GemvTimer(lm, reps)
         self._off = None  # the decode graph without QDEC (decode_time)
-        # per bench, not per class: a class-level functools.cache kept every tuned model (its weights, pinned
-        # residuals) alive for the process's life
-        self.block_values = functools.cache(self._block_values)
-        self._kind_weight = functools.cache(self._kind_weight_of)
+        # memos per bench, in plain dicts: a class-level functools.cache kept every tuned model (its weights, pinned
+        # residuals) alive for the process's life, and one of bound methods stored on the bench made a reference
+        # cycle, whose decode graph (_off) the garbage collector then destroyed at a random time, once inside
+        # another capture (the capture failed: CUDA error 901)
+        self._values: dict[tuple[str, int], dict[int, float] | None] = {}
+        self._weights: dict[str, float | None] = {}
         self.ids, self.tokens = None, 0
         if tokens:
             from localllm.evaluate import read_text, tokenize
@@ -186,22 +188,26 @@ class GpuBench:
     def _measured(self) -> dict | None:
         return self.lm.manifest.get("calibration", {}).get("qdec_value")
 
-    def _kind_weight_of(self, kind: str) -> float | None:
+    def _kind_weight(self, kind: str) -> float | None:
         from .blocks import counted_rows, kind_weight
-        measured = self._measured
-        return None if measured is None else \
-            kind_weight(compensable(self.lm, kind), measured, counted_rows(self.lm.model.cfg, kind))
+        if kind not in self._weights:
+            measured = self._measured
+            self._weights[kind] = None if measured is None else \
+                kind_weight(compensable(self.lm, kind), measured, counted_rows(self.lm.model.cfg, kind))
+        return self._weights[kind]
 
-    def _block_values(self, kind: str, k_chunk: int) -> dict[int, float] | None:
+    def block_values(self, kind: str, k_chunk: int) -> dict[int, float] | None:
         """Quantize's first-order values where it recorded them, else the kind's value split by the estimate."""
         from .blocks import counted_rows, first_order, values
-        measured = self._measured
-        fo = None if measured is None else first_order(compensable(self.lm, kind), measured, k_chunk)
-        if fo is not None:
-            return fo
-        w = self._kind_weight(kind)
-        return None if w is None else \
-            values(compensable(self.lm, kind), k_chunk, w, counted_rows(self.lm.model.cfg, kind))
+        if (kind, k_chunk) not in self._values:
+            measured = self._measured
+            fo = None if measured is None else first_order(compensable(self.lm, kind), measured, k_chunk)
+            if fo is None:
+                w = self._kind_weight(kind)
+                fo = None if w is None else \
+                    values(compensable(self.lm, kind), k_chunk, w, counted_rows(self.lm.model.cfg, kind))
+            self._values[kind, k_chunk] = fo
+        return self._values[kind, k_chunk]
 
     def decode_time(self, choice: Choice | None) -> float:
         """Median of DECODE_RUNS timings of one captured decode graph. The graph without QDEC is captured once per
