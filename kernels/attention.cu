@@ -8,7 +8,8 @@
 // do: one chain of dependent reads less per layer. The position
 // comes from device memory, so one captured CUDA graph serves every step: the runs are cut at run time, splits past
 // the context exit at once (localllm/decode.py still captures a second graph for positions below one chunk, launched
-// with one run and no attend_combine). Same math as the torch path (model.Block): q and k rounded
+// with one run and no attend_combine, and on sm_90 a third below 8 chunks, whose runs merge in their cluster: merge).
+// Same math as the torch path (model.Block): q and k rounded
 // to fp16 after rotate-half RoPE, scores and softmax in fp32, output rounded to fp16.
 //
 // BITS is the cache width. 16: fp16 keys and values. 8 or 4: kvquant.py's format, per (position, kv head) the codes
@@ -24,6 +25,7 @@
 constexpr int CHUNK = 128;   // positions per chunk
 constexpr int GQ_MAX = 8;    // query heads per kv head
 constexpr int SPLITS_MAX = 1024;  // splits of the context per kv head (attend_combine's shared weights)
+constexpr int CLUSTER_MAX = 8;    // runs merged in a cluster (the portable cluster size)
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no INFINITY
 #define POS_INF __int_as_float(0x7f800000)
 
@@ -61,6 +63,29 @@ struct Runs {
         : used(pos / CHUNK + 1), per((used + splits - 1) / splits), count((used + per - 1) / per) {}
 };
 
+// Thread-block clusters (sm_90+): a kv head's runs launched as one cluster (kernels/attention.py, where the span needs
+// at most CLUSTER_MAX runs) merge through each other's shared memory after a cluster barrier, instead of through
+// memory and attend_combine: one kernel boundary less (H200, 8B W3 step with an 8192-token cache at positions
+// 200-1000: 1.617-1.635 -> 1.590-1.604 ms; kernels/NOTES.md, session 73).
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+// *p in the shared memory of the cluster's block `rank` (p: an address in this block's shared memory)
+__device__ __forceinline__ float cluster_load(const float* p, int rank) {
+#if __CUDA_ARCH__ >= 900
+    unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p)), r;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r));
+    return v;
+#else
+    return *p;
+#endif
+}
+
 // Shared memory of attend_part, in 32-bit words: q [GQ][D] (fp32, scaled), p [GQ][CHUNK] (scores, then weights), then
 // the chunk's keys [CHUNK][KS] and values [CHUNK][RW] (cache words) and, for a quantized cache, two buffers of
 // (key, value) (scale, zero) [2][2][CHUNK] (the next chunk's arrive while this chunk's are used); at the end the
@@ -72,10 +97,12 @@ template <int D, int BITS> struct Tiles {
     // per channel (16 warps at D = 128); quantized caches 8 warps: their decode takes more registers, and 16 warps
     // left fewer blocks resident than the long contexts need (kernels/NOTES.md, session 21).
     static constexpr int NT = BITS == 16 ? 4 * D : 256;
-    // blocks per SM to build for: at 16 bits none named (0), ptxas's own choice (64 registers at D = 128, two blocks
-    // per SM); quantized caches one, which keeps ptxas from squeezing them into 64 registers with spills: the 8B's 8-bit
-    // cache decoded 9% slower per step that way (H200, kernels/NOTES.md, session 46)
-    static constexpr int MINB = BITS == 16 ? 0 : 1;
+    // blocks per SM to build for: at 16 bits and D = 128 two where a kv head has at most 4 query heads (64 registers,
+    // 8-28 bytes spilled; ptxas chose 64 by itself for the 8B's 4 until the cluster merge's code tipped it to 76: one
+    // block per SM, none beside a GEMV's), else none named (0: ptxas's own choice); quantized caches one, which keeps
+    // ptxas from squeezing them into 64 registers with spills: the 8B's 8-bit cache decoded 9% slower per step that
+    // way (H200, kernels/NOTES.md, session 46)
+    static constexpr int minb(int gq) { return BITS == 16 ? (D == 128 && gq <= 4 ? 2 : 0) : 1; }
     static constexpr int RW = D * BITS / 32;    // 32-bit words per cache row
     static constexpr int WPP = BITS / 4;        // words per 8-channel piece of a key
     static constexpr int KS = RW + 4 * WPP;     // key row stride: a load phase's pieces (4 per position) hit distinct banks
@@ -105,18 +132,55 @@ __device__ __forceinline__ void fetch(unsigned s_tile, unsigned s_sz, const unsi
     cp_async_commit();
 }
 
+// The cluster's merge (attend_part with merge): attend_combine's arithmetic in its order, so the same bits. Run r's
+// unnormalized outputs part[g][d] and statistics mstat[g], lstat[g] are read from the shared memory of the
+// cluster's block r; output (g, d) of kv head kvh is merged by block (g D + d) / nt % splits. Not inlined: its
+// registers stay out of attend_part's allocation (64 at D = 128, two blocks per SM beside a GEMV's).
+template <int D, int GQ>
+__device__ __noinline__ void cluster_merge(const float* part, const float* mstat, const float* lstat,
+                                           __half* __restrict__ out, int kvh, int split, int splits, int count,
+                                           int nt) {
+    for (int i = split * nt + threadIdx.x; i < GQ * D; i += splits * nt) {
+        const int g = i / D, d = i % D;
+        float m[CLUSTER_MAX], l[CLUSTER_MAX], o[CLUSTER_MAX];  // every run's loads in flight together
+#pragma unroll
+        for (int r = 0; r < CLUSTER_MAX; r++)
+            if (r < count)
+                m[r] = cluster_load(mstat + g, r), l[r] = cluster_load(lstat + g, r),
+                o[r] = cluster_load(part + g * D + d, r);
+        float M = NEG_INF;
+#pragma unroll
+        for (int r = 0; r < CLUSTER_MAX; r++) M = r < count ? fmaxf(M, m[r]) : M;
+        // sum_r exp(m_r - M) l_r added as attend_combine's block_reduce adds it: a butterfly over a warp's lanes,
+        // lane r holding run r's term (its levels 16 and 8 add zeros: at most 8 runs)
+        static_assert(CLUSTER_MAX == 8, "the butterfly below starts at 4");
+        float v[CLUSTER_MAX], a = 0.0f;
+#pragma unroll
+        for (int r = 0; r < CLUSTER_MAX; r++) {
+            const float w = r < count ? __expf(m[r] - M) : 0.0f;
+            v[r] = r < count ? fmaf(w, l[r], 0.0f) : 0.0f;
+            a = r < count ? fmaf(w, o[r], a) : a;
+        }
+#pragma unroll
+        for (int h = CLUSTER_MAX / 2; h > 0; h >>= 1)
+#pragma unroll
+            for (int r = 0; r < h; r++) v[r] = v[r] + v[r + h];
+        out[(kvh * GQ + g) * D + d] = __float2half_rn(a / v[0]);
+    }
+}
+
 // qkv: [H*D | KVH*D | KVH*D] of the new token; inv_freq: [D/2] RoPE frequencies; kc/vc: this layer's cache rows
 // [KVH, max_len, D * BITS / 32] in 32-bit words; ksz/vsz: [KVH, max_len] (scale, zero), unused at 16 bits;
 // ws_o [H, splits, D], ws_ml [H, splits, 2]: the runs' unnormalized outputs and (max, sum) of their softmax; out
 // [H * D]: the output, written here where one run covers the context.
 template <int D, int GQ, int BITS>
-__global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::MINB) attend_part(const __half* __restrict__ qkv,
+__global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::minb(GQ)) attend_part(const __half* __restrict__ qkv,
                                                      const float* __restrict__ inv_freq, unsigned* __restrict__ kc,
                                                      unsigned* __restrict__ vc, __half2* __restrict__ ksz,
                                                      __half2* __restrict__ vsz, const long long* __restrict__ pos_p,
                                                      float* __restrict__ ws_o, float* __restrict__ ws_ml,
                                                      __half* __restrict__ out, int H,
-                                                     int KVH, int max_len, float scale) {
+                                                     int KVH, int max_len, float scale, int merge) {
     using T = Tiles<D, BITS>;
     constexpr bool QUANT = BITS < 16;
     constexpr int NT = T::NT, RW = T::RW, VPW = 32 / BITS, HALF = D / 2;
@@ -129,6 +193,7 @@ __global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::MINB) atte
     if (c0 >= used) {
         wait_previous();
         start_next();
+        if (merge) cluster_sync(), cluster_sync();  // the active runs merge meanwhile (none reads this block)
         return;
     }
     extern __shared__ float sm[];
@@ -411,15 +476,21 @@ __global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::MINB) atte
             a = QUANT ? a + zsum[g] : a;
             if (alone)
                 out[head * D + d] = __float2half_rn(a / lstat[g]);
+            else if (merge)
+                q[g * D + d] = a;  // (q is spent) for the cluster's merge below
             else
                 ws_o[((size_t)head * splits + split) * D + d] = a;
-            if (d == 0) {
+            if (d == 0 && !merge) {
                 ws_ml[(head * splits + split) * 2] = mstat[g];
                 ws_ml[(head * splits + split) * 2 + 1] = lstat[g];
             }
         }
         __syncthreads();  // red is free again
     }
+    if (!merge) return;
+    cluster_sync();  // every run's outputs and statistics are in place
+    if (!alone) cluster_merge<D, GQ>(q, mstat, lstat, out, kvh, split, splits, runs.count, NT);
+    cluster_sync();  // no block leaves while another reads its shared memory
 }
 
 // A value reduced over the block (max or sum), returned to every thread.
@@ -478,7 +549,7 @@ __global__ void attend_combine(const float* __restrict__ ws_o, const float* __re
 
 #ifndef __CUDACC_RTC__  // nvcc (resource checks) builds every variant; NVRTC only what kernels/cuda.py asks for
 #define INST(D, GQ, B) template __global__ void attend_part<D, GQ, B>(const __half*, const float*, unsigned*, \
-    unsigned*, __half2*, __half2*, const long long*, float*, float*, __half*, int, int, int, float);
+    unsigned*, __half2*, __half2*, const long long*, float*, float*, __half*, int, int, int, float, int);
 #define INST_GQ(D, B) INST(D, 1, B) INST(D, 2, B) INST(D, 3, B) INST(D, 4, B) INST(D, 5, B) INST(D, 6, B) \
     INST(D, 7, B) INST(D, 8, B)
 #define INST_BITS(D) INST_GQ(D, 16) INST_GQ(D, 8) INST_GQ(D, 4)

@@ -9,7 +9,8 @@ import torch
 
 from . import cuda
 
-CHUNK, GQ_MAX, SPLITS_MAX = 128, 8, 1024  # as in attention.cu
+CHUNK, GQ_MAX, SPLITS_MAX, CLUSTER_MAX = 128, 8, 1024, 8  # as in attention.cu
+CLUSTER_SPAN = CHUNK * CLUSTER_MAX  # the longest span whose runs merge in a cluster (never more runs than chunks)
 
 
 def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -18,15 +19,18 @@ def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            pos: torch.Tensor, heads: int, kv_heads: int, scale: float, k_sz: torch.Tensor | None = None,
-           v_sz: torch.Tensor | None = None, span: int | None = None, splits: int | None = None) -> torch.Tensor:
+           v_sz: torch.Tensor | None = None, span: int | None = None, splits: int | None = None,
+           cluster: bool | None = None) -> torch.Tensor:
     """qkv: fp16 [(heads + 2 kv_heads) * D] of the new token (before RoPE); inv_freq: float32 [D/2], RoPE's
     frequencies (the kernel rotates by the angles pos * inv_freq, as model.rope_tables computes them);
     k_cache/v_cache: one layer's cache, fp16 [kv_heads, max_len, D], or int32 codes [kv_heads, max_len, D * bits / 32]
     with k_sz/v_sz, fp16 [kv_heads, max_len, 2] (scale, zero); the new key and value are written (quantized) at pos;
     pos: int64 [1] on the GPU; span: the positions this launch may be asked to attend (pos < span; default the whole
     cache), which sizes the split; splits: runs of the context per kv head (default n_splits; tests force a few chunks
-    per run). One run needs no combine kernel: attend_part writes the output. Returns the attention output, fp16
-    [heads * D]."""
+    per run). One run needs no combine kernel: attend_part writes the output; nor do at most CLUSTER_MAX runs where
+    the GPU has thread-block clusters (cuda.clusters): a kv head's runs are one cluster and merge in it, the same bits
+    as attend_combine's (cluster=False forces the combine, as on GPUs without clusters). Returns the attention
+    output, fp16 [heads * D]."""
     D = qkv.numel() // (heads + 2 * kv_heads)
     kvh, max_len, words = k_cache.shape
     bits = 16 if k_sz is None else words * 32 // D
@@ -40,12 +44,13 @@ def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_c
     ws_ml = torch.empty(heads, splits, 2, dtype=torch.float32, device=qkv.device)
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)
     sz = (np.uint64(0), np.uint64(0)) if k_sz is None else (cuda.ptr(k_sz), cuda.ptr(v_sz))
+    merge = 1 < splits <= CLUSTER_MAX and cuda.clusters(qkv.device.index) and cluster is not False
     cuda.allow_shared(k, smem)
     cuda.launch(k, (kvh, splits), (threads,), (
         cuda.ptr(qkv), cuda.ptr(inv_freq), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz, cuda.ptr(pos),
-        cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(out), np.int32(heads), np.int32(kv_heads), np.int32(max_len), np.float32(scale)),
-                shared_mem=smem, early=True)
-    if splits == 1:
+        cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(out), np.int32(heads), np.int32(kv_heads), np.int32(max_len),
+        np.float32(scale), np.int32(merge)), shared_mem=smem, early=True, cluster=(1, splits, 1) if merge else None)
+    if splits == 1 or merge:
         return out
     cuda.launch(cuda.kernel("attention", "attend_combine"), (heads,), (D,), (
         cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(pos), cuda.ptr(out), np.int32(splits), np.int32(D)), early=True)

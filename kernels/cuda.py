@@ -197,30 +197,39 @@ def next_is_plain(device: int) -> bool:
 
 
 def launch(func, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, early: bool = False,
-           plain_next: bool = False) -> None:
+           plain_next: bool = False, cluster: tuple | None = None) -> None:
     """Launch a kernel of kernel() on torch's current stream. early=True: programmatic dependent launch (sm_90+),
     the kernel may start while the previous one in the stream still runs; it must execute griddepcontrol.wait
     before it reads or writes memory that earlier kernels touch (weights it may prefetch before). plain_next: the
-    next launch on this device is a plain one (in stream order, as a graph captures it)."""
+    next launch on this device is a plain one (in stream order, as a graph captures it). cluster: the blocks of
+    each thread-block cluster in x, y, z (sm_90+: clusters())."""
     dev = torch.cuda.current_device()
     early = early and not next_is_plain(dev)
     _plain_next.discard(dev)
     if plain_next:
         _plain_next.add(dev)
-    if not early:
+    if not early and cluster is None:
         func(grid, block, args, stream=stream(), shared_mem=shared_mem)
         return
     grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
     values = [_CTYPE[type(a)](a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1  # programmaticStreamSerializationAllowed
-    cfg = _LaunchConfig(*grid, *block, shared_mem, torch.cuda.current_stream().cuda_stream,
-                        ctypes.pointer(attr), 1)
+    attrs = (_LaunchAttribute * 2)()
+    n = 0
+    if early:
+        attrs[n].id = _PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[n].value[0] = 1  # programmaticStreamSerializationAllowed
+        n += 1
+    if cluster is not None:
+        attrs[n].id = _CLUSTER_DIMENSION
+        attrs[n].value[0], attrs[n].value[1], attrs[n].value[2] = cluster
+        n += 1
+    cfg = _LaunchConfig(*grid, *block, shared_mem, torch.cuda.current_stream().cuda_stream, attrs, n)
     err = _libcuda().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(func.kernel.ptr), params, None)
     if err:
-        raise LocalLLMError(f"early kernel launch (cuLaunchKernelEx) failed with CUDA error {err}; set "
-                            "LOCALLLM_NO_PDL=1 to launch kernels the plain way")
+        raise LocalLLMError(f"kernel launch (cuLaunchKernelEx{', early' if early else ''}"
+                            f"{', cluster' if cluster else ''}) failed with CUDA error {err}; set LOCALLLM_NO_PDL=1 "
+                            "to launch kernels the plain way")
 
 
 @functools.cache
@@ -236,7 +245,15 @@ def early_launch(device: int) -> bool:
     return True
 
 
+@functools.cache
+def clusters(device: int) -> bool:
+    """Thread-block clusters (sm_90+, launched through cuLaunchKernelEx), unless LOCALLLM_NO_PDL=1, which keeps
+    every launch plain."""
+    return early_launch(device)
+
+
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID in cuda.h
+_CLUSTER_DIMENSION = 4
 
 
 def _ctypes():

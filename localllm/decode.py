@@ -11,11 +11,13 @@ copies a given token and position in and replays the model alone (teacher-forced
 model and the choice of the next token, which stays on the GPU as the next step's input, so generation needs no host
 round trip between steps: the host reads each token (read()) while the next step already runs.
 
-Each kind of graph comes in two spans: positions below SHORT_SPAN and the rest of the cache. The position is read from
-device memory, so one graph would serve them all, but the short one attends in a single run per kv head, which writes
-the output itself: the kernel that merges runs, and its place in every layer's chain, is left out (an 8B step 2.7-3.3%
-faster; one run over more than one chunk is slower than the runs and their merge, so the short span is one chunk;
-kernels/NOTES.md, session 47).
+Each kind of graph comes in two spans, three with thread-block clusters (sm_90+): positions below SHORT_SPAN, below
+CLUSTER_SPAN, and the rest of the cache. The position is read from device memory, so one graph would serve them all,
+but the short one attends in a single run per kv head, which writes the output itself, and the middle one in at most
+8 runs that merge inside their cluster: the kernel that merges runs, and its place in every layer's chain, is left
+out (an 8B step 2.7-3.3% faster at the short span, kernels/NOTES.md, session 47; 1.7-1.9% at the middle one with a
+chat-sized cache, session 73).
+One run over more than one chunk is slower than the runs and their merge, so the short span is one chunk.
 """
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ from .model import KVCache, Transformer
 from .sampling import SamplingParams, choose
 
 SHORT_SPAN = 128  # one chunk of the decode attention (kernels/attention.py's CHUNK): a single run covers it
+CLUSTER_SPAN = 1024  # kernels/attention.py's CLUSTER_SPAN: 8 chunks, whose runs merge in one cluster
+
+
+def _clusters(dev: torch.device) -> bool:
+    from .kernels import cuda
+    return dev.type == "cuda" and cuda.clusters(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 class Decoder:
@@ -36,7 +44,8 @@ class Decoder:
         dev = model.device
         self.cache = KVCache(model.cfg, max_len, dtype=model.act_dtype, device=dev, bits=kv_bits)
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
-        self.spans = [s for s in (SHORT_SPAN,) if s < max_len] + [max_len]  # the graphs' spans, in order
+        middle = (CLUSTER_SPAN,) if self.use_graph and _clusters(dev) else ()
+        self.spans = [s for s in (SHORT_SPAN, *middle) if s < max_len] + [max_len]  # the graphs' spans, in order
         self._step_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by span: graph, logits
         self.graph: torch.cuda.CUDAGraph | None = None  # the step graph replayed last
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)

@@ -663,10 +663,12 @@ def test_decoder_is_kept_and_grows_geometrically(lm, monkeypatch):
 
 def test_decoder_spans_split_at_one_attention_chunk(lm):
     """The graphs' spans (decode.py): positions below SHORT_SPAN (one chunk of the decode attention, which then needs
-    no merging kernel) and the rest of the cache; a cache no longer than a chunk has one span."""
-    from localllm.decode import SHORT_SPAN, Decoder
-    from localllm.kernels.attention import CHUNK
-    assert SHORT_SPAN == CHUNK
+    no merging kernel) and the rest of the cache; a cache no longer than a chunk has one span. (On a GPU with
+    thread-block clusters a third span, below CLUSTER_SPAN, merges its runs in their clusters; not on the CPU.)"""
+    from localllm.decode import CLUSTER_SPAN, SHORT_SPAN, Decoder
+    from localllm.kernels import attention
+    assert SHORT_SPAN == attention.CHUNK and CLUSTER_SPAN == attention.CLUSTER_SPAN
+    assert Decoder(lm.model, 2 * CLUSTER_SPAN).spans == [SHORT_SPAN, 2 * CLUSTER_SPAN]
     dec = Decoder(lm.model, SHORT_SPAN + 72)
     assert dec.spans == [SHORT_SPAN, SHORT_SPAN + 72]
     assert [dec.span(p) for p in (0, SHORT_SPAN - 1, SHORT_SPAN, SHORT_SPAN + 71)] == \

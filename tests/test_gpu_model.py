@@ -209,7 +209,8 @@ def rotated_qkv(heads: int, kv_heads: int, D: int, p: int):
 
 
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128), (4, 4, 128), (16, 2, 64)])
-@pytest.mark.parametrize("splits", [None, 1, 3])  # the default, then runs of 4 and 2 chunks
+@pytest.mark.parametrize("splits", [None, 1, 3, 8])  # the default, then runs of 12, 4, 2 chunks (merged in a cluster
+# on sm_90 where 8 or fewer)
 def test_fused_decode_attention_matches_float64_reference(heads, kv_heads, D, splits):
     from localllm.kernels import attention
     max_len, gq = 1500, heads // kv_heads
@@ -231,6 +232,26 @@ def test_fused_decode_attention_matches_float64_reference(heads, kv_heads, D, sp
         assert rel < 2e-3, (p, rel)
         assert torch.allclose(kc[:, p].cpu().double(), k_new, atol=2e-3), "rotated key appended at pos"
         assert torch.equal(vc[:, p].cpu().double(), v_new), "value appended at pos"
+
+
+@pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128), (16, 2, 64)])
+def test_runs_merged_in_a_cluster_equal_attend_combine(heads, kv_heads, D):
+    """Where the GPU has thread-block clusters, up to 8 runs of a kv head merge in their cluster instead of in
+    attend_combine: the same bits, for every count of runs from 1 to 8 (and for 3 runs of up to 3 chunks each)."""
+    from localllm.kernels import attention, cuda
+    if not cuda.clusters(torch.cuda.current_device()):
+        pytest.skip("no thread-block clusters here (a GPU before sm_90, or LOCALLLM_NO_PDL=1)")
+    max_len = attention.CLUSTER_SPAN
+    kc = torch.randn(kv_heads, max_len, D, device="cuda").half()
+    vc = torch.randn(kv_heads, max_len, D, device="cuda").half()
+    for splits in (8, 3):
+        for p in (5, 130, 300, 500, 640, 700, 900, max_len - 1):
+            qkv, inv_freq = rotated_qkv(heads, kv_heads, D, p)[:2]
+            pos = torch.tensor([p], device="cuda")
+            merged = attention.attend(qkv, inv_freq, kc, vc, pos, heads, kv_heads, D ** -0.5, splits=splits)
+            combined = attention.attend(qkv, inv_freq, kc, vc, pos, heads, kv_heads, D ** -0.5, splits=splits,
+                                        cluster=False)
+            assert torch.equal(merged, combined), (splits, p)
 
 
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128)])
@@ -339,6 +360,32 @@ def test_fused_decode_of_real_shaped_models_matches_cpu(tmp_path, monkeypatch, a
     most, mean = (0.3, 0.12) if kv_bits == 4 else (3e-2, 3e-2)
     assert max(rels) < most and sum(rels) / len(rels) < mean, rels
     assert sum(rels[-10:]) < 2 * sum(rels[1:11]), rels
+
+
+def test_decode_graphs_across_the_cluster_span_match_eager_steps(tmp_path):
+    """Steps from CLUSTER_SPAN - 24 on cross from the middle graph (at most 8 runs a kv head, merged in their clusters
+    where the GPU has them) to the long one (attend_combine); eager steps split the whole cache and merge in
+    attend_combine. The same logits up to the runs' rounding."""
+    from conftest import make_checkpoint
+    from localllm.decode import CLUSTER_SPAN
+    from localllm.kernels import cuda
+    from localllm.quantize import quantize
+    src = make_checkpoint(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=2048)
+    lm = load(quantize(str(src), str(tmp_path / "q"), bits=4, group_size=64, calib_tokens=256, seq_len=64),
+              device="cuda", qdec="off")
+    n, steps = CLUSTER_SPAN - 24, 48
+    ids = torch.randint(0, lm.model.cfg.vocab_size, (n + steps,)).tolist()
+    eager, graph = Decoder(lm.model, n + steps, use_graph=False), Decoder(lm.model, n + steps)
+    clusters = cuda.clusters(torch.cuda.current_device())
+    assert graph.spans == [SHORT_SPAN] + [CLUSTER_SPAN] * clusters + [n + steps]
+    with torch.no_grad():
+        a, b = eager.prefill(ids[:n]), graph.prefill(ids[:n])
+        for pos in range(n, n + steps):
+            tok = torch.tensor(ids[pos], device="cuda")
+            a, b = eager.step(tok, pos), graph.step(tok, pos)
+            assert torch.allclose(a, b, atol=2e-2, rtol=1e-2), pos
+    assert set(graph._step_graphs) == {CLUSTER_SPAN, n + steps} if clusters else {n + steps}
 
 
 def test_gpu_decode_steps_match_cpu_with_a_16_bit_cache(tiny_quant):
