@@ -16,7 +16,7 @@ if [ -n "$why" ]; then echo "gpu_check.sh runs the GPU tests and benchmarks, and
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 # optional arguments: which benchmarks (localllm.bench: gemv, gemv-lut, gemv-sweep, e2e, demo, breakdown, qdec, e2e-qdec, tune,
 # prefill, kv, kv-ppl, quantize; --kv-bits 8|4 for the decoders of e2e, demo, breakdown, e2e-qdec);
-# GPU_TESTS=0 skips the tests; TESTS="tests/test_gpu_qdec.py ..." runs those files only
+# GPU_TESTS=0 skips the tests, BENCH=0 the benchmarks; TESTS="tests/test_gpu_qdec.py ..." runs those files only
 tests_rc=0
 # without textual (not on the device unless its wheels are carried) the chat UI's tests cannot be collected: leave
 # them out, and say so, rather than stop the whole run at collection
@@ -38,8 +38,11 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
     tests_rc=$(( tests_rc | PIPESTATUS[0] ))
   fi
 fi
-python3 -m localllm.bench "$@" 2>&1 | tee "$OUT/bench.txt"
-bench_rc=${PIPESTATUS[0]}
+bench_rc=0
+if [ "${BENCH:-1}" = 1 ]; then  # BENCH=0: the tests only
+  python3 -m localllm.bench "$@" 2>&1 | tee "$OUT/bench.txt"
+  bench_rc=${PIPESTATUS[0]}
+fi
 # REPORT=DIR (a report made on a CPU, e.g. docs/report-demo): add the GPU sections of `localllm report` to it, with
 # REPORT_ARGS for its model and settings (as its report.md states), and bring the folder back as $OUT/report.tgz
 report_rc=0
