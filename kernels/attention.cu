@@ -134,13 +134,13 @@ __device__ __forceinline__ void fetch(unsigned s_tile, unsigned s_sz, const unsi
 
 // The cluster's merge (attend_part with merge): attend_combine's arithmetic in its order, so the same bits. Run r's
 // unnormalized outputs part[g][d] and statistics mstat[g], lstat[g] are read from the shared memory of the
-// cluster's block r; output (g, d) of kv head kvh is merged by block (g D + d) / nt % splits. Not inlined: its
-// registers stay out of attend_part's allocation (64 at D = 128, two blocks per SM beside a GEMV's).
+// cluster's block r; output (g, d) of kv head kvh is merged by run (g D + d) / nt % count, one of the `count` runs
+// that hold some of the context (every one of them calls this; the rest of the cluster has returned). Not inlined:
+// its registers stay out of attend_part's allocation (64 at D = 128, two blocks per SM beside a GEMV's).
 template <int D, int GQ>
 __device__ __noinline__ void cluster_merge(const float* part, const float* mstat, const float* lstat,
-                                           __half* __restrict__ out, int kvh, int split, int splits, int count,
-                                           int nt) {
-    for (int i = split * nt + threadIdx.x; i < GQ * D; i += splits * nt) {
+                                           __half* __restrict__ out, int kvh, int split, int count, int nt) {
+    for (int i = split * nt + threadIdx.x; i < GQ * D; i += count * nt) {
         const int g = i / D, d = i % D;
         float m[CLUSTER_MAX], l[CLUSTER_MAX], o[CLUSTER_MAX];  // every run's loads in flight together
 #pragma unroll
@@ -489,7 +489,7 @@ __global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::minb(GQ)) 
     }
     if (!merge) return;
     cluster_sync();  // every run's outputs and statistics are in place
-    if (!alone) cluster_merge<D, GQ>(q, mstat, lstat, out, kvh, split, splits, runs.count, NT);
+    if (!alone) cluster_merge<D, GQ>(q, mstat, lstat, out, kvh, split, runs.count, NT);
     cluster_sync();  // no block leaves while another reads its shared memory
 }
 

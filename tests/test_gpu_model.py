@@ -234,22 +234,30 @@ def test_fused_decode_attention_matches_float64_reference(heads, kv_heads, D, sp
         assert torch.equal(vc[:, p].cpu().double(), v_new), "value appended at pos"
 
 
-@pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128), (16, 2, 64)])
-def test_runs_merged_in_a_cluster_equal_attend_combine(heads, kv_heads, D):
+@pytest.mark.parametrize("heads,kv_heads,D,bits", [(9, 3, 64, 16), (32, 8, 128, 16), (16, 2, 64, 16),
+                                                   (28, 4, 128, 8), (28, 4, 128, 4)])
+def test_runs_merged_in_a_cluster_equal_attend_combine(heads, kv_heads, D, bits):
     """Where the GPU has thread-block clusters, up to 8 runs of a kv head merge in their cluster instead of in
-    attend_combine: the same bits, for every count of runs from 1 to 8 (and for 3 runs of up to 3 chunks each)."""
+    attend_combine: the same bits, for every count of runs from 1 to 8 (and for 3 runs of up to 3 chunks each). With
+    7 query heads of 128 channels a kv head and a quantized cache's 256 threads a block, two runs merge 896 outputs."""
+    from localllm import kvquant
     from localllm.kernels import attention, cuda
     if not cuda.clusters(torch.cuda.current_device()):
         pytest.skip("no thread-block clusters here (a GPU before sm_90, or LOCALLLM_NO_PDL=1)")
     max_len = attention.CLUSTER_SPAN
-    kc = torch.randn(kv_heads, max_len, D, device="cuda").half()
-    vc = torch.randn(kv_heads, max_len, D, device="cuda").half()
+    kc, vc = (torch.randn(kv_heads, max_len, D, device="cuda") for _ in range(2))
+    sz = ()
+    if bits < 16:
+        (kc, ksz), (vc, vsz) = kvquant.quantize(kc, bits), kvquant.quantize(vc, bits)
+        sz = (ksz, vsz)
+    else:
+        kc, vc = kc.half(), vc.half()
     for splits in (8, 3):
         for p in (5, 130, 300, 500, 640, 700, 900, max_len - 1):
             qkv, inv_freq = rotated_qkv(heads, kv_heads, D, p)[:2]
             pos = torch.tensor([p], device="cuda")
-            merged = attention.attend(qkv, inv_freq, kc, vc, pos, heads, kv_heads, D ** -0.5, splits=splits)
-            combined = attention.attend(qkv, inv_freq, kc, vc, pos, heads, kv_heads, D ** -0.5, splits=splits,
+            merged = attention.attend(qkv, inv_freq, kc, vc, pos, heads, kv_heads, D ** -0.5, *sz, splits=splits)
+            combined = attention.attend(qkv, inv_freq, kc, vc, pos, heads, kv_heads, D ** -0.5, *sz, splits=splits,
                                         cluster=False)
             assert torch.equal(merged, combined), (splits, p)
 
