@@ -20,7 +20,7 @@ def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
 def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            pos: torch.Tensor, heads: int, kv_heads: int, scale: float, k_sz: torch.Tensor | None = None,
            v_sz: torch.Tensor | None = None, span: int | None = None, splits: int | None = None,
-           cluster: bool | None = None) -> torch.Tensor:
+           cluster: bool = True) -> torch.Tensor:
     """qkv: fp16 [(heads + 2 kv_heads) * D] of the new token (before RoPE); inv_freq: float32 [D/2], RoPE's
     frequencies (the kernel rotates by the angles pos * inv_freq, as model.rope_tables computes them);
     k_cache/v_cache: one layer's cache, fp16 [kv_heads, max_len, D], or int32 codes [kv_heads, max_len, D * bits / 32]
@@ -44,7 +44,7 @@ def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_c
     ws_ml = torch.empty(heads, splits, 2, dtype=torch.float32, device=qkv.device)
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)
     sz = (np.uint64(0), np.uint64(0)) if k_sz is None else (cuda.ptr(k_sz), cuda.ptr(v_sz))
-    merge = 1 < splits <= CLUSTER_MAX and cuda.clusters(qkv.device.index) and cluster is not False
+    merge = cluster and 1 < splits <= CLUSTER_MAX and cuda.clusters(qkv.device.index)
     cuda.allow_shared(k, smem)
     cuda.launch(k, (kvh, splits), (threads,), (
         cuda.ptr(qkv), cuda.ptr(inv_freq), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz, cuda.ptr(pos),

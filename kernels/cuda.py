@@ -245,7 +245,6 @@ def early_launch(device: int) -> bool:
     return True
 
 
-@functools.cache
 def clusters(device: int) -> bool:
     """Thread-block clusters (sm_90+, launched through cuLaunchKernelEx), unless LOCALLLM_NO_PDL=1, which keeps
     every launch plain."""

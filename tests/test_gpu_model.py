@@ -393,7 +393,7 @@ def test_decode_graphs_across_the_cluster_span_match_eager_steps(tmp_path):
             tok = torch.tensor(ids[pos], device="cuda")
             a, b = eager.step(tok, pos), graph.step(tok, pos)
             assert torch.allclose(a, b, atol=2e-2, rtol=1e-2), pos
-    assert set(graph._step_graphs) == {CLUSTER_SPAN, n + steps} if clusters else {n + steps}
+    assert set(graph._step_graphs) == ({CLUSTER_SPAN, n + steps} if clusters else {n + steps})
 
 
 def test_gpu_decode_steps_match_cpu_with_a_16_bit_cache(tiny_quant):
