@@ -81,11 +81,12 @@ def source(name: str) -> str:
 
 def options(device: int) -> tuple[str, ...]:
     """NVRTC options of every kernel module for `device`: its architecture and the shared memory a block may opt in to
-    (SHARED_LIMIT: the device's own, whatever shared_limit reports; gemv.cu sizes an array by it as
-    gemv.tiles_per_barrier does); LOCALLLM_LINEINFO=1 adds line info for profilers."""
+    (SHARED_LIMIT: shared_limit's, as the device reports it or LOCALLLM_SHARED_LIMIT lowers it, whatever a test's
+    stand-in for shared_limit says; gemv.cu sizes an array by it as gemv.tiles_per_barrier does);
+    LOCALLLM_LINEINFO=1 adds line info for profilers."""
     props = torch.cuda.get_device_properties(device)
     return ("-std=c++17", f"--gpu-architecture=sm_{props.major}{props.minor}", f"-I{HERE}",
-            f"-DSHARED_LIMIT={props.shared_memory_per_block_optin}") + (
+            f"-DSHARED_LIMIT={_shared_limit(device)}") + (
         ("-lineinfo",) if os.environ.get("LOCALLLM_LINEINFO") == "1" else ())
 
 
@@ -159,11 +160,17 @@ def sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.cache
 def shared_limit(device: int) -> int:
     """Shared memory (dynamic and static) a block of GPU `device` may opt in to: 227 KB on sm_90, 99 KB on the
-    RTX 30/40 series (sm_86 / sm_89)."""
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    RTX 30/40 series (sm_86 / sm_89). LOCALLLM_SHARED_LIMIT=BYTES, where less, makes the kernels choose their variants
+    and compile as on a GPU with that much (101376: an RTX 40's; the GPU tests' second pass)."""
+    return _shared_limit(device)
+
+
+@functools.cache
+def _shared_limit(device: int) -> int:
+    own = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return min(own, int(os.environ.get("LOCALLLM_SHARED_LIMIT") or own))
 
 
 @functools.cache

@@ -29,11 +29,11 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
   # shellcheck disable=SC2086
   python3 -m pytest -m gpu -q -p no:cacheprovider $ignore ${TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.txt"
   tests_rc=${PIPESTATUS[0]}
-  # again with plain launches: what a GPU before Hopper (no programmatic dependent launch) runs (GPU_TESTS_NO_PDL=0
-  # skips this pass)
+  # again as an RTX 40 runs: plain launches (no programmatic dependent launch, no clusters) and 99 KB of shared memory
+  # a block (the variants chosen and the kernels compiled for it). GPU_TESTS_NO_PDL=0 skips this pass.
   if [ "${GPU_TESTS_NO_PDL:-1}" = 1 ]; then
     # shellcheck disable=SC2086
-    LOCALLLM_NO_PDL=1 python3 -m pytest -m gpu -q -p no:cacheprovider $ignore ${TESTS:-tests} 2>&1 \
+    LOCALLLM_NO_PDL=1 LOCALLLM_SHARED_LIMIT=101376 python3 -m pytest -m gpu -q -p no:cacheprovider $ignore ${TESTS:-tests} 2>&1 \
       | tee "$OUT/gpu_tests_no_pdl.txt"
     tests_rc=$(( tests_rc | PIPESTATUS[0] ))
   fi

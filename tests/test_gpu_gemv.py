@@ -92,8 +92,10 @@ def test_gemv_gives_the_same_bits_whether_x_or_the_weights_load_first(mode, K):
 def test_gemv_on_the_int8_path_matches_float64_reference(N, K, mode, bits, monkeypatch):
     """4- and 3-bit weights on the int8 tensor cores (uses_int8: decode takes it for the 8B qkv, o and gate_up)
     compute the same function as the fp16 path: forced on every shape (two pairs a slot, one, a last single step),
-    with the input transforms, x with outliers and tiny values, and the residual."""
+    with the input transforms, x with outliers and tiny values, and the residual. Where its planes do not fit the
+    GPU's shared memory (K = 14336 at 4 bits in 99 KB) the fp16 kernel runs instead."""
     from localllm import ops
+    from localllm.kernels import cuda
     import localllm.kernels.gemv as kg
     monkeypatch.setattr(kg, "uses_int8", lambda w, qdec, dev: w.group_size == 128 and not qdec)
     q = random_quant(N, K, bits, 128)
@@ -106,7 +108,12 @@ def test_gemv_on_the_int8_path_matches_float64_reference(N, K, mode, bits, monke
     from test_gpu_qdec import kernels_asked
     asked = kernels_asked(monkeypatch)
     got = kg.gemv(x, w, residual=res, **kw)
-    assert asked and all(e.endswith(",true>") for e in asked if e.startswith("gemv<")), asked  # the int8 kernel ran
+    limit = cuda.shared_limit(torch.cuda.current_device())
+    variant = kg.decode_variant(w, limit)
+    fits = kg.shared_bytes(w, *variant, int8=True) + kg.static_shared_bytes(variant[0], limit) <= limit
+    assert (K, bits) != (4096, 4) or fits  # the 8B's gate_up runs it on every GPU
+    # the int8 kernel ran where it fits
+    assert asked and all(e.endswith(f",{str(fits).lower()}>") for e in asked if e.startswith("gemv<")), asked
     xin = ops.rmsnorm(x.float(), nw, 1e-5) if mode == "norm" else ops.silu_mul(x.float()) if mode == "glu" else x
     ref = q.dequantize(torch.float64) @ xin.half().double() + res.double()
     err = ((got.double() - ref).norm() / ref.norm()).item()
@@ -211,3 +218,38 @@ def test_gemv_in_the_variant_that_fits_a_smaller_shared_memory(bits, variant, mo
         got = gemv(x, w, norm=norm).double()
         want = ref @ xin
         assert ((got - want).norm() / want.norm()).item() < 1e-3, (variant, norm)
+
+
+@pytest.mark.parametrize("mode", ["plain", "glu"])
+def test_gemv_built_for_a_gpu_with_99_kb_equals_the_one_built_for_this_one(mode, monkeypatch):
+    """LOCALLLM_SHARED_LIMIT=101376 makes the kernels choose and compile as an RTX 40's 99 KB allows (the second
+    pass of scripts/gpu_check.sh runs every GPU test so): the partial sums of one tile a barrier instead of four (a
+    quarter of the static shared memory), on shapes whose blocks take several tiles; the same bits as the kernel
+    built for this GPU where both run the same variant."""
+    from localllm.kernels import cuda
+    from localllm.kernels.gemv import Packed, gemv, tiles_per_barrier
+    dev = torch.cuda.current_device()
+    if cuda.shared_limit(dev) < 200 * 1024:
+        pytest.skip("this GPU already has less than 200 KB of shared memory a block")
+    cases = []
+    for N, K, bits in [(28672, 4096, 3), (4096, 14336, 4), (6144, 4096, 4), (1728, 576, 3)]:
+        w = Packed.from_quant(random_quant(N, K, bits, 128))
+        x = torch.randn(2 * K if mode == "glu" else K, device="cuda").half()
+        cases.append((w, x, gemv(x, w, glu=mode == "glu", variant=(8, 3, 1))))
+    k4 = cuda.kernel("gemv", "gemv<3,8,3,1,0,false,1,false>")
+    try:
+        monkeypatch.setenv("LOCALLLM_SHARED_LIMIT", "101376")
+        cuda._shared_limit.cache_clear()
+        cuda.forget()
+        assert cuda.shared_limit(dev) == 101376 and "-DSHARED_LIMIT=101376" in cuda.options(dev)
+        assert tiles_per_barrier(cuda.shared_limit(dev)) == 1
+        k1 = cuda.kernel("gemv", "gemv<3,8,3,1,0,false,1,false>")
+        # red[2][NB][8 warps][16] floats: 1 KB a tile a barrier
+        assert k4.shared_size_bytes - k1.shared_size_bytes == 3 * 1024
+        for w, x, want in cases:
+            got = gemv(x, w, glu=mode == "glu", variant=(8, 3, 1))
+            assert torch.equal(got, want), (w.out_features, w.in_features, w.bits)
+    finally:
+        monkeypatch.delenv("LOCALLLM_SHARED_LIMIT")
+        cuda._shared_limit.cache_clear()
+        cuda.forget()

@@ -46,9 +46,9 @@ def problem_of(lm, sm_count: int | None = None, smem: int | None = None, grid_of
     from localllm.qdec import CHUNK
     dev = lm.model.device
     if sm_count is None or smem is None:
-        props = torch.cuda.get_device_properties(dev)
-        sm_count = props.multi_processor_count if sm_count is None else sm_count
-        smem = props.shared_memory_per_block_optin if smem is None else smem
+        from localllm.kernels import cuda
+        sm_count = cuda.sm_count(dev.index or 0) if sm_count is None else sm_count
+        smem = cuda.shared_limit(dev.index or 0) if smem is None else smem
     if grid_of is None:
         from localllm.kernels.gemv import grid_of as g
         grid_of = functools.partial(g, device=dev)
