@@ -20,7 +20,7 @@ def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
 def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            pos: torch.Tensor, heads: int, kv_heads: int, scale: float, k_sz: torch.Tensor | None = None,
            v_sz: torch.Tensor | None = None, span: int | None = None, splits: int | None = None,
-           cluster: bool = True) -> torch.Tensor:
+           cluster: bool = True, per_head: bool = True) -> torch.Tensor:
     """qkv: fp16 [(heads + 2 kv_heads) * D] of the new token (before RoPE); inv_freq: float32 [D/2], RoPE's
     frequencies (the kernel rotates by the angles pos * inv_freq, as model.rope_tables computes them);
     k_cache/v_cache: one layer's cache, fp16 [kv_heads, max_len, D], or int32 codes [kv_heads, max_len, D * bits / 32]
@@ -29,14 +29,18 @@ def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_c
     cache), which sizes the split; splits: runs of the context per kv head (default n_splits; tests force a few chunks
     per run). One run needs no combine kernel: attend_part writes the output; nor do at most CLUSTER_MAX runs where
     the GPU has thread-block clusters (cuda.clusters): a kv head's runs are one cluster and merge in it, the same bits
-    as attend_combine's (cluster=False forces the combine, as on GPUs without clusters). Returns the attention
-    output, fp16 [heads * D]."""
+    as attend_combine's (cluster=False forces the combine, as on GPUs without clusters). Where the span is one chunk
+    (the short decode graph), a block takes one query head (per_head=False: a kv head's, as longer spans do), the same
+    bits. Returns the attention output, fp16 [heads * D]."""
     D = qkv.numel() // (heads + 2 * kv_heads)
     kvh, max_len, words = k_cache.shape
     bits = 16 if k_sz is None else words * 32 // D
     gq = heads // kv_heads
-    smem = shared_bytes(D, gq, bits)
-    k = cuda.kernel("attention", f"attend_part<{D},{gq},{bits}>")
+    # where one chunk is the whole span (one run a kv head), a block a query head: the span's few blocks each do a
+    # query head's work (the 8B: a quarter), reading their kv head's chunk side by side
+    per = 1 if per_head and min(span or max_len, max_len) <= CHUNK else gq  # query heads a block
+    smem = shared_bytes(D, per, bits)
+    k = cuda.kernel("attention", f"attend_part<{D},{per},{bits}>")
     threads = k.max_threads_per_block  # attention.cu's Tiles::NT, its __launch_bounds__
     splits = splits or n_splits(min(span or max_len, max_len), kv_heads, smem, threads, k.num_regs,
                                 qkv.device.index)
@@ -46,7 +50,7 @@ def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_c
     sz = (np.uint64(0), np.uint64(0)) if k_sz is None else (cuda.ptr(k_sz), cuda.ptr(v_sz))
     merge = cluster and 1 < splits <= CLUSTER_MAX and cuda.clusters(qkv.device.index)
     cuda.allow_shared(k, smem)
-    cuda.launch(k, (kvh, splits), (threads,), (
+    cuda.launch(k, (kvh, splits, gq // per), (threads,), (
         cuda.ptr(qkv), cuda.ptr(inv_freq), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz, cuda.ptr(pos),
         cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(out), np.int32(heads), np.int32(kv_heads), np.int32(max_len),
         np.float32(scale), np.int32(merge)), shared_mem=smem, early=True, cluster=(1, splits, 1) if merge else None)

@@ -262,6 +262,34 @@ def test_runs_merged_in_a_cluster_equal_attend_combine(heads, kv_heads, D, bits)
             assert torch.equal(merged, combined), (splits, p)
 
 
+@pytest.mark.parametrize("heads,kv_heads,D,bits", [(32, 8, 128, 16), (9, 3, 64, 16), (28, 4, 128, 8),
+                                                   (28, 4, 128, 4), (16, 2, 64, 8)])
+def test_a_block_a_query_head_equals_a_block_a_kv_head(heads, kv_heads, D, bits):
+    """Where the span is one chunk (the short decode graph), attend_part runs a block per query head, of which one
+    per kv head appends the new key and value: the same output bits, and the same cache, as a block per kv head."""
+    from localllm import kvquant
+    from localllm.kernels import attention
+    max_len = attention.CHUNK
+    for p in (0, 1, 17, 64, 100, max_len - 1):
+        k, v = (torch.randn(kv_heads, max_len, D, device="cuda") for _ in range(2))
+        if bits < 16:
+            (k, ksz), (v, vsz) = kvquant.quantize(k, bits), kvquant.quantize(v, bits)
+            cache = [k, v, ksz, vsz]
+        else:
+            cache = [k.half(), v.half()]
+        qkv, inv_freq = rotated_qkv(heads, kv_heads, D, p)[:2]
+        pos = torch.tensor([p], device="cuda")
+        got = {}
+        for per_head in (True, False):
+            c = [t.clone() for t in cache]
+            out = attention.attend(qkv, inv_freq, c[0], c[1], pos, heads, kv_heads, D ** -0.5, *c[2:],
+                                   per_head=per_head)
+            got[per_head] = (out, c)
+        assert torch.equal(got[True][0], got[False][0]), p
+        assert all(torch.equal(a, b) for a, b in zip(got[True][1], got[False][1])), p
+        assert not all(torch.equal(a, b) for a, b in zip(got[True][1], cache)), p  # the new row was appended
+
+
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128)])
 def test_attend_combine_merges_more_runs_than_it_prefetches(heads, kv_heads, D):
     """attend_combine holds the first 32 runs' outputs in registers and reads the rest afterwards: 32 and 36 runs."""
