@@ -6,7 +6,7 @@
 // the run's softmax statistics and unnormalized output; attend_combine merges the runs per query head. Where one run
 // covers the context (short contexts), that run writes the normalized output itself and the combine has nothing to
 // do: one chain of dependent reads less per layer; where that run is one chunk, a block takes one query head (grid z,
-// kernels/attention.py: H200, 8B W3 step 0.3-2.5% faster at positions 16-120). The position
+// kernels/attention.py: H200, 8B W3 step 0.2-2.5% faster at positions 16-120). The position
 // comes from device memory, so one captured CUDA graph serves every step: the runs are cut at run time, splits past
 // the context exit at once (localllm/decode.py still captures a second graph for positions below one chunk, launched
 // with one run and no attend_combine, and on sm_90 a third below 8 chunks, whose runs merge in their cluster: merge).

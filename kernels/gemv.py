@@ -295,6 +295,13 @@ def decode_variant(w: Packed | QuantWeight | PackedLUT | QuantLUT, limit: int | 
                         f"has {limit}{fix}")
 
 
+def int8_fits(w: Packed | PackedLUT, variant: tuple[int, int, int], limit: int, qdec: bool = False,
+              qdec_bytes: int = 0) -> bool:
+    """Whether `variant` of w's GEMV on the int8 path (x staged as three int8 planes, and with QDEC in fp16 too, with
+    QDEC's own qdec_bytes) fits `limit` bytes of shared memory a block; where it does not, gemv runs the fp16 path."""
+    return shared_bytes(w, *variant, qdec=qdec, int8=True) + qdec_bytes + static_shared_bytes(variant[0], limit) <= limit
+
+
 def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
     """What the kernel reads besides the codes: (records, records per tile, table weight?)."""
     if isinstance(w, PackedLUT):  # one record per tile, or grouped, the number of groups
@@ -337,8 +344,7 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     assert fits(variant, K, w.group_size), "two pairs per slot: K = 256 x warps, group size 64 or 128"
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
     qdec_smem = qdec.shared_bytes(K, N, comp.k_chunk, comp.grid, comp.n_tb) if qw else 0
-    int8 = uses_int8(w, qw > 0, dev) and \
-        shared_bytes(w, *variant, qdec=qw > 0, int8=True) + qdec_smem + static_shared_bytes(warps, limit) <= limit
+    int8 = uses_int8(w, qw > 0, dev) and int8_fits(w, variant, limit, qw > 0, qdec_smem)
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs},{str(int8).lower()}>")
     smem = shared_bytes(w, *variant, qdec=qw > 0, int8=int8)
     if blocks_per_sm is None:

@@ -109,8 +109,7 @@ def test_gemv_on_the_int8_path_matches_float64_reference(N, K, mode, bits, monke
     asked = kernels_asked(monkeypatch)
     got = kg.gemv(x, w, residual=res, **kw)
     limit = cuda.shared_limit(torch.cuda.current_device())
-    variant = kg.decode_variant(w, limit)
-    fits = kg.shared_bytes(w, *variant, int8=True) + kg.static_shared_bytes(variant[0], limit) <= limit
+    fits = kg.int8_fits(w, kg.decode_variant(w, limit), limit)
     assert (K, bits) != (4096, 4) or fits  # the 8B's gate_up runs it on every GPU
     # the int8 kernel ran where it fits
     assert asked and all(e.endswith(f",{str(fits).lower()}>") for e in asked if e.startswith("gemv<")), asked
