@@ -169,8 +169,19 @@ def shared_limit(device: int) -> int:
 
 @functools.cache
 def _shared_limit(device: int) -> int:
-    own = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-    return min(own, int(os.environ.get("LOCALLLM_SHARED_LIMIT") or own))
+    return lowered_limit(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+
+
+def lowered_limit(own: int) -> int:
+    """A GPU's own shared memory a block, or LOCALLLM_SHARED_LIMIT's bytes where fewer; refused in one line where that
+    is not a positive whole number."""
+    text = os.environ.get("LOCALLLM_SHARED_LIMIT", "").strip()
+    if not text:
+        return own
+    if not text.isdigit() or int(text) == 0:
+        raise LocalLLMError(f"LOCALLLM_SHARED_LIMIT={text!r} is not a number of bytes: set it to a positive whole "
+                            "number (101376: an RTX 40's 99 KB), or unset it")
+    return min(own, int(text))
 
 
 @functools.cache

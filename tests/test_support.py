@@ -240,6 +240,23 @@ def test_a_gemv_no_variant_fits_is_refused_in_one_line(tiny_quant, monkeypatch):
     assert "\n" not in str(e.value)
 
 
+def test_a_lowered_shared_memory_limit_is_read_or_refused_in_one_line(monkeypatch):
+    """LOCALLLM_SHARED_LIMIT (the GPU tests' RTX 40 pass) lowers a GPU's limit, never raises it; what is not a
+    positive whole number of bytes is refused in one line that names the fix."""
+    from localllm.errors import LocalLLMError
+    from localllm.kernels.cuda import lowered_limit
+    monkeypatch.delenv("LOCALLLM_SHARED_LIMIT", raising=False)
+    assert lowered_limit(232448) == 232448
+    for text, want in [("101376", 101376), (" 101376 ", 101376), ("300000", 232448)]:
+        monkeypatch.setenv("LOCALLLM_SHARED_LIMIT", text)
+        assert lowered_limit(232448) == want
+    for text in ("99KB", "-5", "0", "1e5"):
+        monkeypatch.setenv("LOCALLLM_SHARED_LIMIT", text)
+        with pytest.raises(LocalLLMError, match="is not a number of bytes: set it to a positive whole number") as e:
+            lowered_limit(232448)
+        assert "\n" not in str(e.value)
+
+
 def test_qdec_pins_no_more_than_the_host_has_available(tiny_quant, monkeypatch):
     """Before pinning the residuals for a GPU's QDEC: more than the host's available memory is refused in one line
     naming both sizes and the fix (the runtime then runs without QDEC), rather than swapping or the OOM killer."""
