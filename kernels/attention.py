@@ -11,6 +11,7 @@ from . import cuda
 
 CHUNK, GQ_MAX, SPLITS_MAX, CLUSTER_MAX = 128, 8, 1024, 8  # as in attention.cu
 CLUSTER_SPAN = CHUNK * CLUSTER_MAX  # the longest span whose runs merge in a cluster (never more runs than chunks)
+PER_HEAD_CHUNKS = 2  # the longest span, in chunks, whose attention runs a block per query head
 
 
 def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -29,21 +30,27 @@ def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_c
     cache), which sizes the split; splits: runs of the context per kv head (default n_splits; tests force a few chunks
     per run). One run needs no combine kernel: attend_part writes the output; nor do at most CLUSTER_MAX runs where
     the GPU has thread-block clusters (cuda.clusters): a kv head's runs are one cluster and merge in it, the same bits
-    as attend_combine's (cluster=False forces the combine, as on GPUs without clusters). Where the span is one chunk
-    (the short decode graph), a block takes one query head (per_head=False: a kv head's, as longer spans do), the same
-    bits. Returns the attention output, fp16 [heads * D]."""
+    as attend_combine's (cluster=False forces the combine, as on GPUs without clusters). Where the span is at most
+    PER_HEAD_CHUNKS chunks, each a run (the short decode graphs), a block takes one query head (per_head=False: a kv
+    head's, as longer spans do), the same bits. Returns the attention output, fp16 [heads * D]."""
     D = qkv.numel() // (heads + 2 * kv_heads)
     kvh, max_len, words = k_cache.shape
     bits = 16 if k_sz is None else words * 32 // D
     gq = heads // kv_heads
-    # where one chunk is the whole span (one run a kv head), a block a query head: the span's few blocks each do a
-    # query head's work (the 8B: a quarter), reading their kv head's chunk side by side
-    per = 1 if per_head and min(span or max_len, max_len) <= CHUNK else gq  # query heads a block
-    smem = shared_bytes(D, per, bits)
-    k = cuda.kernel("attention", f"attend_part<{D},{per},{bits}>")
-    threads = k.max_threads_per_block  # attention.cu's Tiles::NT, its __launch_bounds__
-    splits = splits or n_splits(min(span or max_len, max_len), kv_heads, smem, threads, k.num_regs,
-                                qkv.device.index)
+    span = min(span or max_len, max_len)
+    chunks = -(-span // CHUNK)
+
+    def plan(per: int):
+        smem = shared_bytes(D, per, bits)
+        k = cuda.kernel("attention", f"attend_part<{D},{per},{bits}>")
+        threads = k.max_threads_per_block  # attention.cu's Tiles::NT, its __launch_bounds__
+        return k, smem, threads, splits or n_splits(span, kv_heads, smem, threads, k.num_regs, qkv.device.index)
+
+    # up to PER_HEAD_CHUNKS chunks, a block per query head where every run is one chunk: the blocks each do a query
+    # head's work (the 8B: a quarter), reading their kv head's chunk side by side, and the appending run's blocks but
+    # one keep the new row in their first chunk's tiles only. (Longer spans lose by it: 4x the blocks, in clusters.)
+    per = 1 if per_head and gq > 1 and chunks <= PER_HEAD_CHUNKS and plan(1)[3] >= chunks else gq  # query heads a block
+    k, smem, threads, splits = plan(per)
     ws_o = torch.empty(heads, splits, D, dtype=torch.float32, device=qkv.device)
     ws_ml = torch.empty(heads, splits, 2, dtype=torch.float32, device=qkv.device)
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)

@@ -265,29 +265,33 @@ def test_runs_merged_in_a_cluster_equal_attend_combine(heads, kv_heads, D, bits)
 @pytest.mark.parametrize("heads,kv_heads,D,bits", [(32, 8, 128, 16), (9, 3, 64, 16), (28, 4, 128, 8),
                                                    (28, 4, 128, 4), (16, 2, 64, 8)])
 def test_a_block_a_query_head_equals_a_block_a_kv_head(heads, kv_heads, D, bits):
-    """Where the span is one chunk (the short decode graph), attend_part runs a block per query head, of which one
-    per kv head appends the new key and value: the same output bits, and the same cache, as a block per kv head."""
+    """Where the span is at most PER_HEAD_CHUNKS chunks, each a run (the short decode graphs), attend_part runs a block
+    per query head, of which one per kv head appends the new key and value: the same output bits, and the same cache,
+    as a block per kv head; runs merged in a cluster or by attend_combine."""
     from localllm import kvquant
     from localllm.kernels import attention
-    max_len = attention.CHUNK
-    for p in (0, 1, 17, 64, 100, max_len - 1):
-        k, v = (torch.randn(kv_heads, max_len, D, device="cuda") for _ in range(2))
-        if bits < 16:
-            (k, ksz), (v, vsz) = kvquant.quantize(k, bits), kvquant.quantize(v, bits)
-            cache = [k, v, ksz, vsz]
-        else:
-            cache = [k.half(), v.half()]
-        qkv, inv_freq = rotated_qkv(heads, kv_heads, D, p)[:2]
-        pos = torch.tensor([p], device="cuda")
-        got = {}
-        for per_head in (True, False):
-            c = [t.clone() for t in cache]
-            out = attention.attend(qkv, inv_freq, c[0], c[1], pos, heads, kv_heads, D ** -0.5, *c[2:],
-                                   per_head=per_head)
-            got[per_head] = (out, c)
-        assert torch.equal(got[True][0], got[False][0]), p
-        assert all(torch.equal(a, b) for a, b in zip(got[True][1], got[False][1])), p
-        assert not all(torch.equal(a, b) for a, b in zip(got[True][1], cache)), p  # the new row was appended
+    assert attention.PER_HEAD_CHUNKS == 2
+    for chunks, cluster in ((1, True), (2, True), (2, False)):
+        max_len = chunks * attention.CHUNK
+        for p in sorted({0, 1, 17, 100, max_len // 2 + 3, max_len - 1}):
+            k, v = (torch.randn(kv_heads, max_len, D, device="cuda") for _ in range(2))
+            if bits < 16:
+                (k, ksz), (v, vsz) = kvquant.quantize(k, bits), kvquant.quantize(v, bits)
+                cache = [k, v, ksz, vsz]
+            else:
+                cache = [k.half(), v.half()]
+            qkv, inv_freq = rotated_qkv(heads, kv_heads, D, p)[:2]
+            pos = torch.tensor([p], device="cuda")
+            got = {}
+            for per_head in (True, False):
+                c = [t.clone() for t in cache]
+                out = attention.attend(qkv, inv_freq, c[0], c[1], pos, heads, kv_heads, D ** -0.5, *c[2:],
+                                       cluster=cluster, per_head=per_head)
+                got[per_head] = (out, c)
+            where = (chunks, cluster, p)
+            assert torch.equal(got[True][0], got[False][0]), where
+            assert all(torch.equal(a, b) for a, b in zip(got[True][1], got[False][1])), where
+            assert not all(torch.equal(a, b) for a, b in zip(got[True][1], cache)), where  # the new row was appended
 
 
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128)])
@@ -376,7 +380,7 @@ def test_fused_decode_of_real_shaped_models_matches_cpu(tmp_path, monkeypatch, a
     fused = []
     real = ops.attend_decode
     monkeypatch.setattr(ops, "attend_decode", lambda *a, **k: fused.append(1) or real(*a, **k))
-    n, steps = 100, 50  # steps cross SHORT_SPAN: both graphs' spans
+    n, steps = 100, 50  # steps cross SHORT_SPAN: both graphs' spans (the second of two chunks)
     assert n < SHORT_SPAN < n + steps
     toks = torch.randint(0, cpu.model.cfg.vocab_size, (n + steps,))
     rels = []
@@ -403,7 +407,7 @@ def test_decode_graphs_across_the_cluster_span_match_eager_steps(tmp_path):
     where the GPU has them) to the long one (attend_combine); eager steps split the whole cache and merge in
     attend_combine. The same logits up to the runs' rounding."""
     from conftest import make_checkpoint
-    from localllm.decode import CLUSTER_SPAN
+    from localllm.decode import CLUSTER_SPAN, PAIR_SPAN
     from localllm.kernels import cuda
     from localllm.quantize import quantize
     src = make_checkpoint(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -414,7 +418,7 @@ def test_decode_graphs_across_the_cluster_span_match_eager_steps(tmp_path):
     ids = torch.randint(0, lm.model.cfg.vocab_size, (n + steps,)).tolist()
     eager, graph = Decoder(lm.model, n + steps, use_graph=False), Decoder(lm.model, n + steps)
     clusters = cuda.clusters(torch.cuda.current_device())
-    assert graph.spans == [SHORT_SPAN] + [CLUSTER_SPAN] * clusters + [n + steps]
+    assert graph.spans == [SHORT_SPAN] + [PAIR_SPAN, CLUSTER_SPAN] * clusters + [n + steps]
     with torch.no_grad():
         a, b = eager.prefill(ids[:n]), graph.prefill(ids[:n])
         for pos in range(n, n + steps):
