@@ -11,13 +11,14 @@ copies a given token and position in and replays the model alone (teacher-forced
 model and the choice of the next token, which stays on the GPU as the next step's input, so generation needs no host
 round trip between steps: the host reads each token (read()) while the next step already runs.
 
-Each kind of graph comes in two spans, four with thread-block clusters (sm_90+): positions below SHORT_SPAN, below
-PAIR_SPAN, below CLUSTER_SPAN, and the rest of the cache. The position is read from device memory, so one graph would
-serve them all, but the short one attends in a single run per kv head, which writes the output itself, and the middle
-ones in at most 8 runs that merge inside their cluster: the kernel that merges runs, and its place in every layer's
-chain, is left out (an 8B step 2.7-3.3% faster at the short span, kernels/NOTES.md, session 47; 1.7-1.9% at the middle
-one with a chat-sized cache, session 73). Below PAIR_SPAN the runs are few enough to take a block per query head in
-clusters of two (session 75: positions 128-255 2.6% faster on the 8B, 5.8% on the demo's shapes).
+Each kind of graph comes in three spans, four with thread-block clusters (sm_90+): positions below SHORT_SPAN, below
+PAIR_SPAN, (with clusters) below CLUSTER_SPAN, and the rest of the cache. The position is read from device memory, so
+one graph would serve them all, but the short one attends in a single run per kv head, which writes the output itself,
+and the cluster one in at most 8 runs that merge inside their cluster: the kernel that merges runs, and its place in
+every layer's chain, is left out (an 8B step 2.7-3.3% faster at the short span, kernels/NOTES.md, session 47; 1.7-1.9%
+at the middle one with a chat-sized cache, session 73). Below PAIR_SPAN the runs are few enough to take a block per
+query head, merged in clusters of two or by the merging kernel (session 75, positions 128-255: 2.6% faster on the 8B,
+5.8% on the demo's shapes; with plain launches, as GPUs before Hopper run them, 2-2.5%).
 One run over more than one chunk is slower than the runs and their merge, so the short span is one chunk.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from .model import KVCache, Transformer
 from .sampling import SamplingParams, choose
 
 SHORT_SPAN = 128  # one chunk of the decode attention (kernels/attention.py's CHUNK): a single run covers it
-PAIR_SPAN = 256  # two chunks, whose two runs take a block a query head and merge in clusters of two
+PAIR_SPAN = 256  # two chunks, whose two runs take a block a query head (and merge in clusters of two)
 CLUSTER_SPAN = 1024  # kernels/attention.py's CLUSTER_SPAN: 8 chunks, whose runs merge in one cluster
 
 
@@ -46,7 +47,7 @@ class Decoder:
         dev = model.device
         self.cache = KVCache(model.cfg, max_len, dtype=model.act_dtype, device=dev, bits=kv_bits)
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
-        middle = (PAIR_SPAN, CLUSTER_SPAN) if self.use_graph and _clusters(dev) else ()
+        middle = ((PAIR_SPAN,) + ((CLUSTER_SPAN,) if _clusters(dev) else ())) if self.use_graph else ()
         self.spans = [s for s in (SHORT_SPAN, *middle) if s < max_len] + [max_len]  # the graphs' spans, in order
         self._step_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by span: graph, logits
         self.graph: torch.cuda.CUDAGraph | None = None  # the step graph replayed last

@@ -418,7 +418,7 @@ def test_decode_graphs_across_the_cluster_span_match_eager_steps(tmp_path):
     ids = torch.randint(0, lm.model.cfg.vocab_size, (n + steps,)).tolist()
     eager, graph = Decoder(lm.model, n + steps, use_graph=False), Decoder(lm.model, n + steps)
     clusters = cuda.clusters(torch.cuda.current_device())
-    assert graph.spans == [SHORT_SPAN] + [PAIR_SPAN, CLUSTER_SPAN] * clusters + [n + steps]
+    assert graph.spans == [SHORT_SPAN, PAIR_SPAN] + [CLUSTER_SPAN] * clusters + [n + steps]
     with torch.no_grad():
         a, b = eager.prefill(ids[:n]), graph.prefill(ids[:n])
         for pos in range(n, n + steps):
