@@ -1,10 +1,11 @@
 """CUDA graphs: capture after an eager warm-up, and timing by replay (the benchmarks' and the tuner's clock)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -25,15 +26,21 @@ def capture(run: Callable, after_warmup: Callable | None = None) -> tuple[torch.
     # No garbage collection while capturing: a dead object's graph destroyed mid-capture ends the capture (CUDA error
     # 901 at the next launch; seen in `bench tune`, whose previous tune left a cycle holding a decode graph). Other
     # threads (the chat UI's) may call the CUDA API meanwhile: thread_local keeps their calls out of this capture.
+    with gc_paused(), torch.cuda.graph(g, capture_error_mode="thread_local"):
+        out = run()
+    return g, out
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No automatic garbage collection inside (as it was before, on or off, after)."""
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(g, capture_error_mode="thread_local"):
-            out = run()
+        yield
     finally:
         if collecting:
             gc.enable()
-    return g, out
 
 
 def time_graph(calls: list, reps: int = 20, warm_s: float = 0.05) -> float:

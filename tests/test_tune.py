@@ -760,9 +760,9 @@ def test_a_tuning_bench_lets_its_model_go(tiny_quant, monkeypatch):
     residuals) alive for the process's life. And no reference cycle: the bench and its model go when the last
     reference does, not whenever the garbage collector runs (it once destroyed a bench's decode graph inside another
     capture). (GemvTimer, which needs a GPU, stubbed.)"""
-    import gc
     import weakref
 
+    from localllm.graphs import gc_paused
     from localllm.runtime import load
     from localllm.tuner import timing
     monkeypatch.setattr(timing, "GemvTimer", lambda lm, reps: None)
@@ -770,11 +770,6 @@ def test_a_tuning_bench_lets_its_model_go(tiny_quant, monkeypatch):
     bench = timing.GpuBench(lm, tokens=0)
     assert bench.block_values("qkv", 1) is bench.block_values("qkv", 1)  # (cached)
     gone, bench_gone = weakref.ref(lm), weakref.ref(bench)
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         del lm, bench
         assert bench_gone() is None and gone() is None
-    finally:
-        if collecting:
-            gc.enable()
