@@ -9,7 +9,8 @@
 // kernels/attention.py: H200, 8B W3 step 0.2-2.5% faster at positions 16-120). The position
 // comes from device memory, so one captured CUDA graph serves every step: the runs are cut at run time, splits past
 // the context exit at once (localllm/decode.py still captures a second graph for positions below one chunk, launched
-// with one run and no attend_combine, and on sm_90 a third below 8 chunks, whose runs merge in their cluster: merge).
+// with one run and no attend_combine, a third below 2 chunks whose two runs o's GEMV merges (merge 2), and on sm_90 a
+// fourth below 8 chunks, whose runs merge in their cluster: merge 1).
 // Same math as the torch path (model.Block): q and k rounded
 // to fp16 after rotate-half RoPE, scores and softmax in fp32, output rounded to fp16.
 //
@@ -22,8 +23,8 @@
 
 #include "async_copy.cuh"
 #include "pdl.cuh"
+#include "runs.cuh"
 
-constexpr int CHUNK = 128;   // positions per chunk
 constexpr int GQ_MAX = 8;    // query heads per kv head
 constexpr int SPLITS_MAX = 1024;  // splits of the context per kv head (attend_combine's shared weights)
 constexpr int CLUSTER_MAX = 8;    // runs merged in a cluster (the portable cluster size)
@@ -55,14 +56,6 @@ template <int BITS> __device__ __forceinline__ void word_values(unsigned w, floa
     }
 }
 
-
-// How the context up to pos is cut into runs, the same in both kernels: `used` chunks, `per` chunks a run, `count`
-// runs (splits past them have nothing to do).
-struct Runs {
-    int used, per, count;
-    __device__ Runs(int pos, int splits)
-        : used(pos / CHUNK + 1), per((used + splits - 1) / splits), count((used + per - 1) / per) {}
-};
 
 // Thread-block clusters (sm_90+): a kv head's runs launched as one cluster (kernels/attention.py, where the span needs
 // at most CLUSTER_MAX runs) merge through each other's shared memory after a cluster barrier, instead of through
@@ -173,7 +166,9 @@ __device__ __noinline__ void cluster_merge(const float* part, const float* mstat
 // qkv: [H*D | KVH*D | KVH*D] of the new token; inv_freq: [D/2] RoPE frequencies; kc/vc: this layer's cache rows
 // [KVH, max_len, D * BITS / 32] in 32-bit words; ksz/vsz: [KVH, max_len] (scale, zero), unused at 16 bits;
 // ws_o [H, splits, D], ws_ml [H, splits, 2]: the runs' unnormalized outputs and (max, sum) of their softmax; out
-// [H * D]: the output, written here where one run covers the context.
+// [H * D]: the output, written here where one run covers the context. merge: 0, the runs go to ws_o / ws_ml for
+// attend_combine; 1, a cluster's runs merge in it; 2, the runs go to ws_o / ws_ml even where one run covers the
+// context, and the next kernel, o's GEMV, merges them while it stages its input (gemv.cu, runs_o).
 template <int D, int GQ, int BITS>
 __global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::minb(GQ)) attend_part(const __half* __restrict__ qkv,
                                                      const float* __restrict__ inv_freq, unsigned* __restrict__ kc,
@@ -198,7 +193,7 @@ __global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::minb(GQ)) 
     if (c0 >= used) {
         wait_previous();
         start_next();
-        if (merge) cluster_sync(), cluster_sync();  // the active runs merge meanwhile (none reads this block)
+        if (merge == 1) cluster_sync(), cluster_sync();  // the active runs merge meanwhile (none reads this block)
         return;
     }
     extern __shared__ float sm[];
@@ -461,8 +456,9 @@ __global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::minb(GQ)) 
 
     // No copies are in flight after the last chunk: the tiles' space holds the streams' sums, GPP heads at a time,
     // and thread i adds up output i of them.
-    const bool alone = runs.count == 1;  // the only run: it writes the output itself (attend_combine's result for one
-                                         // run, same bits)
+    // the only run: it writes the output itself (attend_combine's result for one run, same bits), unless the next GEMV
+    // merges the runs (merge 2)
+    const bool alone = runs.count == 1 && merge != 2;
     static_assert(T::GPP >= 1, "the tiles' space holds one head's sums");
     constexpr int GPP = T::GPP < GQ ? T::GPP : GQ;
     for (int g0 = 0; g0 < GQ; g0 += GPP) {
@@ -481,18 +477,18 @@ __global__ void __launch_bounds__(Tiles<D, BITS>::NT, Tiles<D, BITS>::minb(GQ)) 
             a = QUANT ? a + zsum[g] : a;
             if (alone)
                 out[head * D + d] = __float2half_rn(a / lstat[g]);
-            else if (merge)
+            else if (merge == 1)
                 q[g * D + d] = a;  // (q is spent) for the cluster's merge below
             else
                 ws_o[((size_t)head * splits + split) * D + d] = a;
-            if (d == 0 && !merge) {
+            if (d == 0 && merge != 1) {
                 ws_ml[(head * splits + split) * 2] = mstat[g];
                 ws_ml[(head * splits + split) * 2 + 1] = lstat[g];
             }
         }
         __syncthreads();  // red is free again
     }
-    if (!merge) return;
+    if (merge != 1) return;
     cluster_sync();  // every run's outputs and statistics are in place
     if (!alone) cluster_merge<D, GQ>(q, mstat, lstat, out, head0, split, runs.count, NT);
     cluster_sync();  // no block leaves while another reads its shared memory

@@ -3,6 +3,7 @@ fp16 cache or an 8- / 4-bit one (localllm.kvquant's format)."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -12,6 +13,31 @@ from . import cuda
 CHUNK, GQ_MAX, SPLITS_MAX, CLUSTER_MAX = 128, 8, 1024, 8  # as in attention.cu
 CLUSTER_SPAN = CHUNK * CLUSTER_MAX  # the longest span whose runs merge in a cluster (never more runs than chunks)
 PER_HEAD_CHUNKS = 2  # the longest span, in chunks, whose attention runs a block per query head
+# The runs of a launch of exactly this many o's GEMV merges while it stages its input (gemv.cu's GEMV_RUNS, merged_x):
+# each of its blocks reads every run's fp32 outputs from L2, 4 x GEMV_RUNS bytes a channel, in one round trip.
+GEMV_RUNS = 2
+
+
+class Runs(NamedTuple):
+    """The attention's runs of one token, left unmerged for the next GEMV to merge while it stages its input
+    (kernels.gemv.gemv(runs, ...)): each run's unnormalized output o, float32 [heads, splits, D], and its softmax's
+    (max, sum) ml, float32 [heads, splits, 2]; the runs that hold some of the context follow from pos, int64 [1]."""
+    o: torch.Tensor
+    ml: torch.Tensor
+    pos: torch.Tensor
+
+    def merged(self) -> torch.Tensor:
+        """The attention output, fp16 [heads * D], as attend_combine makes it (in torch: the same function, not
+        necessarily the same bits)."""
+        heads, splits, D = self.o.shape
+        used = self.pos // CHUNK + 1
+        per = (used + splits - 1) // splits
+        live = torch.arange(splits, device=self.o.device) < (used + per - 1) // per  # no reading past the context
+        m = torch.where(live, self.ml[..., 0], float("-inf"))
+        w = torch.where(live, torch.exp(m - m.amax(1, keepdim=True)), 0.0)
+        o = torch.where(live[:, None], self.o, 0.0)
+        out = (w[..., None] * o).sum(1) / (w * torch.where(live, self.ml[..., 1], 0.0)).sum(1, keepdim=True)
+        return out.to(torch.float16).reshape(-1)
 
 
 def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -21,7 +47,7 @@ def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
 def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            pos: torch.Tensor, heads: int, kv_heads: int, scale: float, k_sz: torch.Tensor | None = None,
            v_sz: torch.Tensor | None = None, span: int | None = None, splits: int | None = None,
-           cluster: bool = True, per_head: bool = True) -> torch.Tensor:
+           cluster: bool = True, per_head: bool = True, leave_runs: bool = False) -> torch.Tensor | Runs:
     """qkv: fp16 [(heads + 2 kv_heads) * D] of the new token (before RoPE); inv_freq: float32 [D/2], RoPE's
     frequencies (the kernel rotates by the angles pos * inv_freq, as model.rope_tables computes them);
     k_cache/v_cache: one layer's cache, fp16 [kv_heads, max_len, D], or int32 codes [kv_heads, max_len, D * bits / 32]
@@ -32,7 +58,9 @@ def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_c
     the GPU has thread-block clusters (cuda.clusters): a kv head's runs are one cluster and merge in it, the same bits
     as attend_combine's (cluster=False forces the combine, as on GPUs without clusters). Where the span is at most
     PER_HEAD_CHUNKS chunks, each a run (the short decode graphs), a block takes one query head (per_head=False: a kv
-    head's, as longer spans do), the same bits. Returns the attention output, fp16 [heads * D]."""
+    head's, as longer spans do), the same bits. Returns the attention output, fp16 [heads * D]; with leave_runs,
+    where the launch has GEMV_RUNS runs, the Runs unmerged instead: o's GEMV merges them as it stages its input (no
+    cluster merge, no combine kernel; the same bits)."""
     D = qkv.numel() // (heads + 2 * kv_heads)
     kvh, max_len, words = k_cache.shape
     bits = 16 if k_sz is None else words * 32 // D
@@ -55,12 +83,16 @@ def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_c
     ws_ml = torch.empty(heads, splits, 2, dtype=torch.float32, device=qkv.device)
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)
     sz = (np.uint64(0), np.uint64(0)) if k_sz is None else (cuda.ptr(k_sz), cuda.ptr(v_sz))
-    merge = cluster and 1 < splits <= CLUSTER_MAX and cuda.clusters(qkv.device.index)
+    left = leave_runs and splits == GEMV_RUNS
+    merge = not left and cluster and 1 < splits <= CLUSTER_MAX and cuda.clusters(qkv.device.index)
     cuda.allow_shared(k, smem)
     cuda.launch(k, (kvh, splits, gq // per), (threads,), (
         cuda.ptr(qkv), cuda.ptr(inv_freq), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz, cuda.ptr(pos),
         cuda.ptr(ws_o), cuda.ptr(ws_ml), cuda.ptr(out), np.int32(heads), np.int32(kv_heads), np.int32(max_len),
-        np.float32(scale), np.int32(merge)), shared_mem=smem, early=True, cluster=(1, splits, 1) if merge else None)
+        np.float32(scale), np.int32(2 if left else merge)), shared_mem=smem, early=True,
+        cluster=(1, splits, 1) if merge else None)
+    if left:
+        return Runs(ws_o, ws_ml, pos)
     if splits == 1 or merge:
         return out
     cuda.launch(cuda.kernel("attention", "attend_combine"), (heads,), (D,), (

@@ -57,6 +57,39 @@ typedef unsigned char uint8_t;
 
 #include "async_copy.cuh"
 
+#include "runs.cuh"
+
+constexpr int GEMV_RUNS = 2;  // the most attention runs a GEMV merges while staging x (kernels.attention.GEMV_RUNS)
+
+// Channels 8 i .. 8 i + 7 of x (one head's) as the decode attention's n runs make them (n <= GEMV_RUNS):
+// attend_combine's arithmetic in its order (attention.cu), so the same bits as its output. runs_o [H, splits, D]: each
+// run's unnormalized output; runs_ml [H, splits, 2]: its softmax's (max, sum). Every load goes out at once: one L2
+// round trip.
+__device__ __forceinline__ void merged_x(const float* __restrict__ runs_o, const float* __restrict__ runs_ml,
+                                         int splits, int D, int n, int i, uint32_t (&v)[4]) {
+    const int head = 8 * i / D;
+    const float4* o = reinterpret_cast<const float4*>(runs_o + (size_t)head * splits * D + 8 * i % D);
+    const float4 s = *reinterpret_cast<const float4*>(runs_ml + (size_t)head * splits * 2);  // (m0, l0, m1, l1)
+    float a[8], b[8];
+    *reinterpret_cast<float4*>(a) = __ldg(o), *reinterpret_cast<float4*>(a + 4) = __ldg(o + 1);
+    if (n > 1)
+        *reinterpret_cast<float4*>(b) = __ldg(o + D / 4), *reinterpret_cast<float4*>(b + 4) = __ldg(o + D / 4 + 1);
+    const float M = n > 1 ? fmaxf(s.x, s.z) : s.x;
+    const float w0 = __expf(s.x - M), w1 = n > 1 ? __expf(s.z - M) : 0.0f;
+    const float L = fmaf(w0, s.y, 0.0f) + (n > 1 ? fmaf(w1, s.w, 0.0f) : 0.0f);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        float f[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float a0 = fmaf(w0, a[2 * e + h], 0.0f);
+            f[h] = (n > 1 ? fmaf(w1, b[2 * e + h], a0) : a0) / L;
+        }
+        const __half2 x = __floats2half2_rn(f[0], f[1]);
+        v[e] = *reinterpret_cast<const uint32_t*>(&x);
+    }
+}
+
 // 1 / f: what divides the factor of decode's and u8_operands' codes out again
 __device__ __forceinline__ float inv_factor(int bits, int m, int r) {
     return 1.0f / (float)(1 << log2_factor(bits, m, r));
@@ -114,15 +147,19 @@ __device__ __forceinline__ void lut_scales(const unsigned char* rec, int g, floa
 // this one's blocks end their streams (its blocks then take SMs as this one's exit, its launch overlapping their last
 // sums). x_first:
 // x is ready when this one starts (it launched so, or without programmatic launch): stage x before requesting the
-// first weights, whose HBM misses would delay x's L2 hits (kernels.gemv.gemv says where).
-template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT, int Q, bool U8 = false>
+// first weights, whose HBM misses would delay x's L2 hits (kernels.gemv.gemv says where). MR: x is the decode
+// attention's runs (runs_o, runs_ml; runs_splits of them, heads of runs_d channels; merged_x), which the staging
+// merges: o's GEMV does the attention's last step, in place of a cluster merge or a combine kernel. (A template flag:
+// as a run-time branch its registers made the other instances spill under the 64-register cap.)
+template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT, int Q, bool U8 = false, bool MR = false>
 __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     gemv(const uint8_t* __restrict__ qw, const uint8_t* __restrict__ meta, const __half* __restrict__ x,
          const __half* __restrict__ res, __half* __restrict__ y, int N, int K, int G, uint32_t magic,
          const float* __restrict__ norm_w, float eps, int glu, int hold, int x_first, const uint32_t* __restrict__ rq,
          const __half* __restrict__ rs, float* __restrict__ part, unsigned long long* __restrict__ state,
          int* __restrict__ sel_out, int k_chunk, int n_tb, float b0, float b15, float inv_hi,
-         float inv_lo) {
+         float inv_lo, const float* __restrict__ runs_o, const float* __restrict__ runs_ml,
+         const long long* __restrict__ runs_pos, int runs_splits, int runs_d) {
     // A ring slot holds Q pairs of steps (128 channels each) of one tile: their weights, then their meta: the tile's
     // tables (LUT), (and grouped, the pair's group record after them), the records of the pairs' groups (group size
     // >= 128), or two per pair (64). TREC: the bytes of one (tile, group) record in meta, or of a tile's tables.
@@ -259,6 +296,9 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
         for (int e = 0; e < 4; e++)
             nw[e] = threadIdx.x < S * 8 ? __ldg(reinterpret_cast<const float2*>(norm_w) + 4 * threadIdx.x + e)
                                         : make_float2(0.0f, 0.0f);
+    // x merged from the attention's runs (runs_o): how many runs hold some of the context. The position was written
+    // before the graph started.
+    const int nruns = MR ? Runs((int)*runs_pos, runs_splits).count : 0;
     // Weights are nobody's output: they were requested before waiting for the kernel that produces x.
     wait_previous();
     if (!hold) start_next();  // else at the end of the block's stream
@@ -300,7 +340,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
 #pragma unroll
         for (int j = 0; j < SB; j++) {
             const int idx = base0 + j * 32 * WARPS + threadIdx.x;
-            if (idx < S * 8) {
+            if (idx < S * 8 && !MR) {
                 xin[j] = __ldg(reinterpret_cast<const uint4*>(x) + idx);
                 if (glu) upin[j] = __ldg(reinterpret_cast<const uint4*>(x + K) + idx);
             }
@@ -316,28 +356,33 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             float sum = 0.0f, amax = 0.0f;
             uint32_t v[4] = {0u, 0u, 0u, 0u};
             if (s < S) {
-                const uint4 u = xin[j];
-                v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
-                if (norm_w != nullptr) {
+                if (MR) {
+                    merged_x(runs_o, runs_ml, runs_splits, runs_d, nruns, idx, v);
+                } else {
+                    const uint4 u = xin[j];
+                    v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
+                    if (norm_w != nullptr) {
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const float2 w = PRELOAD && base0 + j == 0 ? nw[e]
-                                                    : __ldg(reinterpret_cast<const float2*>(norm_w) + 4 * idx + e);
-                        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
-                        const __half2 h = __floats2half2_rn(f.x * rnorm * w.x, f.y * rnorm * w.y);
-                        v[e] = *reinterpret_cast<const uint32_t*>(&h);
-                    }
-                } else if (glu) {
-                    const uint4 uu = upin[j];
-                    const uint32_t up[4] = {uu.x, uu.y, uu.z, uu.w};
+                        for (int e = 0; e < 4; e++) {
+                            const float2 w = PRELOAD && base0 + j == 0 ? nw[e]
+                                                        : __ldg(reinterpret_cast<const float2*>(norm_w) + 4 * idx + e);
+                            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
+                            const __half2 h = __floats2half2_rn(f.x * rnorm * w.x, f.y * rnorm * w.y);
+                            v[e] = *reinterpret_cast<const uint32_t*>(&h);
+                        }
+                    } else if (glu) {
+                        const uint4 uu = upin[j];
+                        const uint32_t up[4] = {uu.x, uu.y, uu.z, uu.w};
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const float2 g = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
-                        const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&up[e]));
-                        // fast division: the exact one made this staging compute-bound (down W4 71 -> 76% of copy bw)
-                        const __half2 h = __floats2half2_rn(__fdividef(g.x, 1.0f + __expf(-g.x)) * p.x,
-                                                            __fdividef(g.y, 1.0f + __expf(-g.y)) * p.y);
-                        v[e] = *reinterpret_cast<const uint32_t*>(&h);
+                        for (int e = 0; e < 4; e++) {
+                            const float2 g = __half22float2(*reinterpret_cast<const __half2*>(&v[e]));
+                            const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&up[e]));
+                            // fast division: the exact one made this staging compute-bound (down W4 71 -> 76% of
+                            // copy bandwidth)
+                            const __half2 h = __floats2half2_rn(__fdividef(g.x, 1.0f + __expf(-g.x)) * p.x,
+                                                                __fdividef(g.y, 1.0f + __expf(-g.y)) * p.y);
+                            v[e] = *reinterpret_cast<const uint32_t*>(&h);
+                        }
                     }
                 }
 #pragma unroll
@@ -712,9 +757,11 @@ template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*
 #define INST(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false, 1)
 #define INST2(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false, 2)
 #define INST_L(B, W, D, GS, QW, L, Q) INST_LU(B, W, D, GS, QW, L, Q, false)
-#define INST_LU(B, W, D, GS, QW, L, Q, U) template __global__ void gemv<B, W, D, GS, QW, L, Q, U>( \
-    const uint8_t*, const uint8_t*, const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, float, \
-    int, int, int, const uint32_t*, const __half*, float*, unsigned long long*, int*, int, int, float, float, float, float);
+#define INST_LU(B, W, D, GS, QW, L, Q, U) INST_LUM(B, W, D, GS, QW, L, Q, U, false)
+#define INST_LUM(B, W, D, GS, QW, L, Q, U, MR) template __global__ void gemv<B, W, D, GS, QW, L, Q, U, MR>( \
+    const uint8_t*, const uint8_t*, const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, \
+    float, int, int, int, const uint32_t*, const __half*, float*, unsigned long long*, int*, int, int, float, float, \
+    float, float, const float*, const float*, const long long*, int, int);
 #define INST_GS(B, W, D, QW, I) I(B, W, D, 0, QW) I(B, W, D, 1, QW) I(B, W, D, 2, QW) I(B, W, D, 3, QW)
 #define INST_BITS(W, D, QW, I) INST_GS(2, W, D, QW, I) INST_GS(3, W, D, QW, I) INST_GS(4, W, D, QW, I)
 #define INST_BITS2(W, D, QW) INST2(2, W, D, 0, QW) INST2(2, W, D, 1, QW) INST2(3, W, D, 0, QW) INST2(3, W, D, 1, QW) \
@@ -732,6 +779,14 @@ INST_U8(4, 3, 1, 4)
 INST_U8(4, 2, 2, 4)
 INST_U8(3, 3, 1, 4)
 INST_U8(3, 2, 2, 4)
+// x merged from the attention's runs (MR: o's GEMV in the decode graph of two runs): decode's variants of 3- and 4-bit
+// weights, on either path, with and without QDEC, and tables (NVRTC compiles whichever one a model's o asks for)
+#define INST_MR(B, D, GS, Q, QW, L, U) INST_LUM(B, 16, D, GS, QW, L, Q, U, true)
+INST_MR(4, 2, 1, 2, 0, false, true) INST_MR(3, 2, 1, 2, 0, false, true) INST_MR(4, 3, 1, 1, 0, false, true)
+INST_MR(3, 3, 1, 1, 0, false, true) INST_MR(4, 2, 1, 2, 4, false, false) INST_MR(3, 2, 1, 2, 4, false, false)
+INST_MR(4, 3, 0, 1, 0, false, false) INST_MR(3, 3, 0, 1, 0, false, false) INST_MR(4, 3, 0, 1, 4, false, false)
+INST_MR(3, 3, 0, 1, 4, false, false) INST_MR(3, 2, 1, 1, 0, true, false) INST_MR(4, 2, 1, 1, 0, true, false)
+INST_MR(3, 2, 1, 1, 4, true, false)
 INST_BITS(8, 5, 0, INST)
 INST_BITS(16, 3, 4, INST)
 INST_BITS2(16, 2, 4)

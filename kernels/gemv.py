@@ -11,6 +11,7 @@ from localllm.errors import LocalLLMError
 from localllm.quant import GROUP_SIZES, HEAD_BITS, QuantLUT, QuantWeight, as_int32, unpack_codes
 
 from . import cuda, qdec
+from .attention import GEMV_RUNS, Runs
 
 META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
 LUT_GROUP_BYTES = 64  # grouped tables, per (tile, group) after the tile's tables: 16 fp16 scales, 16 fp16 offsets
@@ -309,13 +310,15 @@ def _meta(w: Packed | PackedLUT) -> tuple[torch.Tensor, int, bool]:
     return w.meta, w.meta.shape[1], False
 
 
-def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+def gemv(x: torch.Tensor | Runs, w: Packed | PackedLUT, out: torch.Tensor | None = None,
+         residual: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, glu: bool = False, variant: tuple[int, int, int] | None = None,
          blocks_per_sm: int | None = None, hold_next: bool | None = None, held: bool | None = None,
          comp: "qdec.Call | None" = None) -> torch.Tensor:
     """y = W_hat f(x) (+ residual, added in the epilogue); x, residual, y: fp16 [K], [N], [N] on the GPU.
     f, applied while the kernel stages x: norm = (float32 weight [K], eps) -> ops.rmsnorm(x, weight, eps);
-    glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself.
+    glu -> ops.silu_mul(x) for x = [gate | up] of 2K halves; else x itself. x may be the decode attention's Runs
+    (kernels.attention.attend(leave_runs=True)), which the kernel merges into its input as it stages it (Runs.merged).
     variant: one of VARIANTS or SMALLER_VARIANTS (default decode_variant on this GPU); blocks_per_sm default: 2 where
     TWO_BLOCK_TILES says, else 1.
     hold_next: this GEMV and the next kernel are GEMVs of HOLD_BYTES or more (the next launches as this one's blocks
@@ -328,13 +331,19 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     comp.state was numbered with."""
     N, K = w.out_features, w.in_features
     meta, G, lut = _meta(w)
-    assert x.dtype == torch.float16 and x.shape == ((2 * K,) if glu else (K,)) and not (glu and norm)
+    runs = x if isinstance(x, Runs) else None
+    if runs is not None:
+        heads, splits, D = runs.o.shape
+        assert heads * D == K and splits == GEMV_RUNS and not (glu or norm), "the attention's two runs, nothing else"
+    else:
+        assert x.dtype == torch.float16 and x.shape == ((2 * K,) if glu else (K,)) and not (glu and norm)
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            x = x.clone()  # the kernel reads x 16 bytes at a time
     assert w.qweight.shape == (N // 16, K * w.bits // 2)
-    if not x.is_contiguous() or x.data_ptr() % 16:
-        x = x.clone()  # the kernel reads x 16 bytes at a time
+    device = (x if runs is None else runs.o).device
     if out is None:
-        out = torch.empty(N, dtype=torch.float16, device=x.device)
-    dev = x.device.index or 0
+        out = torch.empty(N, dtype=torch.float16, device=device)
+    dev = device.index or 0
     limit = cuda.shared_limit(dev)
     warps, depth, pairs = variant = variant or decode_variant(w, limit)
     qw = qdec.QW if comp is not None and comp.k_chunk > 0 else 0
@@ -345,13 +354,14 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
     qdec_smem = qdec.shared_bytes(K, N, comp.k_chunk, comp.grid, comp.n_tb) if qw else 0
     int8 = uses_int8(w, qw > 0, dev) and int8_fits(w, variant, limit, qw > 0, qdec_smem)
-    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs},{str(int8).lower()}>")
+    k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs},{str(int8).lower()}"
+                            + (",true>" if runs is not None else ">"))  # MR: an instance of its own
     smem = shared_bytes(w, *variant, qdec=qw > 0, int8=int8)
     if blocks_per_sm is None:
         many = not (qw or lut or w.bits == HEAD_BITS) and N // 16 >= TWO_BLOCK_TILES * cuda.sm_count(dev)
         blocks_per_sm = 2 if many and cuda.resident_blocks(dev, 32 * warps, k.num_regs,
                                                            smem + k.shared_size_bytes + 1024) >= 2 else 1
-    grid = grid_of(N, x.device, blocks_per_sm)
+    grid = grid_of(N, device, blocks_per_sm)
     repeated = w.nbytes >= HOLD_BYTES  # the defaults: this GEMV's neighbours are GEMVs of w's size
     hold_next = repeated if hold_next is None else hold_next
     held = cuda.next_is_plain(dev) or (repeated if held is None else held)
@@ -363,12 +373,15 @@ def gemv(x: torch.Tensor, w: Packed | PackedLUT, out: torch.Tensor | None = None
         extra = comp.args(K, N)
     else:
         extra = (null, null, null, null, null, np.int32(0), np.int32(0), *(np.float32(0),) * 4)  # as comp.args
+    merge = (null, null, null, np.int32(0), np.int32(0)) if runs is None else (
+        cuda.ptr(runs.o), cuda.ptr(runs.ml), cuda.ptr(runs.pos), np.int32(splits), np.int32(D))
     cuda.allow_shared(k, smem)
     cuda.launch(k, (grid,), (32 * (warps + qw),), (
-        cuda.ptr(w.qweight), cuda.ptr(meta), cuda.ptr(x), null if residual is None else cuda.ptr(residual),
+        cuda.ptr(w.qweight), cuda.ptr(meta), null if runs is not None else cuda.ptr(x),
+        null if residual is None else cuda.ptr(residual),
         cuda.ptr(out), np.int32(N), np.int32(K), np.int32(G), np.uint32(0x64006400),
         null if norm is None else cuda.ptr(norm[0]), np.float32(norm[1] if norm else 0.0), np.int32(glu),
-        np.int32(hold_next), np.int32(x_first), *extra),
+        np.int32(hold_next), np.int32(x_first), *extra, *merge),
         shared_mem=smem, early=True, plain_next=qw > 0 and hold_next)
     return out
 

@@ -17,8 +17,9 @@ one graph would serve them all, but the short one attends in a single run per kv
 and the cluster one in at most 8 runs that merge inside their cluster: the kernel that merges runs, and its place in
 every layer's chain, is left out (an 8B step 2.7-3.3% faster at the short span, kernels/NOTES.md, session 47; 1.7-1.9%
 at the middle one with a chat-sized cache, session 73). Below PAIR_SPAN the runs are few enough to take a block per
-query head, merged in clusters of two or by the merging kernel (session 75, positions 128-255: 2.6% faster on the 8B,
-5.8% on the demo's shapes; with plain launches, as GPUs before Hopper run them, 2-2.5%).
+query head, whose two runs o's GEMV merges as it stages its input (kernels.attention.Runs; sessions 75-76: positions
+128-255 2.6% faster on the 8B W3 with runs merged in clusters of two, 2.7% more with the merge in o instead; with plain
+launches, as GPUs before Hopper run them, the merge in o saves the merging kernel: demo shapes 8% faster there).
 One run over more than one chunk is slower than the runs and their merge, so the short span is one chunk.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .model import KVCache, Transformer
 from .sampling import SamplingParams, choose
 
 SHORT_SPAN = 128  # one chunk of the decode attention (kernels/attention.py's CHUNK): a single run covers it
-PAIR_SPAN = 256  # two chunks, whose two runs take a block a query head (and merge in clusters of two)
+PAIR_SPAN = 256  # two chunks, whose two runs take a block a query head (and merge in o's GEMV)
 CLUSTER_SPAN = 1024  # kernels/attention.py's CLUSTER_SPAN: 8 chunks, whose runs merge in one cluster
 
 

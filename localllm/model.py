@@ -162,15 +162,22 @@ class Linear(nn.Module):
             self.packed = (PackedLUT if isinstance(q, QuantLUT) else Packed).from_quant(q, device)
             self.quant, self._dequantized, self.unpacked, self._codes = None, None, False, None
 
+    @property
+    def takes_runs(self) -> bool:
+        """Whether decode's fused attention may leave its runs unmerged to this layer (o), whose GEMV merges them
+        (kernels.attention.Runs): GPU weights without a bias, and no hook that would read the input."""
+        return self.packed is not None and self.bias is None and not self._forward_pre_hooks
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: "RMSNorm | None" = None,
                 glu: bool = False) -> torch.Tensor:
         """y = W f(x) (+ residual, same shape as y): f = `norm` (an RMSNorm), silu(gate) * up when `glu` (x =
-        [gate | up]), or nothing. x: [..., K] (or [..., 2K] with glu) -> [..., N]. On a GPU, one token at a time,
-        the GEMV kernel applies f and adds the residual itself."""
+        [gate | up]), or nothing. x: [..., K] (or [..., 2K] with glu) -> [..., N], or one token's attention runs
+        (kernels.attention.Runs; residual [1, 1, N]). On a GPU, one token at a time, the GEMV kernel applies f (or
+        merges the runs) and adds the residual itself."""
         k = self.settings.k_for(self.kind, self.block)
         compensate = k > 0 and self.residual is not None
         if self.packed is not None:
-            if x.shape[:-1].numel() == 1:  # decode: the GEMV kernel, with QDEC inside when it is on
+            if not isinstance(x, torch.Tensor) or x.shape[:-1].numel() == 1:  # decode (Runs: takes_runs asked)
                 if compensate and self.comp is None:
                     raise RuntimeError("QDEC is on but this layer has no GPU launch; turn it on with "
                                        "LocalModel.set_qdec")
@@ -240,9 +247,11 @@ class Linear(nn.Module):
         add and QDEC (comp: kernels.qdec.Call) fused."""
         fuse = residual is not None and self.bias is None
         from .kernels.gemv import gemv
-        y = gemv(x.reshape(-1), self.packed, residual=residual.reshape(-1).contiguous() if fuse else None,
+        runs = not isinstance(x, torch.Tensor)  # kernels.attention.Runs, merged by the kernel; one token's
+        y = gemv(x if runs else x.reshape(-1), self.packed,
+                 residual=residual.reshape(-1).contiguous() if fuse else None,
                  norm=None if norm is None else (norm.weight, norm.eps), glu=glu, hold_next=self.hold_next,
-                 held=self.held, comp=comp).view(*x.shape[:-1], -1)
+                 held=self.held, comp=comp).view(*(residual.shape if runs else x.shape)[:-1], -1)
         if self.bias is not None:
             y = y + self.bias
         return y if residual is None or fuse else y + residual
@@ -365,9 +374,10 @@ class Block(nn.Module):
         c = self.cfg
         B, T, _ = h.shape
         qkv = self.qkv(h, norm=self.attn_norm)  # [B, T, q + k + v]
-        if fused is not None:
+        if fused is not None:  # (its runs may be left for o's GEMV to merge: a kernels.attention.Runs)
             a = ops.attend_decode(qkv, fused.inv_freq, cache.layer(self.layer), pos, c.num_heads, c.num_kv_heads,
-                                  fused.span).view(B, T, c.q_size)
+                                  fused.span, leave_runs=self.o.takes_runs)
+            a = a.view(B, T, c.q_size) if isinstance(a, torch.Tensor) else a
         else:
             a = self._attend(qkv, cos, sin, pos, cache, mask, keys)
         h = self.o(a, residual=h)

@@ -664,8 +664,8 @@ def test_decoder_is_kept_and_grows_geometrically(lm, monkeypatch):
 def test_decoder_spans_split_at_one_attention_chunk(lm):
     """The graphs' spans (decode.py): positions below SHORT_SPAN (one chunk of the decode attention, which then needs
     no merging kernel) and the rest of the cache; a cache no longer than a chunk has one span. (On a GPU with
-    thread-block clusters two more, below PAIR_SPAN and CLUSTER_SPAN, merge their runs in their clusters; not on the
-    CPU.)"""
+    thread-block clusters two more, below PAIR_SPAN (two runs, merged by o's GEMV) and CLUSTER_SPAN (runs merged in
+    their clusters); not on the CPU.)"""
     from localllm.decode import CLUSTER_SPAN, SHORT_SPAN, Decoder
     from localllm.kernels import attention
     assert SHORT_SPAN == attention.CHUNK and CLUSTER_SPAN == attention.CLUSTER_SPAN

@@ -294,6 +294,49 @@ def test_a_block_a_query_head_equals_a_block_a_kv_head(heads, kv_heads, D, bits)
             assert not all(torch.equal(a, b) for a, b in zip(got[True][1], cache)), where  # the new row was appended
 
 
+@pytest.mark.parametrize("heads,kv_heads,D,bits", [(32, 8, 128, 16), (9, 3, 64, 16), (28, 4, 128, 8),
+                                                   (16, 2, 64, 4)])
+def test_runs_merged_by_the_o_gemv_equal_the_merged_output(heads, kv_heads, D, bits, monkeypatch):
+    """The pair graph's attention (two runs) leaves its runs to o's GEMV, which merges them while it stages x: the
+    same output bits as that GEMV of the merged attention output (cluster merge, or attend_combine), on the fp16 and
+    int8 paths, with QDEC and for table weights; the same cache; Runs.merged (torch) agrees up to rounding."""
+    from test_gpu_gemv import random_quant
+    from test_gpu_gemv_lut import on_gpu, random_lut
+    from test_gpu_qdec import setup
+    from localllm import kvquant
+    from localllm.kernels import attention
+    from localllm.kernels import gemv as G
+    K, N, max_len = heads * D, 1024, 2 * attention.CHUNK
+    int8 = {"on": False}
+    monkeypatch.setattr(G, "uses_int8", lambda w, qdec, dev: int8["on"])
+    weights = [("fp16", G.Packed.from_quant(random_quant(N, K, 3, 128)), None),
+               ("int8", G.Packed.from_quant(random_quant(N, K, 4, 128)), None),
+               ("table", on_gpu(random_lut(N, K, 3, grouped=True)), None)]
+    for p in (0, 100, 128, 200, max_len - 1):
+        k, v = (torch.randn(kv_heads, max_len, D, device="cuda") for _ in range(2))
+        if bits < 16:
+            (k, ksz), (v, vsz) = kvquant.quantize(k, bits), kvquant.quantize(v, bits)
+            cache = [k, v, ksz, vsz]
+        else:
+            cache = [k.half(), v.half()]
+        qkv, inv_freq = rotated_qkv(heads, kv_heads, D, p)[:2]
+        pos = torch.tensor([p], device="cuda")
+        c1, c2 = [t.clone() for t in cache], [t.clone() for t in cache]
+        out = attention.attend(qkv, inv_freq, c1[0], c1[1], pos, heads, kv_heads, D ** -0.5, *c1[2:], splits=2)
+        runs = attention.attend(qkv, inv_freq, c2[0], c2[1], pos, heads, kv_heads, D ** -0.5, *c2[2:], splits=2,
+                                leave_runs=True)
+        assert isinstance(runs, attention.Runs) and all(torch.equal(a, b) for a, b in zip(c1, c2)), p
+        assert torch.allclose(runs.merged().float(), out.float(), atol=2e-3, rtol=2e-3), p
+        if p == 0:  # a QDEC launch for this x (its boundaries follow x)
+            weights.append(("qdec", *setup(N, K, 4, 8, x=out.cpu())[2:5:2]))
+        res = torch.randn(N, device="cuda").half()
+        for name, w, comp in weights:
+            int8["on"] = name == "int8"
+            want = G.gemv(out, w, residual=res, comp=comp)
+            got = G.gemv(runs, w, residual=res, comp=comp)
+            assert torch.equal(got, want), (p, name)
+
+
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128)])
 def test_attend_combine_merges_more_runs_than_it_prefetches(heads, kv_heads, D):
     """attend_combine holds the first 32 runs' outputs in registers and reads the rest afterwards: 32 and 36 runs."""
