@@ -72,13 +72,13 @@ def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_c
         smem = shared_bytes(D, per, bits)
         k = cuda.kernel("attention", f"attend_part<{D},{per},{bits}>")
         threads = k.max_threads_per_block  # attention.cu's Tiles::NT, its __launch_bounds__
-        return k, smem, threads, splits or n_splits(span, kv_heads, smem, threads, k.num_regs, qkv.device.index)
+        return per, k, smem, threads, splits or n_splits(span, kv_heads, smem, threads, k.num_regs, qkv.device.index)
 
     # up to PER_HEAD_CHUNKS chunks, a block per query head where every run is one chunk: the blocks each do a query
     # head's work (the 8B: a quarter), reading their kv head's chunk side by side, and the appending run's blocks but
     # one keep the new row in their first chunk's tiles only. (Longer spans lose by it: 4x the blocks, in clusters.)
-    per = 1 if per_head and gq > 1 and chunks <= PER_HEAD_CHUNKS and plan(1)[3] >= chunks else gq  # query heads a block
-    k, smem, threads, splits = plan(per)
+    one = plan(1) if per_head and gq > 1 and chunks <= PER_HEAD_CHUNKS else None
+    per, k, smem, threads, splits = one if one is not None and one[4] >= chunks else plan(gq)  # query heads a block
     ws_o = torch.empty(heads, splits, D, dtype=torch.float32, device=qkv.device)
     ws_ml = torch.empty(heads, splits, 2, dtype=torch.float32, device=qkv.device)
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)

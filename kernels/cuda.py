@@ -139,8 +139,10 @@ def modules(name: str) -> list:
 
 
 def forget() -> None:
-    """Compile afresh from now on (kernel_ab.py switches between kernel folders)."""
+    """Compile afresh from now on, and read the shared-memory limit again (kernel_ab.py switches between kernel
+    folders; a test sets LOCALLLM_SHARED_LIMIT)."""
     _modules.clear()
+    _shared_limit.cache_clear()
 
 
 def loaded(name: str, names: tuple[str, ...]):

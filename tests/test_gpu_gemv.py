@@ -238,7 +238,6 @@ def test_gemv_built_for_a_gpu_with_99_kb_equals_the_one_built_for_this_one(mode,
     k4 = cuda.kernel("gemv", "gemv<3,8,3,1,0,false,1,false>")
     try:
         monkeypatch.setenv("LOCALLLM_SHARED_LIMIT", "101376")
-        cuda._shared_limit.cache_clear()
         cuda.forget()
         assert cuda.shared_limit(dev) == 101376 and "-DSHARED_LIMIT=101376" in cuda.options(dev)
         assert tiles_per_barrier(cuda.shared_limit(dev)) == 1
@@ -250,5 +249,4 @@ def test_gemv_built_for_a_gpu_with_99_kb_equals_the_one_built_for_this_one(mode,
             assert torch.equal(got, want), (w.out_features, w.in_features, w.bits)
     finally:
         monkeypatch.delenv("LOCALLLM_SHARED_LIMIT")
-        cuda._shared_limit.cache_clear()
         cuda.forget()

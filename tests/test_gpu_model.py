@@ -208,6 +208,17 @@ def rotated_qkv(heads: int, kv_heads: int, D: int, p: int):
             qkv[(heads + kv_heads) * D:].cpu().float().view(kv_heads, D))
 
 
+def random_cache(kv_heads: int, max_len: int, D: int, bits: int) -> list[torch.Tensor]:
+    """One layer's random cache on the GPU as the fused attention takes it: [k, v] in fp16, or at 8 / 4 bits the codes
+    and their (scale, zero)s, [k, v, k_sz, v_sz] (kvquant)."""
+    from localllm import kvquant
+    k, v = (torch.randn(kv_heads, max_len, D, device="cuda") for _ in range(2))
+    if bits == 16:
+        return [k.half(), v.half()]
+    (k, ksz), (v, vsz) = kvquant.quantize(k, bits), kvquant.quantize(v, bits)
+    return [k, v, ksz, vsz]
+
+
 @pytest.mark.parametrize("heads,kv_heads,D", [(9, 3, 64), (32, 8, 128), (4, 4, 128), (16, 2, 64)])
 @pytest.mark.parametrize("splits", [None, 1, 3, 8])  # the default, then runs of 12, 4, 2 chunks (merged in a cluster
 # on sm_90 where 8 or fewer)
@@ -240,18 +251,11 @@ def test_runs_merged_in_a_cluster_equal_attend_combine(heads, kv_heads, D, bits)
     """Where the GPU has thread-block clusters, up to 8 runs of a kv head merge in their cluster instead of in
     attend_combine: the same bits, for every count of runs from 1 to 8 (and for 3 runs of up to 3 chunks each). With
     7 query heads of 128 channels a kv head and a quantized cache's 256 threads a block, two runs merge 896 outputs."""
-    from localllm import kvquant
     from localllm.kernels import attention, cuda
     if not cuda.clusters(torch.cuda.current_device()):
         pytest.skip("no thread-block clusters here (a GPU before sm_90, or LOCALLLM_NO_PDL=1)")
     max_len = attention.CLUSTER_SPAN
-    kc, vc = (torch.randn(kv_heads, max_len, D, device="cuda") for _ in range(2))
-    sz = ()
-    if bits < 16:
-        (kc, ksz), (vc, vsz) = kvquant.quantize(kc, bits), kvquant.quantize(vc, bits)
-        sz = (ksz, vsz)
-    else:
-        kc, vc = kc.half(), vc.half()
+    kc, vc, *sz = random_cache(kv_heads, max_len, D, bits)
     for splits in (8, 3):
         for p in (5, 130, 300, 500, 640, 700, 900, max_len - 1):
             qkv, inv_freq = rotated_qkv(heads, kv_heads, D, p)[:2]
@@ -268,18 +272,12 @@ def test_a_block_a_query_head_equals_a_block_a_kv_head(heads, kv_heads, D, bits)
     """Where the span is at most PER_HEAD_CHUNKS chunks, each a run (the short decode graphs), attend_part runs a block
     per query head, of which one per kv head appends the new key and value: the same output bits, and the same cache,
     as a block per kv head; runs merged in a cluster or by attend_combine."""
-    from localllm import kvquant
     from localllm.kernels import attention
     assert attention.PER_HEAD_CHUNKS == 2
     for chunks, cluster in ((1, True), (2, True), (2, False)):
         max_len = chunks * attention.CHUNK
         for p in sorted({0, 1, 17, 100, max_len // 2 + 3, max_len - 1}):
-            k, v = (torch.randn(kv_heads, max_len, D, device="cuda") for _ in range(2))
-            if bits < 16:
-                (k, ksz), (v, vsz) = kvquant.quantize(k, bits), kvquant.quantize(v, bits)
-                cache = [k, v, ksz, vsz]
-            else:
-                cache = [k.half(), v.half()]
+            cache = random_cache(kv_heads, max_len, D, bits)
             qkv, inv_freq = rotated_qkv(heads, kv_heads, D, p)[:2]
             pos = torch.tensor([p], device="cuda")
             got = {}
@@ -303,7 +301,6 @@ def test_runs_merged_by_the_o_gemv_equal_the_merged_output(heads, kv_heads, D, b
     from test_gpu_gemv import random_quant
     from test_gpu_gemv_lut import on_gpu, random_lut
     from test_gpu_qdec import setup
-    from localllm import kvquant
     from localllm.kernels import attention
     from localllm.kernels import gemv as G
     K, N, max_len = heads * D, 1024, 2 * attention.CHUNK
@@ -313,12 +310,7 @@ def test_runs_merged_by_the_o_gemv_equal_the_merged_output(heads, kv_heads, D, b
                ("int8", G.Packed.from_quant(random_quant(N, K, 4, 128)), None),
                ("table", on_gpu(random_lut(N, K, 3, grouped=True)), None)]
     for p in (0, 100, 128, 200, max_len - 1):
-        k, v = (torch.randn(kv_heads, max_len, D, device="cuda") for _ in range(2))
-        if bits < 16:
-            (k, ksz), (v, vsz) = kvquant.quantize(k, bits), kvquant.quantize(v, bits)
-            cache = [k, v, ksz, vsz]
-        else:
-            cache = [k.half(), v.half()]
+        cache = random_cache(kv_heads, max_len, D, bits)
         qkv, inv_freq = rotated_qkv(heads, kv_heads, D, p)[:2]
         pos = torch.tensor([p], device="cuda")
         c1, c2 = [t.clone() for t in cache], [t.clone() for t in cache]
