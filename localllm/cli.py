@@ -380,13 +380,27 @@ def _kv_bits_option(p: argparse.ArgumentParser, what: str = "") -> None:
                         f"1/4 of the fp16 cache's memory){what}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors in one line that names the fix, not after a usage block: for a mistyped option, the option
+    meant where one is close; always the command's --help, which lists its options."""
+
+    def error(self, message: str):
+        import difflib
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        typed = [w for w in message.split() if w.startswith("--")] if message.startswith("unrecognized") else []
+        near = [m for w in typed for m in difflib.get_close_matches(w.split("=")[0], known, n=1)]
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        what = "commands" if self._subparsers is not None else "options"
+        self.exit(2, f"{self.prog}: error: {message}{hint}; `{self.prog} --help` lists its {what}\n")
+
+
 def parser() -> argparse.ArgumentParser:
     from .generate import MAX_SEED
     from .sampling import SamplingParams as S  # (its defaults are every command's)
     from .tui.session import ReplySettings
     _seed = _whole_arg("--seed", 0, MAX_SEED)
     from . import __version__
-    p = argparse.ArgumentParser(prog="localllm", description="Low-bit LLM inference with QDEC error compensation.")
+    p = _Parser(prog="localllm", description="Low-bit LLM inference with QDEC error compensation.")
     p.add_argument("--version", action="version", version=f"localllm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     p.commands = sub.choices  # name -> its parser (main: an unknown option is the command's error)

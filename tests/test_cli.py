@@ -30,22 +30,28 @@ def test_generate_streams_text(tiny_quant):
     assert m and (int(m[1]) == 8) == (m[3] == "length") and (m[2] == "-") == (int(m[1]) < 2), r.stderr
 
 
-def test_options_anywhere_and_an_unknown_one_shows_its_commands_usage(tiny_quant, capsys):
+def test_options_anywhere_and_an_unknown_one_is_refused_in_one_line(tiny_quant, capsys):
     """An option between MODEL and PROMPT (argparse splits the positionals there) changes nothing; a mistyped
-    option is refused with the command's own usage, which lists its options, not the top level's."""
+    option is refused in one line that names the option meant, where one is close, and the command's own --help
+    (which lists its options, not the top level's)."""
     args = ["--max-new-tokens", "2", "--raw", "--temperature", "0"]
     assert main(["generate", str(tiny_quant), *args, "hi"]) == 0
     between = capsys.readouterr().out
     assert main(["generate", str(tiny_quant), "hi", *args]) == 0
     assert capsys.readouterr().out == between
-    for argv, msg in ((["eval", "--tokens", "5"], "unrecognized arguments: --tokens"),
+    for argv, msg in ((["eval", "--tokens", "5"], "unrecognized arguments: --tokens (did you mean --max-tokens?)"),
                       (["generate", str(tiny_quant), "hi", "--max-tokens", "1"],
-                       "unrecognized arguments: --max-tokens"),
-                      (["generate", str(tiny_quant), "hi", "--qdec", "-5"], "a k_chunk is channels per 1024")):
+                       "unrecognized arguments: --max-tokens 1 (did you mean --max-new-tokens?)"),
+                      (["generate", str(tiny_quant), "hi", "--qdec", "-5"], "a k_chunk is channels per 1024"),
+                      (["quantize", str(tiny_quant), "-o", "x", "--bits", "5"], "argument --bits: invalid choice")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         err = capsys.readouterr().err
-        assert e.value.code == 2 and f"usage: localllm {argv[0]}" in err and msg in err, err
+        assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"localllm {argv[0]}: error: "), err
+        assert msg in err and err.endswith(f"; `localllm {argv[0]} --help` lists its options\n"), err
+    with pytest.raises(SystemExit):
+        main(["bogus"])
+    assert capsys.readouterr().err.endswith("; `localllm --help` lists its commands\n")
 
 
 def test_a_closed_standard_output_is_refused_where_the_result_goes_there(tiny_quant, capsys, monkeypatch):
