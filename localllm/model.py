@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from . import kvquant, ops, qdec
 from .config import ModelConfig, rope_inv_freq
@@ -474,7 +473,9 @@ class Transformer(nn.Module):
             elif cache is not None and tokens.shape[1] > 1:
                 # a prompt read after what the cache holds (Decoder.prefill's reuse): its T queries are the last of the
                 # kv_len keys, which the flash-style kernels take as a lower-right causal bias (an H200 with GQA: ~4x
-                # faster than a bool mask, which goes to the math kernel)
+                # faster than a bool mask, which goes to the math kernel). Imported here: it imports torch._dynamo,
+                # ~0.9 s of every command's start
+                from torch.nn.attention.bias import causal_lower_right
                 mask = causal_lower_right(tokens.shape[1], kv_len)
             else:
                 mask = attention_mask(pos, kv_len if cache is not None else None)
