@@ -59,21 +59,31 @@ typedef unsigned char uint8_t;
 
 #include "runs.cuh"
 
-constexpr int GEMV_RUNS = 2;  // the most attention runs a GEMV merges while staging x (kernels.attention.GEMV_RUNS)
+constexpr int GEMV_RUNS = 2;  // the attention runs a GEMV merges while staging x (kernels.attention.GEMV_RUNS)
 
 // Channels 8 i .. 8 i + 7 of x (one head's) as the decode attention's n runs make them (n <= GEMV_RUNS):
 // attend_combine's arithmetic in its order (attention.cu), so the same bits as its output. runs_o [H, splits, D]: each
-// run's unnormalized output; runs_ml [H, splits, 2]: its softmax's (max, sum). Every load goes out at once: one L2
-// round trip.
-__device__ __forceinline__ void merged_x(const float* __restrict__ runs_o, const float* __restrict__ runs_ml,
-                                         int splits, int D, int n, int i, uint32_t (&v)[4]) {
-    const int head = 8 * i / D;
-    const float4* o = reinterpret_cast<const float4*>(runs_o + (size_t)head * splits * D + 8 * i % D);
-    const float4 s = *reinterpret_cast<const float4*>(runs_ml + (size_t)head * splits * 2);  // (m0, l0, m1, l1)
-    float a[8], b[8];
-    *reinterpret_cast<float4*>(a) = __ldg(o), *reinterpret_cast<float4*>(a + 4) = __ldg(o + 1);
-    if (n > 1)
-        *reinterpret_cast<float4*>(b) = __ldg(o + D / 4), *reinterpret_cast<float4*>(b + 4) = __ldg(o + D / 4 + 1);
+// run's unnormalized output; runs_ml [H, splits, 2]: its softmax's (max, sum). load_runs issues a thread's loads (all
+// in one L2 round trip), merged_x merges what they bring.
+struct RunLoads {
+    float4 s, a0, a1, b0, b1;  // (m0, l0, m1, l1); run 0's channels; run 1's
+};
+
+__device__ __forceinline__ RunLoads load_runs(const float* __restrict__ runs_o, const float* __restrict__ runs_ml,
+                                              int splits, int D, int n, int i) {
+    static_assert(GEMV_RUNS == 2, "RunLoads holds two runs");
+    const float4* o = reinterpret_cast<const float4*>(runs_o + (size_t)(8 * i / D) * splits * D + 8 * i % D);
+    RunLoads r;
+    r.s = *reinterpret_cast<const float4*>(runs_ml + (size_t)(8 * i / D) * splits * 2);
+    r.a0 = __ldg(o), r.a1 = __ldg(o + 1);
+    if (n > 1) r.b0 = __ldg(o + D / 4), r.b1 = __ldg(o + D / 4 + 1);
+    return r;
+}
+
+__device__ __forceinline__ void merged_x(const RunLoads& r, int n, uint32_t (&v)[4]) {
+    const float a[8] = {r.a0.x, r.a0.y, r.a0.z, r.a0.w, r.a1.x, r.a1.y, r.a1.z, r.a1.w};
+    const float b[8] = {r.b0.x, r.b0.y, r.b0.z, r.b0.w, r.b1.x, r.b1.y, r.b1.z, r.b1.w};
+    const float4 s = r.s;
     const float M = n > 1 ? fmaxf(s.x, s.z) : s.x;
     const float w0 = __expf(s.x - M), w1 = n > 1 ? __expf(s.z - M) : 0.0f;
     const float L = fmaf(w0, s.y, 0.0f) + (n > 1 ? fmaf(w1, s.w, 0.0f) : 0.0f);
@@ -334,15 +344,21 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     // A thread's loads of two rounds go out together: down's 14336 channels take four rounds of 512 threads, each an
     // L2 round trip while only the prologue's pairs stream (two at a time: H100, down W3 65 -> 68% of copy bandwidth;
     // four spill under the 64-register cap).
-    constexpr int SB = 2;
+    // (The attention's runs, 5 float4 a thread, a round at a time: o's 4096 channels are one round of 16 warps.)
+    constexpr int SB = MR ? 1 : 2;
     for (int base0 = streamer ? 0 : S * 8; base0 < S * 8; base0 += SB * 32 * WARPS) {
         uint4 xin[SB], upin[SB];
+        RunLoads rin[SB];
 #pragma unroll
         for (int j = 0; j < SB; j++) {
             const int idx = base0 + j * 32 * WARPS + threadIdx.x;
-            if (idx < S * 8 && !MR) {
-                xin[j] = __ldg(reinterpret_cast<const uint4*>(x) + idx);
-                if (glu) upin[j] = __ldg(reinterpret_cast<const uint4*>(x + K) + idx);
+            if (idx < S * 8) {
+                if (MR) {
+                    rin[j] = load_runs(runs_o, runs_ml, runs_splits, runs_d, nruns, idx);
+                } else {
+                    xin[j] = __ldg(reinterpret_cast<const uint4*>(x) + idx);
+                    if (glu) upin[j] = __ldg(reinterpret_cast<const uint4*>(x + K) + idx);
+                }
             }
         }
         if (x_first && base0 + SB * 32 * WARPS >= S * 8)  // the last round's loads are out: now the weights
@@ -357,7 +373,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             uint32_t v[4] = {0u, 0u, 0u, 0u};
             if (s < S) {
                 if (MR) {
-                    merged_x(runs_o, runs_ml, runs_splits, runs_d, nruns, idx, v);
+                    merged_x(rin[j], nruns, v);
                 } else {
                     const uint4 u = xin[j];
                     v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w;
