@@ -463,6 +463,33 @@ def test_decode_graphs_across_the_cluster_span_match_eager_steps(tmp_path):
     assert set(graph._step_graphs) == ({CLUSTER_SPAN, n + steps} if clusters else {n + steps})
 
 
+def test_pair_span_steps_leave_the_runs_to_o_and_match_eager_steps(tmp_path, monkeypatch):
+    """Steps from position 120 on cross from the short graph into the pair graph (PAIR_SPAN: two runs), whose
+    attention leaves its runs to o's GEMV (an MR instance: gemv<..., true> of nine parameters); eager steps split the
+    whole cache and merge in attend_combine. The same logits up to the runs' rounding."""
+    from conftest import make_checkpoint
+    from test_gpu_qdec import kernels_asked
+    from localllm.decode import PAIR_SPAN
+    from localllm.quantize import quantize
+    src = make_checkpoint(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=1024)
+    lm = load(quantize(str(src), str(tmp_path / "q"), bits=4, group_size=64, calib_tokens=256, seq_len=64),
+              device="cuda", qdec="off")
+    n, steps, max_len = 120, 24, 2 * PAIR_SPAN
+    ids = torch.randint(0, lm.model.cfg.vocab_size, (n + steps,)).tolist()
+    asked = kernels_asked(monkeypatch)
+    eager, graph = Decoder(lm.model, max_len, use_graph=False), Decoder(lm.model, max_len)
+    with torch.no_grad():
+        a, b = eager.prefill(ids[:n]), graph.prefill(ids[:n])
+        for pos in range(n, n + steps):
+            tok = torch.tensor(ids[pos], device="cuda")
+            a, b = eager.step(tok, pos), graph.step(tok, pos)
+            assert torch.allclose(a, b, atol=2e-2, rtol=1e-2), pos
+    assert PAIR_SPAN in graph._step_graphs
+    merging = [e for e in asked if e.startswith("gemv<") and e.count(",") == 8 and e.endswith(",true>")]
+    assert merging, asked  # o's GEMV merged the pair graph's runs
+
+
 def test_gpu_decode_steps_match_cpu_with_a_16_bit_cache(tiny_quant):
     """The GEMV kernels (uniform weights, 16-bit cache) over many positions, step by step, against the CPU: a prompt's
     pass (dequantize + cuBLAS) is another path."""
