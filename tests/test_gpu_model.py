@@ -437,47 +437,17 @@ def test_fused_decode_of_real_shaped_models_matches_cpu(tmp_path, monkeypatch, a
     assert sum(rels[-10:]) < 2 * sum(rels[1:11]), rels
 
 
-def test_decode_graphs_across_the_cluster_span_match_eager_steps(tmp_path):
-    """Steps from CLUSTER_SPAN - 24 on cross from the middle graph (at most 8 runs a kv head, merged in their clusters
-    where the GPU has them) to the long one (attend_combine); eager steps split the whole cache and merge in
-    attend_combine. The same logits up to the runs' rounding."""
+def steps_against_eager(tmp_path, n: int, steps: int, max_len: int) -> Decoder:
+    """A small quantized model whose attention the fused kernel serves (head dim 64), stepped from position n for
+    `steps` steps through the decode graphs and eagerly (whose attention splits the whole cache and merges in
+    attend_combine): the same logits up to the runs' rounding. Returns the graphs' Decoder."""
     from conftest import make_checkpoint
-    from localllm.decode import CLUSTER_SPAN, PAIR_SPAN
-    from localllm.kernels import cuda
     from localllm.quantize import quantize
     src = make_checkpoint(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=2048)
     lm = load(quantize(str(src), str(tmp_path / "q"), bits=4, group_size=64, calib_tokens=256, seq_len=64),
               device="cuda", qdec="off")
-    n, steps = CLUSTER_SPAN - 24, 48
     ids = torch.randint(0, lm.model.cfg.vocab_size, (n + steps,)).tolist()
-    eager, graph = Decoder(lm.model, n + steps, use_graph=False), Decoder(lm.model, n + steps)
-    clusters = cuda.clusters(torch.cuda.current_device())
-    assert graph.spans == [SHORT_SPAN, PAIR_SPAN] + [CLUSTER_SPAN] * clusters + [n + steps]
-    with torch.no_grad():
-        a, b = eager.prefill(ids[:n]), graph.prefill(ids[:n])
-        for pos in range(n, n + steps):
-            tok = torch.tensor(ids[pos], device="cuda")
-            a, b = eager.step(tok, pos), graph.step(tok, pos)
-            assert torch.allclose(a, b, atol=2e-2, rtol=1e-2), pos
-    assert set(graph._step_graphs) == ({CLUSTER_SPAN, n + steps} if clusters else {n + steps})
-
-
-def test_pair_span_steps_leave_the_runs_to_o_and_match_eager_steps(tmp_path, monkeypatch):
-    """Steps from position 120 on cross from the short graph into the pair graph (PAIR_SPAN: two runs), whose
-    attention leaves its runs to o's GEMV (an MR instance: gemv<..., true> of nine parameters); eager steps split the
-    whole cache and merge in attend_combine. The same logits up to the runs' rounding."""
-    from conftest import make_checkpoint
-    from test_gpu_qdec import kernels_asked
-    from localllm.decode import PAIR_SPAN
-    from localllm.quantize import quantize
-    src = make_checkpoint(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=1024)
-    lm = load(quantize(str(src), str(tmp_path / "q"), bits=4, group_size=64, calib_tokens=256, seq_len=64),
-              device="cuda", qdec="off")
-    n, steps, max_len = 120, 24, 2 * PAIR_SPAN
-    ids = torch.randint(0, lm.model.cfg.vocab_size, (n + steps,)).tolist()
-    asked = kernels_asked(monkeypatch)
     eager, graph = Decoder(lm.model, max_len, use_graph=False), Decoder(lm.model, max_len)
     with torch.no_grad():
         a, b = eager.prefill(ids[:n]), graph.prefill(ids[:n])
@@ -485,7 +455,31 @@ def test_pair_span_steps_leave_the_runs_to_o_and_match_eager_steps(tmp_path, mon
             tok = torch.tensor(ids[pos], device="cuda")
             a, b = eager.step(tok, pos), graph.step(tok, pos)
             assert torch.allclose(a, b, atol=2e-2, rtol=1e-2), pos
-    assert PAIR_SPAN in graph._step_graphs
+    return graph
+
+
+def test_decode_graphs_across_the_cluster_span_match_eager_steps(tmp_path):
+    """Steps from CLUSTER_SPAN - 24 on cross from the middle graph (at most 8 runs a kv head, merged in their clusters
+    where the GPU has them) to the long one (attend_combine); eager steps split the whole cache and merge in
+    attend_combine. The same logits up to the runs' rounding."""
+    from localllm.decode import CLUSTER_SPAN, PAIR_SPAN
+    from localllm.kernels import cuda
+    n, steps = CLUSTER_SPAN - 24, 48
+    graph = steps_against_eager(tmp_path, n, steps, n + steps)
+    clusters = cuda.clusters(torch.cuda.current_device())
+    assert graph.spans == [SHORT_SPAN, PAIR_SPAN] + [CLUSTER_SPAN] * clusters + [n + steps]
+    assert set(graph._step_graphs) == ({CLUSTER_SPAN, n + steps} if clusters else {n + steps})
+
+
+def test_pair_span_steps_leave_the_runs_to_o_and_match_eager_steps(tmp_path, monkeypatch):
+    """Steps from position 120 on cross from the short graph into the pair graph (PAIR_SPAN: two runs), whose
+    attention leaves its runs to o's GEMV (an MR instance: gemv<..., true> of nine parameters); eager steps split the
+    whole cache and merge in attend_combine. The same logits up to the runs' rounding."""
+    from test_gpu_qdec import kernels_asked
+    from localllm.decode import PAIR_SPAN
+    asked = kernels_asked(monkeypatch)
+    graph = steps_against_eager(tmp_path, 120, 24, 2 * PAIR_SPAN)
+    assert set(graph._step_graphs) == {SHORT_SPAN, PAIR_SPAN}
     merging = [e for e in asked if e.startswith("gemv<") and e.count(",") == 8 and e.endswith(",true>")]
     assert merging, asked  # o's GEMV merged the pair graph's runs
 
