@@ -16,6 +16,18 @@ PER_HEAD_CHUNKS = 2  # the longest span, in chunks, whose attention runs a block
 # The runs of a launch of exactly this many o's GEMV merges while it stages its input (gemv.cu's GEMV_RUNS, merged_x):
 # each of its blocks reads every run's fp32 outputs from L2, 4 x GEMV_RUNS bytes a channel, in one round trip.
 GEMV_RUNS = 2
+# Up to this many runs o's GEMV merges before its staging (gemv.cu's MR 8), where no cluster merges them and every
+# block reads at most GEMV_RUNS_BYTES of them (small models: the demo's 8 runs of 576 channels are 18 KB), heads <= 64.
+# Where clusters merge them, they stay there: on the H200 the demo's shapes stepped 0.5-1.8% slower at 600-1000 with
+# MR 8, and 2.4-3.5% faster with plain launches (session 77).
+GEMV_RUNS_MAX, GEMV_RUNS_BYTES = 8, 32 << 10
+
+
+def leaves_runs(splits: int, heads: int, D: int, clustered: bool) -> bool:
+    """Whether attend(leave_runs=True) leaves a launch of `splits` runs to o's GEMV (clustered: a cluster could
+    merge them)."""
+    return splits == GEMV_RUNS or (not clustered and 1 < splits <= GEMV_RUNS_MAX and heads <= 64
+                                   and 4 * splits * heads * D <= GEMV_RUNS_BYTES)
 
 
 class Runs(NamedTuple):
@@ -59,8 +71,8 @@ def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_c
     as attend_combine's (cluster=False forces the combine, as on GPUs without clusters). Where the span is at most
     PER_HEAD_CHUNKS chunks, each a run (the short decode graphs), a block takes one query head (per_head=False: a kv
     head's, as longer spans do), the same bits. Returns the attention output, fp16 [heads * D]; with leave_runs,
-    where the launch has GEMV_RUNS runs, the Runs unmerged instead: o's GEMV merges them as it stages its input (no
-    cluster merge, no combine kernel; the same bits)."""
+    where leaves_runs says, the Runs unmerged instead: o's GEMV merges them (no cluster merge, no combine kernel; the
+    same bits)."""
     D = qkv.numel() // (heads + 2 * kv_heads)
     kvh, max_len, words = k_cache.shape
     bits = 16 if k_sz is None else words * 32 // D
@@ -83,8 +95,9 @@ def attend(qkv: torch.Tensor, inv_freq: torch.Tensor, k_cache: torch.Tensor, v_c
     ws_ml = torch.empty(heads, splits, 2, dtype=torch.float32, device=qkv.device)
     out = torch.empty(heads * D, dtype=torch.float16, device=qkv.device)
     sz = (np.uint64(0), np.uint64(0)) if k_sz is None else (cuda.ptr(k_sz), cuda.ptr(v_sz))
-    left = leave_runs and splits == GEMV_RUNS
-    merge = not left and cluster and 1 < splits <= CLUSTER_MAX and cuda.clusters(qkv.device.index)
+    clustered = cluster and 1 < splits <= CLUSTER_MAX and cuda.clusters(qkv.device.index)
+    left = leave_runs and leaves_runs(splits, heads, D, clustered)
+    merge = not left and clustered
     cuda.allow_shared(k, smem)
     cuda.launch(k, (kvh, splits, gq // per), (threads,), (
         cuda.ptr(qkv), cuda.ptr(inv_freq), cuda.ptr(k_cache), cuda.ptr(v_cache), *sz, cuda.ptr(pos),

@@ -59,7 +59,8 @@ typedef unsigned char uint8_t;
 
 #include "runs.cuh"
 
-constexpr int GEMV_RUNS = 2;  // the attention runs a GEMV merges while staging x (kernels.attention.GEMV_RUNS)
+constexpr int GEMV_RUNS = 2;  // the attention runs the staging merges itself (kernels.attention.GEMV_RUNS)
+constexpr int GEMV_RUNS_MAX = 8;  // the most a GEMV merges before its staging (kernels.attention.GEMV_RUNS_MAX)
 
 // Channels 8 i .. 8 i + 7 of x (one head's) as the decode attention's n runs make them (n <= GEMV_RUNS):
 // attend_combine's arithmetic in its order (attention.cu), so the same bits as its output. runs_o [H, splits, D]: each
@@ -98,6 +99,53 @@ __device__ __forceinline__ void merged_x(const RunLoads& r, int n, uint32_t (&v)
         const __half2 x = __floats2half2_rn(f[0], f[1]);
         v[e] = *reinterpret_cast<const uint32_t*>(&x);
     }
+}
+
+// MR 8: the runs' weights of head h (h < heads, a thread each): w[h][r] = exp(m_r - M) over the n <= GEMV_RUNS_MAX
+// runs (M their max), and L[h] = sum_r w_r l_r added as attend_combine's butterfly adds it (cluster_merge's: levels 16
+// and 8 add zeros). Then merged_pair makes x's channels (2 c, 2 c + 1) with them: attend_combine's fmaf chain in run
+// order, divided by L: the same bits.
+__device__ __forceinline__ void run_weights(const float* __restrict__ runs_ml, int splits, int n, int h, float* w,
+                                            float* L) {
+    const float2* ml = reinterpret_cast<const float2*>(runs_ml + (size_t)h * splits * 2);
+    float2 st[GEMV_RUNS_MAX];
+#pragma unroll
+    for (int r = 0; r < GEMV_RUNS_MAX; r++)
+        if (r < n) st[r] = ml[r];
+    float M = __int_as_float(0xff800000);  // -inf
+#pragma unroll
+    for (int r = 0; r < GEMV_RUNS_MAX; r++) M = r < n ? fmaxf(M, st[r].x) : M;
+    float v[GEMV_RUNS_MAX];
+#pragma unroll
+    for (int r = 0; r < GEMV_RUNS_MAX; r++) {
+        const float e = r < n ? __expf(st[r].x - M) : 0.0f;
+        w[h * GEMV_RUNS_MAX + r] = e;
+        v[r] = r < n ? fmaf(e, st[r].y, 0.0f) : 0.0f;
+    }
+    static_assert(GEMV_RUNS_MAX == 8, "the butterfly below starts at 4");
+#pragma unroll
+    for (int k = GEMV_RUNS_MAX / 2; k > 0; k >>= 1)
+#pragma unroll
+        for (int r = 0; r < k; r++) v[r] = v[r] + v[r + k];
+    L[h] = v[0];
+}
+
+__device__ __forceinline__ uint32_t merged_pair(const float* __restrict__ runs_o, int splits, int D, int n, int c,
+                                                const float* w, const float* L) {
+    const int h = 2 * c / D;
+    const float2* o = reinterpret_cast<const float2*>(runs_o + (size_t)h * splits * D + 2 * c % D);
+    float2 ov[GEMV_RUNS_MAX];  // every run's loads in flight together
+#pragma unroll
+    for (int r = 0; r < GEMV_RUNS_MAX; r++)
+        if (r < n) ov[r] = __ldg(o + r * D / 2);
+    float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll
+    for (int r = 0; r < GEMV_RUNS_MAX; r++) {
+        a0 = r < n ? fmaf(w[h * GEMV_RUNS_MAX + r], ov[r].x, a0) : a0;
+        a1 = r < n ? fmaf(w[h * GEMV_RUNS_MAX + r], ov[r].y, a1) : a1;
+    }
+    const __half2 x = __floats2half2_rn(a0 / L[h], a1 / L[h]);
+    return *reinterpret_cast<const uint32_t*>(&x);
 }
 
 // 1 / f: what divides the factor of decode's and u8_operands' codes out again
@@ -158,10 +206,12 @@ __device__ __forceinline__ void lut_scales(const unsigned char* rec, int g, floa
 // sums). x_first:
 // x is ready when this one starts (it launched so, or without programmatic launch): stage x before requesting the
 // first weights, whose HBM misses would delay x's L2 hits (kernels.gemv.gemv says where). MR: x is the decode
-// attention's runs (runs_o, runs_ml; runs_splits of them, heads of runs_d channels; merged_x), which the staging
-// merges: o's GEMV does the attention's last step, in place of a cluster merge or a combine kernel. (A template flag:
-// as a run-time branch its registers made the other instances spill under the 64-register cap.)
-template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT, int Q, bool U8 = false, bool MR = false>
+// attention's runs (runs_o, runs_ml; runs_splits of them, heads of runs_d channels), which the block merges: o's GEMV
+// does the attention's last step, in place of a cluster merge or a combine kernel. MR 2: exactly two runs, merged by
+// the staging itself (load_runs, merged_x: 8 channels a thread, one L2 round trip); MR 8: up to GEMV_RUNS_MAX runs,
+// merged first into fp16 x in shared memory (merge_runs: 2 channels a thread), which the staging then reads. (A
+// template flag: as a run-time branch its registers made the other instances spill under the 64-register cap.)
+template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT, int Q, bool U8 = false, int MR = 0>
 __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     gemv(const uint8_t* __restrict__ qw, const uint8_t* __restrict__ meta, const __half* __restrict__ x,
          const __half* __restrict__ res, __half* __restrict__ y, int N, int K, int G, uint32_t magic,
@@ -214,7 +264,8 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     // QDEC's shared memory, after the rings: the block's fp32 results and its outputs' residual scales (fp16), the
     // selection's scratch, buckets, and the selection itself
     const int tpb = (T + ns - 1) / ns;  // most tiles of a block
-    float* ybuf = reinterpret_cast<float*>(smem + K * XB + S * 16 + WARPS * DEPTH * SLOT);
+    uint32_t* mx = reinterpret_cast<uint32_t*>(smem + K * XB + S * 16 + WARPS * DEPTH * SLOT);  // MR 8: x, fp16
+    float* ybuf = reinterpret_cast<float*>(smem + K * XB + S * 16 + WARPS * DEPTH * SLOT + (MR == 8 ? 2 * K : 0));
     __half* sscale = reinterpret_cast<__half*>(ybuf + 16 * tpb);
     QdecScratch* scr = reinterpret_cast<QdecScratch*>(sscale + 16 * tpb);
     unsigned char* bk = reinterpret_cast<unsigned char*>(scr + 1);
@@ -313,6 +364,14 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     wait_previous();
     if (!hold) start_next();  // else at the end of the block's stream
     if (threadIdx.x == 0) QDEC_MARK(1);
+    if constexpr (MR == 8) {  // the runs merged into x in shared memory first; the staging reads it from there
+        __shared__ float rw[64 * GEMV_RUNS_MAX], rl[64];  // per head (at most 64: kernels.gemv): weights, sum
+        if (threadIdx.x < K / runs_d) run_weights(runs_ml, runs_splits, nruns, threadIdx.x, rw, rl);
+        __syncthreads();
+        for (int c = streamer ? threadIdx.x : K / 2; c < K / 2; c += 32 * WARPS)
+            mx[c] = merged_pair(runs_o, runs_splits, runs_d, nruns, c, rw, rl);
+        __syncthreads();
+    }
 
     // The input transform: with norm_w, x becomes fp16(x * rsqrt(mean(x^2) + eps) * norm_w) (ops.rmsnorm); with
     // glu, x is [gate | up] (2K halves) and becomes fp16(silu(gate) * up) (ops.silu_mul). Each block redoes it:
@@ -345,7 +404,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     // L2 round trip while only the prologue's pairs stream (two at a time: H100, down W3 65 -> 68% of copy bandwidth;
     // four spill under the 64-register cap).
     // (The attention's runs, 5 float4 a thread, a round at a time: o's 4096 channels are one round of 16 warps.)
-    constexpr int SB = MR ? 1 : 2;
+    constexpr int SB = MR == 2 ? 1 : 2;
     for (int base0 = streamer ? 0 : S * 8; base0 < S * 8; base0 += SB * 32 * WARPS) {
         uint4 xin[SB], upin[SB];
         RunLoads rin[SB];
@@ -353,8 +412,10 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
         for (int j = 0; j < SB; j++) {
             const int idx = base0 + j * 32 * WARPS + threadIdx.x;
             if (idx < S * 8) {
-                if (MR) {
+                if (MR == 2) {
                     rin[j] = load_runs(runs_o, runs_ml, runs_splits, runs_d, nruns, idx);
+                } else if (MR == 8) {
+                    xin[j] = reinterpret_cast<const uint4*>(mx)[idx];
                 } else {
                     xin[j] = __ldg(reinterpret_cast<const uint4*>(x) + idx);
                     if (glu) upin[j] = __ldg(reinterpret_cast<const uint4*>(x + K) + idx);
@@ -372,7 +433,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
             float sum = 0.0f, amax = 0.0f;
             uint32_t v[4] = {0u, 0u, 0u, 0u};
             if (s < S) {
-                if (MR) {
+                if (MR == 2) {
                     merged_x(rin[j], nruns, v);
                 } else {
                     const uint4 u = xin[j];
@@ -773,7 +834,7 @@ template __global__ void dequant_lut<4>(const uint32_t*, const uint8_t*, __half*
 #define INST(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false, 1)
 #define INST2(B, W, D, GS, QW) INST_L(B, W, D, GS, QW, false, 2)
 #define INST_L(B, W, D, GS, QW, L, Q) INST_LU(B, W, D, GS, QW, L, Q, false)
-#define INST_LU(B, W, D, GS, QW, L, Q, U) INST_LUM(B, W, D, GS, QW, L, Q, U, false)
+#define INST_LU(B, W, D, GS, QW, L, Q, U) INST_LUM(B, W, D, GS, QW, L, Q, U, 0)
 #define INST_LUM(B, W, D, GS, QW, L, Q, U, MR) template __global__ void gemv<B, W, D, GS, QW, L, Q, U, MR>( \
     const uint8_t*, const uint8_t*, const __half*, const __half*, __half*, int, int, int, uint32_t, const float*, \
     float, int, int, int, const uint32_t*, const __half*, float*, unsigned long long*, int*, int, int, float, float, \
@@ -797,7 +858,8 @@ INST_U8(3, 3, 1, 4)
 INST_U8(3, 2, 2, 4)
 // x merged from the attention's runs (MR: o's GEMV in the decode graph of two runs): decode's variants of 3- and 4-bit
 // weights, on either path, with and without QDEC, and tables (NVRTC compiles whichever one a model's o asks for)
-#define INST_MR(B, D, GS, Q, QW, L, U) INST_LUM(B, 16, D, GS, QW, L, Q, U, true)
+#define INST_MR2(B, D, GS, Q, QW, L, U) INST_LUM(B, 16, D, GS, QW, L, Q, U, 2) INST_LUM(B, 16, D, GS, QW, L, Q, U, 8)
+#define INST_MR(B, D, GS, Q, QW, L, U) INST_MR2(B, D, GS, Q, QW, L, U)
 INST_MR(4, 2, 1, 2, 0, false, true) INST_MR(3, 2, 1, 2, 0, false, true) INST_MR(4, 3, 1, 1, 0, false, true)
 INST_MR(3, 3, 1, 1, 0, false, true) INST_MR(4, 2, 1, 2, 4, false, false) INST_MR(3, 2, 1, 2, 4, false, false)
 INST_MR(4, 3, 0, 1, 0, false, false) INST_MR(3, 3, 0, 1, 0, false, false) INST_MR(4, 3, 0, 1, 4, false, false)

@@ -11,7 +11,7 @@ from localllm.errors import LocalLLMError
 from localllm.quant import GROUP_SIZES, HEAD_BITS, QuantLUT, QuantWeight, as_int32, unpack_codes
 
 from . import cuda, qdec
-from .attention import GEMV_RUNS, Runs
+from .attention import GEMV_RUNS, GEMV_RUNS_MAX, Runs
 
 META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
 LUT_GROUP_BYTES = 64  # grouped tables, per (tile, group) after the tile's tables: 16 fp16 scales, 16 fp16 offsets
@@ -332,9 +332,12 @@ def gemv(x: torch.Tensor | Runs, w: Packed | PackedLUT, out: torch.Tensor | None
     N, K = w.out_features, w.in_features
     meta, G, lut = _meta(w)
     runs = x if isinstance(x, Runs) else None
+    mr = 0
     if runs is not None:
         heads, splits, D = runs.o.shape
-        assert heads * D == K and splits == GEMV_RUNS and not (glu or norm), "the attention's two runs, nothing else"
+        assert heads * D == K and 1 < splits <= GEMV_RUNS_MAX and heads <= 64 and not (glu or norm), \
+            "the attention's runs (2 to 8, at most 64 heads), nothing else"
+        mr = 2 if splits == GEMV_RUNS else 8  # merged by the staging, or first (gemv.cu, MR)
     else:
         assert x.dtype == torch.float16 and x.shape == ((2 * K,) if glu else (K,)) and not (glu and norm)
         if not x.is_contiguous() or x.data_ptr() % 16:
@@ -353,10 +356,11 @@ def gemv(x: torch.Tensor | Runs, w: Packed | PackedLUT, out: torch.Tensor | None
     assert fits(variant, K, w.group_size), "two pairs per slot: K = 256 x warps, group size 64 or 128"
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
     qdec_smem = qdec.shared_bytes(K, N, comp.k_chunk, comp.grid, comp.n_tb) if qw else 0
-    int8 = uses_int8(w, qw > 0, dev) and int8_fits(w, variant, limit, qw > 0, qdec_smem)
+    mrx = 2 * K if runs is not None and mr == 8 else 0  # MR 8: the merged x in shared memory
+    int8 = uses_int8(w, qw > 0, dev) and int8_fits(w, variant, limit, qw > 0, qdec_smem + mrx)
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs},{str(int8).lower()}"
-                            + (",true>" if runs is not None else ">"))  # MR: an instance of its own
-    smem = shared_bytes(w, *variant, qdec=qw > 0, int8=int8)
+                            + (f",{mr}>" if runs is not None else ">"))  # MR: an instance of its own
+    smem = shared_bytes(w, *variant, qdec=qw > 0, int8=int8) + mrx
     if blocks_per_sm is None:
         many = not (qw or lut or w.bits == HEAD_BITS) and N // 16 >= TWO_BLOCK_TILES * cuda.sm_count(dev)
         blocks_per_sm = 2 if many and cuda.resident_blocks(dev, 32 * warps, k.num_regs,

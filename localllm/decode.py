@@ -48,7 +48,7 @@ class Decoder:
         dev = model.device
         self.cache = KVCache(model.cfg, max_len, dtype=model.act_dtype, device=dev, bits=kv_bits)
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
-        middle = ((PAIR_SPAN,) + ((CLUSTER_SPAN,) if _clusters(dev) else ())) if self.use_graph else ()
+        middle = ((PAIR_SPAN,) + ((CLUSTER_SPAN,) if self._wide(model, dev) else ())) if self.use_graph else ()
         self.spans = [s for s in (SHORT_SPAN, *middle) if s < max_len] + [max_len]  # the graphs' spans, in order
         self._step_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by span: graph, logits
         self.graph: torch.cuda.CUDAGraph | None = None  # the step graph replayed last
@@ -69,6 +69,13 @@ class Decoder:
         self.reused = 0  # prompt tokens the last prefill() found in the cache
         if self.use_graph:  # read(): a pinned slot per token, so every token's copy stays until the next start()
             self._host = torch.zeros(max_len + 1, dtype=torch.long, pin_memory=True)
+
+    @staticmethod
+    def _wide(model: Transformer, dev: torch.device) -> bool:
+        """Whether a CLUSTER_SPAN graph pays: its runs merge in their clusters, or in o's GEMV (small models)."""
+        from .kernels.attention import leaves_runs
+        cfg = model.cfg
+        return _clusters(dev) or leaves_runs(CLUSTER_SPAN // SHORT_SPAN, cfg.num_heads, cfg.head_dim, False)
 
     @property
     def max_len(self) -> int:

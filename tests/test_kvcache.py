@@ -295,24 +295,27 @@ def test_kv_bits_on_the_command_line(tiny_quant, capsys):
 
 
 def test_attention_runs_merge_into_one_softmax():
-    """kernels.attention.Runs.merged (what o's GEMV computes from the decode attention's two runs, in torch): each run's
-    unnormalized output and softmax (max, sum) over its chunks of the context merge into softmax(scores) @ values; a
-    run past the context (position below one chunk: the second run has nothing, its buffers hold anything) is left
-    out."""
+    """kernels.attention.Runs.merged (what o's GEMV computes from the decode attention's runs, in torch): each run's
+    unnormalized output and softmax (max, sum) over its chunks of the context merge into softmax(scores) @ values;
+    runs past the context (their buffers hold anything) are left out."""
     from localllm.kernels.attention import CHUNK, Runs
     heads, D = 6, 64
-    for p in (0, 57, CHUNK - 1, CHUNK, 200, 2 * CHUNK - 1):
-        s = torch.randn(heads, p + 1, dtype=torch.float64) * 3
-        v = torch.randn(heads, p + 1, D, dtype=torch.float64)
-        o = torch.full((heads, 2, D), float("nan"))
-        ml = torch.full((heads, 2, 2), float("nan"))
-        for r, (a, b) in enumerate([(0, min(p + 1, CHUNK)), (CHUNK, p + 1)]):
-            if a < b:
-                m = s[:, a:b].amax(1)
-                e = (s[:, a:b] - m[:, None]).exp()
-                o[:, r] = (e[..., None] * v[:, a:b]).sum(1).float()
-                ml[:, r, 0], ml[:, r, 1] = m.float(), e.sum(1).float()
-        got = Runs(o, ml, torch.tensor([p])).merged()
-        want = (s.softmax(1)[..., None] * v).sum(1).reshape(-1)
-        assert got.dtype == torch.float16 and not got.isnan().any(), p
-        assert torch.allclose(got.double(), want, atol=2e-3, rtol=2e-3), p
+    for splits in (2, 4, 8):
+        for p in sorted({0, 57, CHUNK - 1, CHUNK, 200, 2 * CHUNK - 1, splits * CHUNK - 1}):
+            s = torch.randn(heads, p + 1, dtype=torch.float64) * 3
+            v = torch.randn(heads, p + 1, D, dtype=torch.float64)
+            o = torch.full((heads, splits, D), float("nan"))
+            ml = torch.full((heads, splits, 2), float("nan"))
+            used = p // CHUNK + 1
+            per = -(-used // splits)  # chunks a run, as attention.cu's Runs cuts them
+            for r in range(splits):
+                a, b = r * per * CHUNK, min((r + 1) * per * CHUNK, p + 1)
+                if a < b:
+                    m = s[:, a:b].amax(1)
+                    e = (s[:, a:b] - m[:, None]).exp()
+                    o[:, r] = (e[..., None] * v[:, a:b]).sum(1).float()
+                    ml[:, r, 0], ml[:, r, 1] = m.float(), e.sum(1).float()
+            got = Runs(o, ml, torch.tensor([p])).merged()
+            want = (s.softmax(1)[..., None] * v).sum(1).reshape(-1)
+            assert got.dtype == torch.float16 and not got.isnan().any(), (splits, p)
+            assert torch.allclose(got.double(), want, atol=2e-3, rtol=2e-3), (splits, p)
