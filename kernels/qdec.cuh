@@ -103,8 +103,7 @@ __device__ void qdec_select(const uint32_t* xs, int c, int size, int k, float b0
         }
         count += __popc(m);
     }
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) h += __shfl_xor_sync(0xffffffffu, h, d);
+    h = __reduce_add_sync(0xffffffffu, h);  // (REDUX, one instruction: 6% of a selection against five shuffles)
     if (count) atomicAdd(&sc->hist[lane], count);
     if (lane == 0) atomicAdd(&sc->hsum, h);
     asm volatile("bar.sync 3, %0;\n" ::"n"(NT) : "memory");
@@ -143,9 +142,7 @@ __device__ void qdec_select(const uint32_t* xs, int c, int size, int k, float b0
     if (u == 0) QDEC_MARK(11);
     if (u < 32) sc->hist[u] = 0;  // every warp has read the counters: clear them for the block's next chunk
     if (u == 0) sc->hsum = 0;
-    int before = lane < w ? sc->wtot[lane] : 0;
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) before += __shfl_xor_sync(0xffffffffu, before, d);
+    const int before = (int)__reduce_add_sync(0xffffffffu, lane < w ? (uint32_t)sc->wtot[lane] : 0u);
     int lt = (before + inc - v) >> 16, eq = (before + inc - v) & 0xFFFF;
 #pragma unroll
     for (int e = 0; e < PP; e++) {
