@@ -268,6 +268,9 @@ def tiles_per_barrier(limit: int | None) -> int:
     return 1 if limit is not None and limit < 200 * 1024 else 4
 
 
+MR8_STATIC = 4 * 64 * (GEMV_RUNS_MAX + 1)  # gemv.cu's MR 8 arrays: rw (64 heads x 8 runs) and rl (64), float
+
+
 def static_shared_bytes(warps: int, limit: int | None = None) -> int:
     """gemv.cu's static shared arrays on a GPU of `limit` bytes per block (red: 2 banks x tiles_per_barrier x warps x
     16 floats; wsum; seq), with room to spare."""
@@ -335,8 +338,8 @@ def gemv(x: torch.Tensor | Runs, w: Packed | PackedLUT, out: torch.Tensor | None
     mr = 0
     if runs is not None:
         heads, splits, D = runs.o.shape
-        assert heads * D == K and 1 < splits <= GEMV_RUNS_MAX and heads <= 64 and not (glu or norm), \
-            "the attention's runs (2 to 8, at most 64 heads), nothing else"
+        assert heads * D == K and 1 < splits <= GEMV_RUNS_MAX and (splits == GEMV_RUNS or heads <= 64) and \
+            not (glu or norm), "the attention's runs (2, or up to 8 of at most 64 heads), nothing else"
         mr = 2 if splits == GEMV_RUNS else 8  # merged by the staging, or first (gemv.cu, MR)
     else:
         assert x.dtype == torch.float16 and x.shape == ((2 * K,) if glu else (K,)) and not (glu and norm)
@@ -356,8 +359,9 @@ def gemv(x: torch.Tensor | Runs, w: Packed | PackedLUT, out: torch.Tensor | None
     assert fits(variant, K, w.group_size), "two pairs per slot: K = 256 x warps, group size 64 or 128"
     gs = GROUP_SIZES.index(w.group_size) if w.group_size else 0
     qdec_smem = qdec.shared_bytes(K, N, comp.k_chunk, comp.grid, comp.n_tb) if qw else 0
-    mrx = 2 * K if runs is not None and mr == 8 else 0  # MR 8: the merged x in shared memory
-    int8 = uses_int8(w, qw > 0, dev) and int8_fits(w, variant, limit, qw > 0, qdec_smem + mrx)
+    mrx = 2 * K if mr == 8 else 0  # MR 8: the merged x in shared memory (and its static rw, rl: MR8_STATIC)
+    int8 = uses_int8(w, qw > 0, dev) and int8_fits(w, variant, limit, qw > 0,
+                                                   qdec_smem + mrx + (MR8_STATIC if mr == 8 else 0))
     k = cuda.kernel("gemv", f"gemv<{w.bits},{warps},{depth},{gs},{qw},{str(lut).lower()},{pairs},{str(int8).lower()}"
                             + (f",{mr}>" if runs is not None else ">"))  # MR: an instance of its own
     smem = shared_bytes(w, *variant, qdec=qw > 0, int8=int8) + mrx
