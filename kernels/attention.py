@@ -17,16 +17,17 @@ PER_HEAD_CHUNKS = 2  # the longest span, in chunks, whose attention runs a block
 # each of its blocks reads every run's fp32 outputs from L2, 4 x GEMV_RUNS bytes a channel, in one round trip.
 GEMV_RUNS = 2
 # Up to this many runs o's GEMV merges before its staging (gemv.cu's MR 8), where no cluster merges them and every
-# block reads at most GEMV_RUNS_BYTES of them (small models: the demo's 8 runs of 576 channels are 18 KB), heads <= 64.
+# block reads at most GEMV_RUNS_BYTES of them (small models: the demo's 8 runs of 576 channels are 18 KB), of at most
+# GEMV_RUNS_HEADS heads (gemv.cu's per-head arrays).
 # Where clusters merge them, they stay there: on the H200 the demo's shapes stepped 0.5-1.8% slower at 600-1000 with
 # MR 8, and 2.4-3.5% faster with plain launches (session 77).
-GEMV_RUNS_MAX, GEMV_RUNS_BYTES = 8, 32 << 10
+GEMV_RUNS_MAX, GEMV_RUNS_BYTES, GEMV_RUNS_HEADS = 8, 32 << 10, 64
 
 
 def leaves_runs(splits: int, heads: int, D: int, clustered: bool) -> bool:
     """Whether attend(leave_runs=True) leaves a launch of `splits` runs to o's GEMV (clustered: a cluster could
     merge them)."""
-    return splits == GEMV_RUNS or (not clustered and 1 < splits <= GEMV_RUNS_MAX and heads <= 64
+    return splits == GEMV_RUNS or (not clustered and 1 < splits <= GEMV_RUNS_MAX and heads <= GEMV_RUNS_HEADS
                                    and 4 * splits * heads * D <= GEMV_RUNS_BYTES)
 
 

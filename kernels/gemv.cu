@@ -61,6 +61,7 @@ typedef unsigned char uint8_t;
 
 constexpr int GEMV_RUNS = 2;  // the attention runs the staging merges itself (kernels.attention.GEMV_RUNS)
 constexpr int GEMV_RUNS_MAX = 8;  // the most a GEMV merges before its staging (kernels.attention.GEMV_RUNS_MAX)
+constexpr int GEMV_RUNS_HEADS = 64;  // ... of at most this many heads (kernels.attention.GEMV_RUNS_HEADS)
 
 // Channels 8 i .. 8 i + 7 of x (one head's) as the decode attention's n runs make them (n <= GEMV_RUNS):
 // attend_combine's arithmetic in its order (attention.cu), so the same bits as its output. runs_o [H, splits, D]: each
@@ -209,8 +210,9 @@ __device__ __forceinline__ void lut_scales(const unsigned char* rec, int g, floa
 // attention's runs (runs_o, runs_ml; runs_splits of them, heads of runs_d channels), which the block merges: o's GEMV
 // does the attention's last step, in place of a cluster merge or a combine kernel. MR 2: exactly two runs, merged by
 // the staging itself (load_runs, merged_x: 8 channels a thread, one L2 round trip); MR 8: up to GEMV_RUNS_MAX runs,
-// merged first into fp16 x in shared memory (merge_runs: 2 channels a thread), which the staging then reads. (A
-// template flag: as a run-time branch its registers made the other instances spill under the 64-register cap.)
+// merged first into fp16 x in shared memory (run_weights, then merged_pair: 2 channels a thread), which the staging
+// then reads. (A template flag: as a run-time branch its registers made the other instances spill under the
+// 64-register cap.)
 template <int BITS, int WARPS, int DEPTH, int GSHIFT, int QW, bool LUT, int Q, bool U8 = false, int MR = 0>
 __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     gemv(const uint8_t* __restrict__ qw, const uint8_t* __restrict__ meta, const __half* __restrict__ x,
@@ -365,7 +367,7 @@ __global__ void __launch_bounds__(32 * (WARPS + QW), QW || LUT ? 1 : 32 / WARPS)
     if (!hold) start_next();  // else at the end of the block's stream
     if (threadIdx.x == 0) QDEC_MARK(1);
     if constexpr (MR == 8) {  // the runs merged into x in shared memory first; the staging reads it from there
-        __shared__ float rw[64 * GEMV_RUNS_MAX], rl[64];  // per head (at most 64: kernels.gemv): weights, sum
+        __shared__ float rw[GEMV_RUNS_HEADS * GEMV_RUNS_MAX], rl[GEMV_RUNS_HEADS];  // per head: weights, sum
         if (threadIdx.x < K / runs_d) run_weights(runs_ml, runs_splits, nruns, threadIdx.x, rw, rl);
         __syncthreads();
         for (int c = streamer ? threadIdx.x : K / 2; c < K / 2; c += 32 * WARPS)
@@ -856,10 +858,10 @@ INST_U8(4, 3, 1, 4)
 INST_U8(4, 2, 2, 4)
 INST_U8(3, 3, 1, 4)
 INST_U8(3, 2, 2, 4)
-// x merged from the attention's runs (MR: o's GEMV in the decode graph of two runs): decode's variants of 3- and 4-bit
-// weights, on either path, with and without QDEC, and tables (NVRTC compiles whichever one a model's o asks for)
-#define INST_MR2(B, D, GS, Q, QW, L, U) INST_LUM(B, 16, D, GS, QW, L, Q, U, 2) INST_LUM(B, 16, D, GS, QW, L, Q, U, 8)
-#define INST_MR(B, D, GS, Q, QW, L, U) INST_MR2(B, D, GS, Q, QW, L, U)
+// x merged from the attention's runs (MR 2: o's GEMV in the pair graph; MR 8: small models' middle graph without
+// clusters): decode's variants of 3- and 4-bit weights, on either path, with and without QDEC, and tables (NVRTC
+// compiles whichever one a model's o asks for)
+#define INST_MR(B, D, GS, Q, QW, L, U) INST_LUM(B, 16, D, GS, QW, L, Q, U, 2) INST_LUM(B, 16, D, GS, QW, L, Q, U, 8)
 INST_MR(4, 2, 1, 2, 0, false, true) INST_MR(3, 2, 1, 2, 0, false, true) INST_MR(4, 3, 1, 1, 0, false, true)
 INST_MR(3, 3, 1, 1, 0, false, true) INST_MR(4, 2, 1, 2, 4, false, false) INST_MR(3, 2, 1, 2, 4, false, false)
 INST_MR(4, 3, 0, 1, 0, false, false) INST_MR(3, 3, 0, 1, 0, false, false) INST_MR(4, 3, 0, 1, 4, false, false)

@@ -11,7 +11,7 @@ from localllm.errors import LocalLLMError
 from localllm.quant import GROUP_SIZES, HEAD_BITS, QuantLUT, QuantWeight, as_int32, unpack_codes
 
 from . import cuda, qdec
-from .attention import GEMV_RUNS, GEMV_RUNS_MAX, Runs
+from .attention import GEMV_RUNS, GEMV_RUNS_HEADS, GEMV_RUNS_MAX, Runs
 
 META_BYTES = 48  # per (16-row tile, group): 16 fp16 scales, then 16 uint8 zeros
 LUT_GROUP_BYTES = 64  # grouped tables, per (tile, group) after the tile's tables: 16 fp16 scales, 16 fp16 offsets
@@ -268,7 +268,7 @@ def tiles_per_barrier(limit: int | None) -> int:
     return 1 if limit is not None and limit < 200 * 1024 else 4
 
 
-MR8_STATIC = 4 * 64 * (GEMV_RUNS_MAX + 1)  # gemv.cu's MR 8 arrays: rw (64 heads x 8 runs) and rl (64), float
+MR8_STATIC = 4 * GEMV_RUNS_HEADS * (GEMV_RUNS_MAX + 1)  # gemv.cu's MR 8 arrays rw (heads x runs) and rl (heads), float
 
 
 def static_shared_bytes(warps: int, limit: int | None = None) -> int:
@@ -338,8 +338,8 @@ def gemv(x: torch.Tensor | Runs, w: Packed | PackedLUT, out: torch.Tensor | None
     mr = 0
     if runs is not None:
         heads, splits, D = runs.o.shape
-        assert heads * D == K and 1 < splits <= GEMV_RUNS_MAX and (splits == GEMV_RUNS or heads <= 64) and \
-            not (glu or norm), "the attention's runs (2, or up to 8 of at most 64 heads), nothing else"
+        assert heads * D == K and 1 < splits <= GEMV_RUNS_MAX and (splits == GEMV_RUNS or heads <= GEMV_RUNS_HEADS) \
+            and not (glu or norm), "the attention's runs (2, or up to 8 of at most 64 heads), nothing else"
         mr = 2 if splits == GEMV_RUNS else 8  # merged by the staging, or first (gemv.cu, MR)
     else:
         assert x.dtype == torch.float16 and x.shape == ((2 * K,) if glu else (K,)) and not (glu and norm)
