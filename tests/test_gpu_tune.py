@@ -49,6 +49,7 @@ def test_gemv_oracle_times_are_sane():
         assert 1e-6 < base < 1e-3, (lay.kind, base)
         n_tb = lay.n_tb_under(p.n_tb_limit)
         k8, k64 = t(lay.kind, n_tb, 8), t(lay.kind, n_tb, 64)
+        base = min(base, t(lay.kind, 0, 0))  # again after: down's base once measured 26 us twice before, then 14
         assert k8 > 0.9 * base and k64 > 0.9 * k8, (lay.kind, base, k8, k64)
         assert k64 < 1e-2
 
