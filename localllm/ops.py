@@ -99,8 +99,9 @@ def attend_decode(qkv: torch.Tensor, inv_freq: torch.Tensor, layer_cache: tuple,
     """RoPE, KV-cache append at pos (quantized in the kernel at 8 or 4 bits) and attention over the cache up to pos,
     for one token, in one fused kernel pair (one kernel where span, the positions pos may take (pos < span), needs
     one run); the same function as model.Block's torch path. layer_cache: KVCache.layer(). Returns fp16
-    [heads * head_dim], or with leave_runs, where the span runs in two, the runs for o's GEMV to merge
-    (kernels.attention.Runs, which model.Linear takes as its input)."""
+    [heads * head_dim], or with leave_runs, where kernels.attention.leaves_runs says (two runs; up to 8 for small
+    models without clusters), the runs for o's GEMV to merge (kernels.attention.Runs, which model.Linear takes as its
+    input)."""
     from .kernels import attention
     D = qkv.shape[-1] // (heads + 2 * kv_heads)
     return attention.attend(qkv.reshape(-1), inv_freq, *layer_cache[:2], pos, heads,
