@@ -8,9 +8,18 @@ from pathlib import Path
 
 import pytest
 
-# Fresh random weights every run; a failing run prints the seed, and LOCALLLM_TEST_SEED=<seed> draws the same models
-# again.
+# Fresh random weights and inputs every run; a failing run prints the seed, and LOCALLLM_TEST_SEED=<seed> draws the
+# same models and the same inputs again.
 SEED = int(os.environ.get("LOCALLLM_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """torch's generators (CPU and GPU) seeded per test from the run's seed and the test's id, so that a failure's
+    seed repeats its own random draws, not only the tiny models (a test that failed on random inputs once could not be
+    repeated)."""
+    import torch
+    torch.manual_seed(SEED + zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture(scope="session", autouse=True)
